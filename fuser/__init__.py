@@ -1,0 +1,61 @@
+"""fuser: optimizer rules and loss epilogues compiled into fused multi-tensor Triton kernels.
+
+    adamw = fuser.rule('''
+        m = beta1 * m + (1 - beta1) * g
+        ...
+    ''', hyper=dict(lr=1e-3, ...), state=dict(m=0.0, v=0.0))
+    AdamW = fuser.compile(adamw)      # a torch.optim.Optimizer subclass
+"""
+
+from fuser.errors import RuleError
+from fuser.rules import FUNCTIONS as _FUNCTIONS
+from fuser.rules import Rule, loss, rule
+from fuser.runtime.stats import stats
+
+__version__ = "0.1.0"
+
+sqrt = _FUNCTIONS["sqrt"]
+rsqrt = _FUNCTIONS["rsqrt"]
+exp = _FUNCTIONS["exp"]
+log = _FUNCTIONS["log"]
+log1p = _FUNCTIONS["log1p"]
+expm1 = _FUNCTIONS["expm1"]
+abs = _FUNCTIONS["abs"]  # noqa: A001 - the rule language's name
+sign = _FUNCTIONS["sign"]
+tanh = _FUNCTIONS["tanh"]
+sigmoid = _FUNCTIONS["sigmoid"]
+minimum = _FUNCTIONS["minimum"]
+maximum = _FUNCTIONS["maximum"]
+where = _FUNCTIONS["where"]
+clamp = _FUNCTIONS["clamp"]
+
+
+def compile(rule: Rule, **options):  # noqa: A001 - the public name
+    """Compile a rule: an optimizer rule gives a ``torch.optim.Optimizer`` subclass, a loss
+    rule a callable fused ``linear + loss`` with autograd."""
+    if not isinstance(rule, Rule):
+        raise TypeError(f"fuser.compile takes a fuser.Rule (from fuser.rule or fuser.loss), "
+                        f"not {type(rule).__name__}")
+    if rule.kind == "optim":
+        from fuser.optim.factory import make_optimizer
+
+        return make_optimizer(rule, **options)
+    from fuser.losses import make_loss
+
+    return make_loss(rule, **options)
+
+
+def __getattr__(name):
+    # fuser.optim and fuser.losses import torch-heavy modules; load them on first use.
+    if name in ("optim", "losses"):
+        import importlib
+
+        return importlib.import_module(f"fuser.{name}")
+    raise AttributeError(f"module 'fuser' has no attribute {name!r}")
+
+
+__all__ = [
+    "Rule", "RuleError", "compile", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
+    "log1p", "expm1", "abs", "sign", "tanh", "sigmoid", "minimum", "maximum", "where", "clamp",
+    "optim", "losses",
+]

@@ -1,0 +1,7 @@
+"""Parsing and validation: rule text or a traced function -> ``Rule``."""
+
+from fuser.rules.functions import Reduction
+from fuser.rules.parse import Statement, symbol
+from fuser.rules.rule import FUNCTIONS, Rule, loss, rule
+
+__all__ = ["FUNCTIONS", "Reduction", "Rule", "Statement", "loss", "rule", "symbol"]

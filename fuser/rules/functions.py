@@ -1,0 +1,112 @@
+"""The functions a rule may call, as sympy objects.
+
+One table, ``FUNCTIONS``, maps each name a rule may use to the sympy builder that
+implements it; the text parser and the traced-function front end both read it, and the
+printer in ``fuser.codegen`` knows how to print every object these builders produce.
+"""
+
+from __future__ import annotations
+
+import sympy
+from sympy.codegen.cfunctions import expm1 as _Expm1
+from sympy.codegen.cfunctions import log1p as _Log1p
+
+
+class Sigmoid(sympy.Function):
+    """1 / (1 + exp(-x)), kept whole so the printer can emit ``tl.sigmoid``."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        s = Sigmoid(self.args[0])
+        return s * (1 - s)
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return 1 / (1 + sympy.exp(-x))
+
+
+class Reduction(sympy.Function):
+    """A reduction of an expression to one number (per tensor, per device or per token).
+
+    Subclasses name the reduction in ``op``; lowering decides where each one runs.
+    """
+
+    nargs = 1
+    is_real = True
+    op = ""
+
+
+class Norm(Reduction):
+    op = "norm"
+
+
+class Sum(Reduction):
+    op = "sum"
+
+
+class Mean(Reduction):
+    op = "mean"
+
+
+class Amax(Reduction):
+    op = "amax"
+
+
+class Max(Reduction):
+    op = "max"
+
+
+class GlobalNorm(Reduction):
+    op = "global_norm"
+
+
+class LogSumExp(Reduction):
+    op = "logsumexp"
+
+
+def _where(cond, a, b):
+    cond = sympy.sympify(cond)
+    if cond is sympy.true:
+        return sympy.sympify(a)
+    if cond is sympy.false:
+        return sympy.sympify(b)
+    return sympy.Piecewise((a, cond), (b, True))
+
+
+def _clamp(x, lo, hi):
+    return sympy.Min(sympy.Max(x, lo), hi)
+
+
+# name -> (builder, number of arguments)
+ELEMENTWISE: dict[str, tuple] = {
+    "sqrt": (sympy.sqrt, 1),
+    "rsqrt": (lambda x: 1 / sympy.sqrt(x), 1),
+    "exp": (sympy.exp, 1),
+    "log": (sympy.log, 1),
+    "log1p": (_Log1p, 1),
+    "expm1": (_Expm1, 1),
+    "abs": (sympy.Abs, 1),
+    "sign": (sympy.sign, 1),
+    "tanh": (sympy.tanh, 1),
+    "sigmoid": (Sigmoid, 1),
+    "minimum": (sympy.Min, 2),
+    "maximum": (sympy.Max, 2),
+    "where": (_where, 3),
+    "clamp": (_clamp, 3),
+}
+
+# Reductions a rule of each kind may call, by the name it calls them.
+OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {
+    "norm": Norm,
+    "sum": Sum,
+    "mean": Mean,
+    "amax": Amax,
+    "global_norm": GlobalNorm,
+}
+LOSS_REDUCTIONS: dict[str, type[Reduction]] = {
+    "logsumexp": LogSumExp,
+    "sum": Sum,
+    "mean": Mean,
+    "max": Max,
+}

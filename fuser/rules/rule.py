@@ -1,0 +1,231 @@
+"""``fuser.rule`` and ``fuser.loss``: text or a traced function -> a frozen ``Rule``."""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import math
+import re
+import textwrap
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import sympy
+
+from fuser.errors import RuleError
+from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS
+from fuser.rules.parse import Language, Statement, parse_text, symbol
+
+# Names an optimizer rule starts with besides its hyperparameters and states.
+OPTIM_INPUTS = ("p", "g", "step")
+LOSS_INPUTS = ("z", "y")
+# The symbol that stands for the logit at the target, z[y].
+ZY = "z_y"
+
+# Reductions each kind may use now; lowering handles exactly these.
+ENABLED_OPTIM_REDUCTIONS: dict = {}
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """A checked rule: its statements as sympy and the final value of each output.
+
+    ``outputs`` maps each written name (``p`` and the states an optimizer rule assigns,
+    ``loss`` for a loss rule) to its value as an expression of the starting symbols, with
+    the statements before it substituted in.
+    """
+
+    kind: str  # "optim" or "loss"
+    name: str
+    text: str
+    hyper: tuple[tuple[str, float], ...]
+    state: tuple[tuple[str, float | str], ...]
+    statements: tuple[Statement, ...]
+    outputs: tuple[tuple[str, sympy.Expr], ...]
+
+    @property
+    def hyper_defaults(self) -> MappingProxyType:
+        return MappingProxyType(dict(self.hyper))
+
+    @property
+    def state_init(self) -> MappingProxyType:
+        return MappingProxyType(dict(self.state))
+
+    def output(self, name: str) -> sympy.Expr:
+        return dict(self.outputs)[name]
+
+    def __repr__(self) -> str:
+        return f"<fuser.Rule {self.kind} {self.name!r}: " + "; ".join(
+            f"{s.target} = {s.expr}" for s in self.statements) + ">"
+
+
+def _identifier(name: str) -> str:
+    clean = re.sub(r"\W", "_", name)
+    return clean if clean and not clean[0].isdigit() else f"r_{clean}"
+
+
+def _check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
+    reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
+    reserved |= {"numel", ZY, "loss"}
+    for what, names in (("hyperparameter", hyper), ("state", state)):
+        for n in names:
+            if not isinstance(n, str) or not n.isidentifier() or keyword.iskeyword(n):
+                raise RuleError(f"{what} name {n!r} is not a valid identifier")
+            if n in reserved:
+                raise RuleError(f"{what} name {n!r} is reserved (it names an input or a function)")
+    both = set(hyper) & set(state)
+    if both:
+        raise RuleError(f"{sorted(both)} named as both a hyperparameter and a state")
+    for n, v in hyper.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RuleError(f"hyperparameter {n!r} must default to a finite number, not {v!r}")
+    for n, v in state.items():
+        if v == "p":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RuleError(f"state {n!r} must start as a finite number or 'p', not {v!r}")
+
+
+def rule(source=None, *, name: str | None = None, hyper: dict | None = None,
+         state: dict | None = None):
+    """Define an optimizer update rule from text or a function.
+
+    Text: statements such as ``m = beta1 * m + (1 - beta1) * g``, run in order; it reads
+    ``p``, ``g``, ``step``, each state and each hyperparameter, and must assign ``p``.
+    A function is called once with sympy symbols (per-element inputs as positional
+    parameters, hyperparameters and ``step`` as keyword-only ones) and returns a dict of
+    the new ``p`` and states. Used as ``@fuser.rule(hyper=..., state=...)`` it decorates.
+    """
+    if hyper is None:
+        raise RuleError("an optimizer rule needs hyper=dict(...) with its hyperparameters' defaults")
+    hyper = dict(hyper)
+    state = dict(state or {})
+    if source is None:
+        return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
+    _check_names("optim", hyper, state, OPTIM_INPUTS)
+    lang = Language(
+        readable=frozenset({*OPTIM_INPUTS, *hyper, *state}),
+        frozen=frozenset({"g", "step", "numel", *hyper}),
+        reductions=ENABLED_OPTIM_REDUCTIONS,
+        subscripts={},
+    )
+    rule_name = name or getattr(source, "__name__", None) or "rule"
+    try:
+        if callable(source):
+            text, statements, env = _trace_optim(source, lang, hyper, state)
+        else:
+            statements, env, lines = parse_text(source, lang)
+            text = "\n".join(lines)
+            if not any(s.target == "p" for s in statements):
+                raise RuleError("the rule never assigns p (its last value is the new parameter)")
+    except RuleError as e:
+        raise e.with_rule(rule_name) from None
+    outputs = [("p", env["p"])]
+    outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
+    return Rule("optim", _identifier(rule_name), text, tuple(hyper.items()),
+                tuple(state.items()), tuple(statements), tuple(outputs))
+
+
+def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
+    """Define a loss epilogue from text or a function (see ``fuser.losses``)."""
+    hyper = dict(hyper or {})
+    if source is None:
+        return lambda fn: loss(fn, name=name, hyper=hyper)
+    from fuser.losses.rules import build_loss_rule
+
+    rule_name = name or getattr(source, "__name__", None) or "loss"
+    try:
+        _check_names("loss", hyper, {}, LOSS_INPUTS)
+        return build_loss_rule(source, _identifier(rule_name), hyper)
+    except RuleError as e:
+        raise e.with_rule(rule_name) from None
+
+
+def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
+    """Call ``fn`` with symbols; return (source text, statements, final env)."""
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        src = f"<function {getattr(fn, '__name__', '?')}>"
+    try:
+        first_line = inspect.getsourcelines(fn)[1]
+    except (OSError, TypeError):
+        first_line = None
+    sig = inspect.signature(fn)
+    args, kwargs = [], {}
+    element = {"p", "g", *state}
+    keyword_only = {*hyper, "step"}
+    for pname, param in sig.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise RuleError(f"the rule function may not take *{pname} or **{pname}; name each input",
+                            line=first_line)
+        if param.kind == param.KEYWORD_ONLY:
+            if pname not in keyword_only:
+                raise RuleError(f"keyword-only parameter {pname!r} is neither a hyperparameter "
+                                f"nor 'step'", line=first_line)
+            kwargs[pname] = symbol(pname)
+        else:
+            if pname not in element:
+                hint = " (make it keyword-only, after *)" if pname in keyword_only else ""
+                raise RuleError(f"parameter {pname!r} is not p, g or a state{hint}", line=first_line)
+            args.append(symbol(pname))
+    try:
+        result = fn(*args, **kwargs)
+    except RuleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
+        line = _traceback_line(e, fn)
+        raise RuleError(f"tracing failed: {type(e).__name__}: {e} (rule functions must use only "
+                        "arithmetic and fuser's functions, with no `if` on values)",
+                        line=line) from None
+    if not isinstance(result, dict):
+        raise RuleError(f"the rule function must return a dict such as dict(p=..., m=...), "
+                        f"not {type(result).__name__}", line=first_line)
+    if "p" not in result:
+        raise RuleError("the rule never assigns p: return dict(p=..., ...)", line=first_line)
+    env = {n: symbol(n) for n in lang.readable}
+    statements = []
+    for key, value in result.items():
+        if key not in {"p", *state}:
+            raise RuleError(f"the rule returns {key!r}, which is neither p nor a state", line=first_line)
+        try:
+            value = sympy.sympify(value)
+        except (sympy.SympifyError, TypeError):
+            raise RuleError(f"the value returned for {key!r} is not an expression", line=first_line) from None
+        if value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
+            raise RuleError(f"the value returned for {key!r} is not finite", line=first_line)
+        unknown = {s.name for s in value.free_symbols} - set(lang.readable)
+        if unknown:
+            raise RuleError(f"the value returned for {key!r} uses unknown symbols {sorted(unknown)}",
+                            line=first_line)
+        env[key] = value
+        statements.append(Statement(key, value, first_line or 0, 1))
+    return src.strip("\n"), statements, env
+
+
+def _traceback_line(exc: BaseException, fn) -> int | None:
+    code = getattr(fn, "__code__", None)
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+# Traced functions call fuser.sqrt, fuser.where, ... : the same builders as rule text.
+def _export(name: str):
+    builder, nargs = ELEMENTWISE[name]
+
+    def f(*args):
+        if len(args) != nargs:
+            raise TypeError(f"{name}() takes {nargs} argument(s), got {len(args)}")
+        return builder(*[sympy.sympify(a) for a in args])
+
+    f.__name__ = name
+    f.__doc__ = f"Symbolic {name} for rule functions traced by fuser.rule / fuser.loss."
+    return f
+
+
+FUNCTIONS = {n: _export(n) for n in ELEMENTWISE}

@@ -1,0 +1,1 @@
+"""Devices: pointer tables, launches, counters."""
