@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
+import torch
+from triton import knobs
 
 from fuser.codegen.source import KernelSource
 from fuser.runtime import stats
@@ -51,9 +53,15 @@ class JitKernel:
         stats.count("launches")
 
 
-def load_kernel(source: KernelSource) -> JitKernel:
-    """The launchable kernel for ``source``, writing and importing it on first use."""
-    key = source.digest
+def load_kernel(source: KernelSource, device: torch.device | str = "cuda") -> JitKernel:
+    """The launchable kernel for ``source`` on ``device``, written and imported on first use.
+
+    CPU tensors run through Triton's interpreter: the module is imported with the
+    interpreter switched on, whatever ``TRITON_INTERPRET`` says, so CPU and GPU kernels
+    can live in one process.
+    """
+    interpret = torch.device(device).type == "cpu" or bool(knobs.runtime.interpret)
+    key = source.digest + (":interpret" if interpret else "")
     kernel = _loaded.get(key)
     if kernel is not None:
         return kernel
@@ -64,9 +72,15 @@ def load_kernel(source: KernelSource) -> JitKernel:
     else:
         stats.count("cache_misses")
         _atomic_write(path, data)
-    spec = importlib.util.spec_from_file_location(f"fuser_kernels.{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(
+        f"fuser_kernels.{path.stem}{'_interpret' if interpret else ''}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if interpret:
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = True
+            spec.loader.exec_module(module)
+    else:
+        spec.loader.exec_module(module)
     stats.count("compiles")
     kernel = JitKernel(source, getattr(module, source.entry))
     _loaded[key] = kernel

@@ -1,0 +1,327 @@
+"""``fuser.compile(optimizer_rule)`` -> a ``torch.optim.Optimizer`` subclass.
+
+A step gathers the parameters that have gradients, checks that nothing changed since
+the last step (addresses, sizes, dtypes, devices, strides, groups), and launches one
+kernel per (device, dtype plan) over all of them. Tables are rebuilt only when something
+changed; hyperparameters are re-sent only when a group's values changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fuser.cache import load_kernel
+from fuser.codegen.render import render_optim
+from fuser.codegen.source import KernelSource
+from fuser.ir.optim import DTYPES, OptimPlan, lower_optim, scalar_state_names
+from fuser.rules.rule import Rule
+from fuser.runtime.tables import Tables, build_tables, check_layout
+
+TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Compile options of an optimizer class."""
+
+    state_dtype: str | None = None  # None: fp32; "param": each parameter's dtype; or a dtype name
+    state_keys: tuple[tuple[str, str], ...] = ()  # rule state name -> key in optimizer.state[p]
+    grad_attr: str = "grad"
+
+
+def _options(state_dtype=None, state_keys=None, grad_attr="grad") -> Options:
+    if isinstance(state_dtype, torch.dtype):
+        if state_dtype not in TORCH_DTYPES:
+            raise ValueError(f"state_dtype must be float32, bfloat16 or float16, not {state_dtype}")
+        state_dtype = TORCH_DTYPES[state_dtype]
+    if state_dtype not in (None, "param", *DTYPES):
+        raise ValueError(f"state_dtype must be a torch dtype, one of {DTYPES}, or 'param'")
+    if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
+        raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
+    return Options(state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_and_source(rule: Rule, dtypes: tuple[tuple[str, str], ...]) -> tuple[OptimPlan, KernelSource]:
+    plan = lower_optim(rule, dict(dtypes))
+    return plan, render_optim(plan)
+
+
+def _dtype_plan(rule: Rule, options: Options, param_dtype: str, grad_dtype: str) -> tuple:
+    if options.state_dtype is None:
+        sd = "fp32"
+    elif options.state_dtype == "param":
+        sd = param_dtype
+    else:
+        sd = options.state_dtype
+    return (("p", param_dtype), ("g", grad_dtype), *((s, sd) for s, _ in rule.state))
+
+
+def kernel_sources(rule: Rule, dtype: str = "fp32", **options) -> list[KernelSource]:
+    """Every kernel an optimizer compiled from ``rule`` launches when parameters and
+    gradients are stored in ``dtype`` (states per the ``state_dtype`` option)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    opts = _options(**options)
+    return [_plan_and_source(rule, _dtype_plan(rule, opts, dtype, dtype))[1]]
+
+
+@dataclass
+class _Launch:
+    """Everything one launch needs, valid while the signature it was built for holds."""
+
+    kernel: object
+    plan: OptimPlan
+    tables: Tables
+    scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
+
+
+@dataclass
+class _Engine:
+    signature: list = field(default_factory=list)
+    launches: list = field(default_factory=list)
+    hyper_values: list = field(default_factory=list)
+    hyper_tables: dict = field(default_factory=dict)  # device -> fp64 [n_groups, n_hyper]
+
+
+class FuserOptimizer(torch.optim.Optimizer):
+    """Base of every compiled optimizer. Subclasses set ``rule``, ``options``, ``source``."""
+
+    rule: Rule
+    options: Options
+    source: str
+
+    def __init__(self, params, **hyper):
+        defaults = dict(self.rule.hyper_defaults)
+        unknown = set(hyper) - set(defaults)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
+                            f"it takes {sorted(defaults)}")
+        defaults.update(hyper)
+        super().__init__(params, defaults)
+        self._fuser = _Engine()
+
+    # Hooks for built-ins whose constructor keywords differ from the rule's names.
+    def _group_hyper(self, group: dict) -> dict:
+        """The rule's hyperparameters for one param group."""
+        return {h: group[h] for h in self.rule.hyper_defaults}
+
+    @property
+    def _state_keys(self) -> dict:
+        keys = dict(self.options.state_keys)
+        return {s: keys.get(s, s) for s, _ in self.rule.state}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fuser_step()
+        return loss
+
+    # the step --------------------------------------------------------------------------
+    def _gather(self):
+        attr = self.options.grad_attr
+        keys = list(self._state_keys.values())
+        items, signature = [], []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                g = getattr(p, attr, None)
+                if g is None:
+                    continue
+                items.append((p, g, gi))
+                st = self.state.get(p)
+                try:
+                    sig = (gi, p.data_ptr(), g.data_ptr(), p.dtype, g.dtype, p.device, p.shape,
+                           p.stride(), g.stride())
+                except RuntimeError:  # sparse and other storage-less gradients
+                    sig = (gi, id(g))
+                if st:
+                    sig += tuple(st[k].data_ptr() if isinstance(st.get(k), torch.Tensor) else None
+                                 for k in keys) + (id(st.get("step")),)
+                signature.append(sig)
+        return items, signature
+
+    def _fuser_step(self):
+        items, signature = self._gather()
+        if not items:
+            return
+        eng = self._fuser
+        if signature != eng.signature:
+            self._rebuild(items)
+            eng.signature = signature
+        self._sync_hyper()
+        for launch in eng.launches:
+            t = launch.tables
+            launch.kernel((t.n_blocks,), t.ptrs, t.numels, t.groups, t.block_tensor, t.block_start,
+                          eng.hyper_tables[t.ptrs.device], launch.scalars, t.ticket, t.n_tensors,
+                          t.n_blocks)
+
+    def _validate(self, items) -> None:
+        attr = self.options.grad_attr
+        for p, g, _ in items:
+            where = f"parameter of shape {tuple(p.shape)}"
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                                   f"({where}); use a dense gradient")
+            if p.is_complex() or g.is_complex():
+                raise RuntimeError(f"{type(self).__name__} does not support complex tensors ({where}); "
+                                   "view them as real with torch.view_as_real")
+            if p.dtype not in TORCH_DTYPES:
+                raise RuntimeError(f"{where} is {p.dtype}; fuser updates float32, bfloat16 and float16 "
+                                   "parameters")
+            if g.dtype not in TORCH_DTYPES:
+                raise RuntimeError(f"the .{attr} of a {where} is {g.dtype}; expected float32, bfloat16 "
+                                   "or float16")
+            if p.device.type == "cpu" or p.device.type == "cuda":
+                check_layout(f"the .{attr} of a {where}", g, p)
+            else:
+                raise RuntimeError(f"{where} is on {p.device}; fuser runs on CUDA (and on CPU through "
+                                   "Triton's interpreter)")
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        sd = self.options.state_dtype
+        if sd is None:
+            return torch.float32
+        return p.dtype if sd == "param" else FROM_NAME[sd]
+
+    def _rebuild(self, items) -> None:
+        """Check every tensor, create missing state, and rebuild tables: all checks run
+        before anything is modified, so a bad input leaves the optimizer as it was."""
+        self._validate(items)
+        keys = self._state_keys
+        init = dict(self.rule.state)
+        for p, _, _ in items:
+            st = self.state[p]
+            for s, key in keys.items():
+                want = self._state_dtype(p)
+                if key not in st:
+                    st[key] = (p.detach().to(want, copy=True) if init[s] == "p"
+                               else torch.full_like(p, float(init[s]), dtype=want,
+                                                    memory_format=torch.preserve_format))
+                elif not isinstance(st[key], torch.Tensor):
+                    raise RuntimeError(f"state {key!r} of a parameter is {type(st[key]).__name__}, "
+                                       "not a tensor")
+                elif st[key].dtype != want or st[key].device != p.device or st[key].stride() != p.stride():
+                    fixed = torch.empty_like(p, dtype=want, memory_format=torch.preserve_format)
+                    fixed.copy_(st[key])
+                    st[key] = fixed
+                check_layout(f"state {key!r}", st[key], p)
+
+        # Partition by device and dtype plan: one launch each.
+        parts: dict[tuple, list] = {}
+        for p, g, gi in items:
+            dplan = _dtype_plan(self.rule, self.options, TORCH_DTYPES[p.dtype], TORCH_DTYPES[g.dtype])
+            parts.setdefault((p.device, dplan), []).append((p, g, gi))
+
+        scalar_names = scalar_state_names(self.rule)
+        launches = []
+        for (device, dplan), members in parts.items():
+            plan, source = _plan_and_source(self.rule, dplan)
+            kernel = load_kernel(source, device)
+            rows = []
+            for p, g, _ in members:
+                st = self.state[p]
+                slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys}}
+                rows.append([slot_tensor[sl.name] for sl in plan.slots])
+            block = dict(source.constexprs)["BLOCK"]
+            tables = build_tables(rows, [gi for _, _, gi in members], block, device)
+            scalars = self._pack_scalars(members, scalar_names, device)
+            launches.append(_Launch(kernel, plan, tables, scalars))
+        self._fuser.launches = launches
+        self._fuser.hyper_values = []  # force a hyper table refresh
+
+    def _pack_scalars(self, members, scalar_names, device) -> torch.Tensor:
+        """One fp32 row per tensor: step, then each per-tensor scalar state; the optimizer's
+        state holds views of it, so the kernel's updates are the state."""
+        keys = self._state_keys
+        init = dict(self.rule.state)
+        cols = []
+        for p, _, _ in members:
+            st = self.state[p]
+            vals = [st.get("step", 0.0)]
+            vals += [st[keys[s]] if keys[s] in st and torch.is_tensor(st[keys[s]]) and st[keys[s]].numel() == 1
+                     else float(init[s]) for s in scalar_names]
+            cols.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device)
+                                     for v in vals]))
+        scalars = torch.stack(cols)
+        for i, (p, _, _) in enumerate(members):
+            st = self.state[p]
+            st["step"] = scalars[i, 0]
+            for j, s in enumerate(scalar_names):
+                st[keys[s]] = scalars[i, j + 1]
+        return scalars
+
+    def _sync_hyper(self) -> None:
+        eng = self._fuser
+        names = list(self.rule.hyper_defaults)
+        values = []
+        for group in self.param_groups:
+            hv = self._group_hyper(group)
+            values.append(tuple(hv[n] for n in names))
+        has_tensor = any(torch.is_tensor(v) for row in values for v in row)
+        if values == eng.hyper_values and not has_tensor:
+            return
+        devices = {launch.tables.ptrs.device for launch in eng.launches}
+        rows = [[float(v) if not torch.is_tensor(v) else math.nan for v in row] for row in values]
+        for row in rows:
+            for n, v in zip(names, row):
+                if not math.isfinite(v) and not has_tensor:
+                    raise ValueError(f"hyperparameter {n!r} is {v}; it must be finite")
+        for device in devices:
+            table = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
+            for gi, row in enumerate(values):
+                for j, v in enumerate(row):
+                    if torch.is_tensor(v):
+                        table[gi, j].copy_(v.reshape(()))
+            eng.hyper_tables[device] = table
+        eng.hyper_values = values
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch casts floating state to each parameter's dtype; fuser keeps its own state
+        # dtype (fp32 by default), so restore the saved values at full precision.
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        id_to_param = {}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                id_to_param[index] = p
+                index += 1
+        full_state_keys = set(self._state_keys.values())
+        for pid, st in saved.items():
+            p = id_to_param.get(int(pid))
+            if p is None:
+                continue
+            for key, value in st.items():
+                if key in full_state_keys and torch.is_tensor(value) and value.numel() == p.numel() \
+                        and value.numel() > 1:
+                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+        self._fuser.signature = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_fuser"):
+            self._fuser.signature = []
+
+
+def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
+    """Build the optimizer class for ``rule`` (see ``fuser.compile``).
+
+    Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
+    or ``"param"`` to store each state like its parameter) and ``grad_attr``.
+    """
+    opts = _options(**options)
+    _, source = _plan_and_source(rule, _dtype_plan(rule, opts, "fp32", "fp32"))
+    cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
+    doc = (f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
+           + "\n".join("    " + line for line in rule.text.splitlines())
+           + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n")
+    return type(cls_name, (FuserOptimizer,), {"rule": rule, "options": opts, "source": source.text,
+                                              "__doc__": doc, "__module__": "fuser.optim"})

@@ -1,0 +1,90 @@
+"""Device tables that let one launch update any number of tensors (DESIGN decision 1).
+
+CUDA kernel arguments hold 4 KB, so the addresses of many tensors cannot be passed
+directly: they live in device memory instead, with each tensor's size, its param group
+and a block -> (tensor, start) map. Tables are built once and reused while no tensor's
+storage, size, dtype or device changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fuser.runtime import stats
+
+
+@dataclass
+class Tables:
+    """Device tables for one launch: ``n_tensors`` rows, ``n_blocks`` programs."""
+
+    ptrs: torch.Tensor  # int64 [n_tensors, n_slots]
+    numels: torch.Tensor  # int64 [n_tensors]
+    groups: torch.Tensor  # int32 [n_tensors]
+    block_tensor: torch.Tensor  # int32 [n_blocks]
+    block_start: torch.Tensor  # int64 [n_blocks]
+    ticket: torch.Tensor  # int32 [1]
+    n_tensors: int
+    n_blocks: int
+
+
+def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
+                 device: torch.device) -> Tables:
+    """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
+
+    Every tensor must be non-overlapping and dense with the same strides as the others of
+    its row, so that element ``i`` of storage order is element ``i`` of each of them.
+    """
+    n = len(rows)
+    ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
+    numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
+    counts = (numels + block - 1) // block
+    total = int(counts.sum())
+    if total == 0:
+        # Every tensor is empty: one masked-off program still runs so the step advances.
+        counts = counts.clone()
+        counts[0] = 1
+        total = 1
+    block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
+    first = torch.cumsum(counts, 0) - counts
+    block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
+    stats.count("table_builds")
+    return Tables(
+        ptrs=ptrs.to(device),
+        numels=numels.to(device),
+        groups=torch.tensor(groups, dtype=torch.int32).to(device),
+        block_tensor=block_tensor.to(device),
+        block_start=block_start.to(device),
+        ticket=torch.zeros(1, dtype=torch.int32, device=device),
+        n_tensors=n,
+        n_blocks=total,
+    )
+
+
+def check_layout(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    """Raise unless ``t`` can be walked in storage order alongside ``like``."""
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but its parameter is on {like.device}")
+    if t.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but its parameter has {tuple(like.shape)}")
+    if t.is_contiguous() and like.is_contiguous():
+        return
+    if not (_dense(t) and _dense(like) and t.stride() == like.stride()):
+        raise ValueError(
+            f"{name} has strides {t.stride()} and its parameter {like.stride()}: fuser updates "
+            "tensors in storage order, so both must be dense with the same strides "
+            "(make the parameter contiguous, or its gradient match its layout)")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    if t.numel() <= 1:
+        return True
+    # Non-overlapping and dense: sorted strides form the packed strides of the sorted sizes.
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return True
