@@ -37,15 +37,17 @@ class TritonPrinter(PythonCodePrinter):
     """Print sympy expressions as Triton code.
 
     ``names`` maps each symbol to the variable that holds it in the kernel, so rule names
-    never collide with the kernel's own variables.
+    never collide with the kernel's own variables; ``fp64`` prints for fp64 scalars.
     """
 
     printmethod = "_tritoncode"
 
-    def __init__(self, names: dict[sympy.Symbol, str] | None = None):
+    def __init__(self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False):
         super().__init__({"fully_qualified_modules": False, "inline": True,
                           "allow_unknown_functions": False, "standard": "python3"})
         self.names = dict(names or {})
+        # tl.sqrt_rn is fp32-only; fp64 square roots are correctly rounded anyway.
+        self.sqrt = "tl.sqrt" if fp64 else "tl.sqrt_rn"
 
     def doprint_expr(self, expr) -> str:
         return self._print(sympy.sympify(expr))
@@ -99,9 +101,9 @@ class TritonPrinter(PythonCodePrinter):
         base, e = expr.as_base_exp()
         b = self.parenthesize(base, 100)  # atoms and calls stay bare, the rest gets ()
         if e == sympy.Rational(1, 2):
-            return f"tl.sqrt_rn({self._print(base)})"
+            return f"{self.sqrt}({self._print(base)})"
         if e == sympy.Rational(-1, 2):
-            return f"(1.0 / tl.sqrt_rn({self._print(base)}))"
+            return f"(1.0 / {self.sqrt}({self._print(base)}))"
         if e.is_Integer and 0 < abs(int(e)) <= MAX_PRODUCT_POWER:
             product = " * ".join([b] * abs(int(e)))
             return f"({product})" if e > 0 else f"(1.0 / ({product}))"

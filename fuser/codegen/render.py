@@ -62,7 +62,7 @@ def render_optim(plan: OptimPlan) -> KernelSource:
     body_names = {**element_names, **{s: f"f_{scalar_names[s]}" for s in scalars_in_body},
                   **{s: s.name for s, _ in plan.body}}
 
-    p64 = TritonPrinter(scalar_names)
+    p64 = TritonPrinter(scalar_names, fp64=True)
     p32 = TritonPrinter(body_names)
     nh, ns = len(plan.hyper), 1 + len(plan.scalar_states)
 

@@ -89,12 +89,27 @@ class _Engine:
     hyper_tables: dict = field(default_factory=dict)  # device -> fp64 [n_groups, n_hyper]
 
 
+class _Source:
+    """``Optimizer.source``: the generated Triton kernel for fp32 tensors, rendered on first
+    read (on the class, or on an instance whose rule was chosen by its constructor)."""
+
+    def __get__(self, obj, cls):
+        owner = obj if obj is not None else cls
+        plan = _dtype_plan(owner.rule, owner.options, "fp32", "fp32")
+        return _plan_and_source(owner.rule, plan)[1].text
+
+
 class FuserOptimizer(torch.optim.Optimizer):
-    """Base of every compiled optimizer. Subclasses set ``rule``, ``options``, ``source``."""
+    """Base of every compiled optimizer. Subclasses set ``rule`` and ``options``.
+
+    Built-ins whose constructors take torch.optim's keywords call ``_init_fuser`` with
+    their own defaults (and, for structural options such as ``amsgrad``, their own rule)
+    and override ``_group_hyper`` to map a param group to the rule's hyperparameters.
+    """
 
     rule: Rule
     options: Options
-    source: str
+    source = _Source()
 
     def __init__(self, params, **hyper):
         defaults = dict(self.rule.hyper_defaults)
@@ -103,8 +118,16 @@ class FuserOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
                             f"it takes {sorted(defaults)}")
         defaults.update(hyper)
-        super().__init__(params, defaults)
+        self._init_fuser(params, defaults)
+
+    def _init_fuser(self, params, defaults: dict, rule: Rule | None = None,
+                    options: Options | None = None) -> None:
+        if rule is not None:
+            self.rule = rule
+        if options is not None:
+            self.options = options
         self._fuser = _Engine()
+        torch.optim.Optimizer.__init__(self, params, defaults)
 
     # Hooks for built-ins whose constructor keywords differ from the rule's names.
     def _group_hyper(self, group: dict) -> dict:
@@ -246,7 +269,7 @@ class FuserOptimizer(torch.optim.Optimizer):
         for p, _, _ in members:
             st = self.state[p]
             vals = [st.get("step", 0.0)]
-            vals += [st[keys[s]] if keys[s] in st and torch.is_tensor(st[keys[s]]) and st[keys[s]].numel() == 1
+            vals += [st[keys[s]] if torch.is_tensor(st.get(keys[s])) and st[keys[s]].numel() == 1
                      else float(init[s]) for s in scalar_names]
             cols.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device)
                                      for v in vals]))
@@ -307,8 +330,7 @@ class FuserOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        if hasattr(self, "_fuser"):
-            self._fuser.signature = []
+        self._fuser.signature = []
 
 
 def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
@@ -318,10 +340,9 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
     or ``"param"`` to store each state like its parameter) and ``grad_attr``.
     """
     opts = _options(**options)
-    _, source = _plan_and_source(rule, _dtype_plan(rule, opts, "fp32", "fp32"))
+    _plan_and_source(rule, _dtype_plan(rule, opts, "fp32", "fp32"))  # errors show at compile time
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
     doc = (f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
            + "\n".join("    " + line for line in rule.text.splitlines())
            + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n")
-    return type(cls_name, (FuserOptimizer,), {"rule": rule, "options": opts, "source": source.text,
-                                              "__doc__": doc, "__module__": "fuser.optim"})
+    return type(cls_name, (FuserOptimizer,), {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})
