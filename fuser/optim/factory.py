@@ -220,10 +220,19 @@ class FuserOptimizer(torch.optim.Optimizer):
         self._validate(items)
         keys = self._state_keys
         init = dict(self.rule.state)
+        scalar_names = scalar_state_names(self.rule)
         for p, _, _ in items:
             st = self.state[p]
             for s, key in keys.items():
                 want = self._state_dtype(p)
+                if s in scalar_names:
+                    # One number per tensor, packed into the scalar table by _pack_scalars.
+                    value = st.get(key)
+                    if not (value is None or isinstance(value, (int, float))
+                            or (torch.is_tensor(value) and value.numel() == 1)):
+                        raise RuntimeError(f"state {key!r} of a parameter must be one number, not a "
+                                           f"tensor of shape {tuple(value.shape)}")
+                    continue
                 if key not in st:
                     st[key] = (p.detach().to(want, copy=True) if init[s] == "p"
                                else torch.full_like(p, float(init[s]), dtype=want,
@@ -231,7 +240,8 @@ class FuserOptimizer(torch.optim.Optimizer):
                 elif not isinstance(st[key], torch.Tensor):
                     raise RuntimeError(f"state {key!r} of a parameter is {type(st[key]).__name__}, "
                                        "not a tensor")
-                elif st[key].dtype != want or st[key].device != p.device or st[key].stride() != p.stride():
+                elif st[key].shape == p.shape and (st[key].dtype != want or st[key].device != p.device
+                                                   or st[key].stride() != p.stride()):
                     fixed = torch.empty_like(p, dtype=want, memory_format=torch.preserve_format)
                     fixed.copy_(st[key])
                     st[key] = fixed
@@ -243,7 +253,6 @@ class FuserOptimizer(torch.optim.Optimizer):
             dplan = _dtype_plan(self.rule, self.options, TORCH_DTYPES[p.dtype], TORCH_DTYPES[g.dtype])
             parts.setdefault((p.device, dplan), []).append((p, g, gi))
 
-        scalar_names = scalar_state_names(self.rule)
         launches = []
         for (device, dplan), members in parts.items():
             plan, source = _plan_and_source(self.rule, dplan)
@@ -251,7 +260,7 @@ class FuserOptimizer(torch.optim.Optimizer):
             rows = []
             for p, g, _ in members:
                 st = self.state[p]
-                slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys}}
+                slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
                 rows.append([slot_tensor[sl.name] for sl in plan.slots])
             block = dict(source.constexprs)["BLOCK"]
             tables = build_tables(rows, [gi for _, _, gi in members], block, device)
@@ -269,8 +278,7 @@ class FuserOptimizer(torch.optim.Optimizer):
         for p, _, _ in members:
             st = self.state[p]
             vals = [st.get("step", 0.0)]
-            vals += [st[keys[s]] if torch.is_tensor(st.get(keys[s])) and st[keys[s]].numel() == 1
-                     else float(init[s]) for s in scalar_names]
+            vals += [st[keys[s]] if st.get(keys[s]) is not None else float(init[s]) for s in scalar_names]
             cols.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device)
                                      for v in vals]))
         scalars = torch.stack(cols)
@@ -317,15 +325,21 @@ class FuserOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 id_to_param[index] = p
                 index += 1
-        full_state_keys = set(self._state_keys.values())
+        scalar_names = scalar_state_names(self.rule)
+        keys = self._state_keys
+        element_keys = {keys[s] for s in keys if s not in scalar_names}
+        scalar_keys = {keys[s] for s in scalar_names}
         for pid, st in saved.items():
             p = id_to_param.get(int(pid))
             if p is None:
                 continue
             for key, value in st.items():
-                if key in full_state_keys and torch.is_tensor(value) and value.numel() == p.numel() \
-                        and value.numel() > 1:
+                if not torch.is_tensor(value):
+                    continue
+                if key in element_keys and value.shape == p.shape:
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+                elif key in scalar_keys and value.numel() == 1:
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         self._fuser.signature = []
 
     def add_param_group(self, param_group: dict) -> None:
@@ -345,4 +359,5 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
     doc = (f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
            + "\n".join("    " + line for line in rule.text.splitlines())
            + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n")
-    return type(cls_name, (FuserOptimizer,), {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})
+    return type(cls_name, (FuserOptimizer,),
+                {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})
