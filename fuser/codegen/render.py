@@ -85,8 +85,8 @@ def render_optim(plan: OptimPlan) -> KernelSource:
         if f"{sl.name}" in read:
             loads.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs, mask=mask).to(tl.float32)")
     body = [f"{s.name} = {p32.doprint_expr(e)}" for s, e in plan.body]
-    stores = [f"tl.store({n}_ptr + offs, ({p32.doprint_expr(e)}).to({TL_DTYPES[_slot(plan, n).dtype]}), "
-              f"mask=mask)" for n, e in plan.stores]
+    stores = [f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), _slot(plan, n).dtype)}, mask=mask)"
+              for n, e in plan.stores]
 
     # Scalar-state updates recompute only the prologue lines they need, over TBLOCK tensors.
     needed = _closure(plan, [e for _, e in plan.scalar_updates])
@@ -131,6 +131,13 @@ def render_optim(plan: OptimPlan) -> KernelSource:
     return KernelSource(text=text, entry=entry, signature=signature,
                         constexprs=(("BLOCK", block), ("TBLOCK", 128)), num_warps=warps, num_stages=1,
                         meta=(("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key)))
+
+
+def store_cast(value: str, dtype: str) -> str:
+    """An fp32 value converted for storage in ``dtype`` (bf16 through ``_to_bf16``)."""
+    if dtype == "bf16":
+        return f"_to_bf16({value})"
+    return f"({value}).to({TL_DTYPES[dtype]})"
 
 
 def _slot(plan: OptimPlan, name: str):
