@@ -12,7 +12,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import platformdirs
 import torch
 from triton import knobs
 
@@ -23,8 +22,11 @@ _loaded: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FUSER_CACHE_DIR") or platformdirs.user_cache_dir("fuser")
-    return Path(root)
+    """``$FUSER_CACHE_DIR``, else ``$XDG_CACHE_HOME/fuser``, else ``~/.cache/fuser``."""
+    root = os.environ.get("FUSER_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuser"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

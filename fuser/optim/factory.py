@@ -79,11 +79,14 @@ class _Launch:
     plan: OptimPlan
     tables: Tables
     scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
+    members: list[int]  # index in the step's parameter list of each table row
+    grad_column: int  # column of the gradient in ``tables.ptrs``
 
 
 @dataclass
 class _Engine:
     signature: list = field(default_factory=list)
+    grad_ptrs: list = field(default_factory=list)
     launches: list = field(default_factory=list)
     hyper_values: list = field(default_factory=list)
     hyper_tables: dict = field(default_factory=dict)  # device -> fp64 [n_groups, n_hyper]
@@ -150,9 +153,12 @@ class FuserOptimizer(torch.optim.Optimizer):
 
     # the step --------------------------------------------------------------------------
     def _gather(self):
+        """Parameters with gradients, and what the tables depend on: ``signature`` (all but
+        the gradients' addresses) and ``grad_ptrs`` (those, which change every step when
+        gradients are set to None between steps)."""
         attr = self.options.grad_attr
         keys = list(self._state_keys.values())
-        items, signature = [], []
+        items, signature, grad_ptrs = [], [], []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 g = getattr(p, attr, None)
@@ -161,7 +167,8 @@ class FuserOptimizer(torch.optim.Optimizer):
                 items.append((p, g, gi))
                 st = self.state.get(p)
                 try:
-                    sig = (gi, p.data_ptr(), g.data_ptr(), p.dtype, g.dtype, p.device, p.shape,
+                    grad_ptrs.append(g.data_ptr())
+                    sig = (gi, p.data_ptr(), p.dtype, g.dtype, p.device, g.device, p.shape, g.shape,
                            p.stride(), g.stride())
                 except RuntimeError:  # sparse and other storage-less gradients
                     sig = (gi, id(g))
@@ -169,16 +176,23 @@ class FuserOptimizer(torch.optim.Optimizer):
                     sig += tuple(st[k].data_ptr() if isinstance(st.get(k), torch.Tensor) else None
                                  for k in keys) + (id(st.get("step")),)
                 signature.append(sig)
-        return items, signature
+        return items, signature, grad_ptrs
 
     def _fuser_step(self):
-        items, signature = self._gather()
+        items, signature, grad_ptrs = self._gather()
         if not items:
             return
         eng = self._fuser
         if signature != eng.signature:
             self._rebuild(items)
-            eng.signature = signature
+            # The rebuild created state and re-packed steps: take the signature afterwards.
+            _, eng.signature, eng.grad_ptrs = self._gather()
+        elif grad_ptrs != eng.grad_ptrs:
+            # Same parameters, states and gradient layouts; only the gradients moved.
+            for launch in eng.launches:
+                column = torch.tensor([grad_ptrs[i] for i in launch.members], dtype=torch.int64)
+                launch.tables.ptrs[:, launch.grad_column].copy_(column)
+            eng.grad_ptrs = grad_ptrs
         self._sync_hyper()
         for launch in eng.launches:
             t = launch.tables
@@ -249,12 +263,13 @@ class FuserOptimizer(torch.optim.Optimizer):
 
         # Partition by device and dtype plan: one launch each.
         parts: dict[tuple, list] = {}
-        for p, g, gi in items:
+        for i, (p, g, gi) in enumerate(items):
             dplan = _dtype_plan(self.rule, self.options, TORCH_DTYPES[p.dtype], TORCH_DTYPES[g.dtype])
-            parts.setdefault((p.device, dplan), []).append((p, g, gi))
+            parts.setdefault((p.device, dplan), []).append((i, p, g, gi))
 
         launches = []
-        for (device, dplan), members in parts.items():
+        for (device, dplan), indexed in parts.items():
+            members = [m[1:] for m in indexed]
             plan, source = _plan_and_source(self.rule, dplan)
             kernel = load_kernel(source, device)
             rows = []
@@ -265,7 +280,8 @@ class FuserOptimizer(torch.optim.Optimizer):
             block = dict(source.constexprs)["BLOCK"]
             tables = build_tables(rows, [gi for _, _, gi in members], block, device)
             scalars = self._pack_scalars(members, scalar_names, device)
-            launches.append(_Launch(kernel, plan, tables, scalars))
+            grad_column = [sl.name for sl in plan.slots].index("g")
+            launches.append(_Launch(kernel, plan, tables, scalars, [m[0] for m in indexed], grad_column))
         self._fuser.launches = launches
         self._fuser.hyper_values = []  # force a hyper table refresh
 

@@ -1,0 +1,36 @@
+# fuser: `make demo` runs the main job, `make test` the tests. Both set up .venv on first use.
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+TRITON_VERSION ?= 3.6.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) examples/demo.py
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+lint: $(STAMP)
+	$(PYTHON) -m ruff check fuser tests examples benchmarks
+	$(PYTHON) -m ruff format --check fuser tests examples benchmarks
+
+format: $(STAMP)
+	$(PYTHON) -m ruff format fuser tests examples benchmarks
+
+bench: $(STAMP)
+	$(PYTHON) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
