@@ -333,6 +333,8 @@ class SGD(_Builtin):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
+        if not self._structure_key[0]:
+            return
         for st in self.state.values():
             if st.get("momentum_buffer") is None:
                 # No buffer (torch without momentum, or None): the next step starts one.

@@ -508,6 +508,36 @@ def test_sgd_buffer_loaded_without_step_is_decayed_not_replaced(device):
     torch.testing.assert_close(p[0], start - 0.1 * want)
 
 
+def test_loaded_param_groups_choose_the_variant_as_in_torch(device):
+    # A checkpoint saved with amsgrad=True turns amsgrad on in the loading optimizer, in torch
+    # and in fuser alike.
+    params = make_params(device, seed=14)
+    grads = make_grads(params, 4, seed=14)
+    source = clones(params)
+    topt = torch.optim.Adam(source, lr=1e-2, amsgrad=True)
+    run(topt, source, grads[:2])
+    checkpoint = copy.deepcopy(topt.state_dict())
+    fparams, tparams = clones(source), clones(source)
+    fopt, topt2 = fo.Adam(fparams, lr=1e-2), torch.optim.Adam(tparams, lr=1e-2)
+    fopt.load_state_dict(copy.deepcopy(checkpoint))
+    topt2.load_state_dict(checkpoint)
+    assert fopt.rule is fo.builtins.adam_amsgrad
+    run(fopt, fparams, grads[2:])
+    run(topt2, tparams, grads[2:])
+    assert_same_state(fopt, fparams, topt2, tparams, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+
+
+def test_plain_sgd_keeps_its_step_count_across_a_load(device):
+    params = make_params(device, seed=15)
+    opt = fo.SGD(params, lr=0.1)
+    run(opt, params, make_grads(params, 2, seed=15))
+    again = clones(params)
+    opt2 = fo.SGD(again, lr=0.1)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    run(opt2, again, make_grads(params, 1, seed=16))
+    assert opt2.state[again[0]]["step"].item() == 3
+
+
 # --- structure and construction ----------------------------------------------------------------
 
 def test_structural_options_must_agree_across_groups(device):
