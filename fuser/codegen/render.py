@@ -7,6 +7,7 @@ pure function of the plan: the same inputs give byte-identical text.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jinja2
@@ -57,8 +58,13 @@ def helpers_source() -> str:
 
 
 def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a step kernel."""
-    return 2048, 8
+    """(BLOCK, num_warps) for a step kernel. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_WARPS``
+    override them (for tuning runs; the values are part of the kernel's cache key)."""
+    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or 2048)
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or 8)
+    if block < 128 or block & (block - 1):
+        raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
+    return block, warps
 
 
 def store_cast(value: str, dtype: str, random: str | None = None) -> str:
