@@ -1,0 +1,142 @@
+"""Compile-if-missing: each entry's source and per-target binaries, built at most once.
+
+Readers verify without locking; a miss or a damaged folder takes the key's file lock,
+looks again (another process may have just written it), and only then builds. So
+concurrent processes never compile the same key twice, and never read a half-written
+folder (the manifest is written last).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuser.cache import store
+from fuser.cache.keys import binary_key, entry_key, parse_target, target_dirname
+from fuser.codegen.source import KernelSource
+
+
+class CacheWarning(UserWarning):
+    """A damaged cache entry was discarded and rebuilt."""
+
+
+@dataclass(frozen=True)
+class Binary:
+    """A verified compiled kernel in the store."""
+
+    folder: Path
+    key: str
+    target: str
+    cubin: str  # file names inside ``folder``
+    metadata: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """What ``precompile`` did for one kernel and target."""
+
+    source: KernelSource
+    target: str
+    key: str
+    status: str  # "hit" or "compiled"
+    seconds: float
+
+
+def source_file(source: KernelSource) -> str:
+    return f"{source.entry}.py"
+
+
+def _verified(folder: Path, key: str) -> dict[str, bytes] | None:
+    """The folder's files, or ``None`` when missing or damaged (damage is warned about)."""
+    try:
+        return store.read_folder(folder, key)
+    except store.CorruptEntry as e:
+        warnings.warn(
+            f"fuser cache entry {folder} is damaged ({e}); discarding and rebuilding it",
+            CacheWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _get_or_build(folder: Path, key: str, build) -> tuple[dict[str, bytes], bool]:
+    """(files, hit): the verified files of ``folder``, built under the key's lock if needed."""
+    files = _verified(folder, key)
+    if files is not None:
+        return files, True
+    with store.lock(key):
+        try:
+            files = store.read_folder(folder, key)
+        except store.CorruptEntry:
+            store.discard(folder)
+            files = None
+        if files is not None:
+            return files, True
+        build()
+        files = store.read_folder(folder, key)
+    return files, False
+
+
+def ensure_source(source: KernelSource) -> tuple[Path, bool]:
+    """(path of the source file, served from disk?) for ``source``, writing it if needed."""
+    key = entry_key(source)
+    folder = store.entry_dir(key.digest)
+    meta = {**dict(source.meta), "kernel": source.entry}
+    name = source_file(source)
+
+    def build():
+        store.write_folder(folder, key, {name: source.text.encode()}, meta)
+
+    _, hit = _get_or_build(folder, key.digest, build)
+    return folder / name, hit
+
+
+def ensure_binary(source: KernelSource, target: str, load_fn) -> tuple[Binary, bool]:
+    """(binary, served from disk?) of ``source`` for ``target``, compiling it if needed.
+
+    ``load_fn()`` returns the kernel's ``JITFunction``; it is called only on a miss.
+    """
+    from fuser.cache.aot import compile_binary
+
+    target = parse_target(target)
+    key = binary_key(source, target)
+    folder = store.entry_dir(entry_key(source).digest) / target_dirname(target)
+    cubin, metadata = f"{source.entry}.cubin", f"{source.entry}.json"
+    meta = {**dict(source.meta), "kernel": source.entry, "target": target}
+
+    def build():
+        binary, md = compile_binary(source, load_fn(), target)
+        store.write_folder(folder, key, {cubin: binary, metadata: md}, meta)
+
+    _, hit = _get_or_build(folder, key.digest, build)
+    return Binary(folder, key.digest, target, cubin, metadata), hit
+
+
+def precompile(sources: list[KernelSource], targets=("cuda:80", "cuda:90"), on_result=None) -> list[Result]:
+    """Write each kernel's source and compile it for every target, on any machine (no GPU
+    needed). Returns one ``Result`` per (source, target); ``on_result(result)`` is called
+    as each finishes. Raises ``CompileError`` for a kernel Triton rejects."""
+    from fuser.cache.aot import import_kernel
+
+    targets = [parse_target(t) for t in targets]
+    results = []
+    for source in sources:
+        path, _ = ensure_source(source)
+        fn = []
+
+        def load_fn(path=path, source=source, fn=fn):
+            if not fn:
+                fn.append(import_kernel(source, path, interpret=False))
+            return fn[0]
+
+        for target in targets:
+            t0 = time.perf_counter()
+            binary, hit = ensure_binary(source, target, load_fn)
+            seconds = time.perf_counter() - t0
+            result = Result(source, target, binary.key, "hit" if hit else "compiled", seconds)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    return results
