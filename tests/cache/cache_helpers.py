@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fuser.codegen.source import KernelSource
 
 AXPY = """\
@@ -54,3 +56,12 @@ def broken(entry: str = "broken") -> KernelSource:
         num_stages=1,
         meta=(("rule", "broken_rule"), ("kind", "test"), ("dtypes", "fp32")),
     )
+
+
+def files_state(root: Path) -> dict:
+    """(inode, mtime, bytes) of every file under ``root`` except locks."""
+    return {
+        p.relative_to(root): (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix != ".lock"
+    }

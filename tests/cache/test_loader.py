@@ -1,0 +1,88 @@
+"""Loading kernels: the interpreter path on CPU, and Triton's CompiledKernel built from
+stored files (its launch needs a GPU: see test_gpu.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from cache_helpers import axpy
+
+import fuser
+from fuser.cache import load_kernel, precompile
+from fuser.cache.aot import CompileError, compile_spec, import_kernel
+from fuser.cache.entries import ensure_binary, ensure_source
+from fuser.cache.loader import compiled_kernel
+
+
+def _delta(before: dict) -> dict:
+    now = fuser.stats()
+    return {k: now[k] - before.get(k, 0) for k in ("compiles", "cache_hits", "cache_misses", "launches")}
+
+
+def _run_axpy(kernel, n: int, a: float):
+    x, y = torch.randn(n), torch.randn(n)
+    out = torch.full((n,), float("nan"))
+    block = 128
+    kernel(((n + block - 1) // block,), x, y, out, n, a)
+    return out, (a * x.double() + y.double()).float()
+
+
+def test_cpu_load_runs_and_counts(cache_root):
+    before = fuser.stats()
+    kernel = load_kernel(axpy(), "cpu")
+    out, want = _run_axpy(kernel, 1000, -1.75)
+    torch.testing.assert_close(out, want)
+    assert _delta(before) == {"compiles": 1, "cache_hits": 0, "cache_misses": 1, "launches": 1}
+    assert load_kernel(axpy(), "cpu") is kernel  # remembered in the process: no new counts
+    assert _delta(before)["compiles"] == 1
+
+
+def test_precompiled_process_compiles_nothing(cache_root, subprocess_env):
+    precompile([axpy()], ["cuda:90"])
+    code = (
+        "import torch, fuser\n"
+        "from fuser.cache import load_kernel\n"
+        "from cache_helpers import axpy\n"
+        "k = load_kernel(axpy(), 'cpu')\n"
+        "x = torch.arange(300.0); y = torch.ones(300); out = torch.zeros(300)\n"
+        "k((3,), x, y, out, 300, 2.0)\n"
+        "assert torch.equal(out, 2 * x + 1)\n"
+        "print(fuser.stats()['compiles'], fuser.stats()['cache_hits'])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["0", "1"]
+
+
+def test_compiled_kernel_is_built_from_the_stored_files(cache_root):
+    """What the GPU path hands Triton: checked here up to the first launch."""
+    source = axpy(block=256)
+    path, _ = ensure_source(source)
+    fn = import_kernel(source, path, interpret=False)
+    binary, hit = ensure_binary(source, "cuda:90", lambda: fn)
+    assert not hit
+    kernel = compiled_kernel(source, fn, binary)
+    assert kernel.asm["cubin"] == (binary.folder / binary.cubin).read_bytes()
+    stored = json.loads((binary.folder / binary.metadata).read_text())
+    assert kernel.metadata.target.arch == 90 == stored["target"]["arch"]
+    assert kernel.name == source.entry
+    assert kernel.metadata.num_warps == source.num_warps
+    assert kernel.function is None  # nothing loaded onto a device yet
+    # The launcher is generated from this signature: every parameter, constexprs included.
+    assert kernel.src.signature == {"x": "*fp32", "y": "*fp32", "out": "*fp32", "n": "i32", "a": "fp32",
+                                    "BLOCK": "constexpr"}  # fmt: skip
+    assert kernel.src.constants == {(5,): 256}
+    assert kernel.src.attrs == {}  # no divisibility assumptions: any pointer, any integer
+
+
+def test_compile_spec_checks_the_declared_signature():
+    source = axpy()
+    spec = compile_spec(source, ["x", "y", "out", "n", "a", "BLOCK"])
+    assert list(spec.signature) == ["x", "y", "out", "n", "a", "BLOCK"]
+    assert spec.options == {"num_warps": 4, "num_stages": 1}
+    with pytest.raises(CompileError, match="do not match"):
+        compile_spec(source, ["x", "out", "y", "n", "a", "BLOCK"])
+    with pytest.raises(CompileError, match="do not match"):
+        compile_spec(source, ["x", "y", "out", "n", "BLOCK"])
