@@ -24,11 +24,14 @@ DEFAULT_TARGETS = ("cuda:80", "cuda:90")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuser", description="fuser: compile, cache and inspect fused kernels")
-    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="print tracebacks of failures")  # fmt: skip
+    p = argparse.ArgumentParser(prog="fuser", description="fuser: compile, cache and inspect fused kernels",
+                                parents=[common])  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    pre = sub.add_parser("precompile", help="compile rules ahead of time (no GPU needed)",
+    pre = sub.add_parser("precompile", help="compile rules ahead of time (no GPU needed)", parents=[common],
                          description="Render and compile every module-level fuser.Rule of each TARGET "
                          "for each GPU target and dtype, into the cache (FUSER_CACHE_DIR).")  # fmt: skip
     pre.add_argument("targets", nargs="*", metavar="TARGET", help="a .py file or a module name")
@@ -39,12 +42,12 @@ def _parser() -> argparse.ArgumentParser:
                      f"(default: {' '.join(DTYPES)})")  # fmt: skip
     pre.add_argument("--builtins", action="store_true", help="also every built-in rule of fuser")
 
-    show = sub.add_parser("show", help="print the generated Triton source of rules")
+    show = sub.add_parser("show", help="print the generated Triton source of rules", parents=[common])
     show.add_argument("target", metavar="TARGET", help="a .py file or a module name")
     show.add_argument("--rule", help="only the rule of this name (rule name or module attribute)")
     show.add_argument("--dtype", default="fp32", choices=DTYPES)
 
-    cache = sub.add_parser("cache", help="inspect or clear the cache")
+    cache = sub.add_parser("cache", help="inspect or clear the cache", parents=[common])
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     csub.add_parser("ls", help="one line per entry")
     clear = csub.add_parser("clear", help="remove entries")
@@ -88,7 +91,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _fail(args, what: str, e: BaseException) -> None:
-    if args.verbose:
+    if getattr(args, "verbose", False):
         traceback.print_exception(e, file=sys.stderr)
     _err(f"error: {what}: {one_line(e)}" if what else f"error: {one_line(e)}")
 
@@ -97,6 +100,7 @@ def _fail(args, what: str, e: BaseException) -> None:
 def precompile(args) -> int:
     from fuser.cache import cache_dir, parse_target
     from fuser.cache.entries import precompile as precompile_sources
+    from fuser.cache.store import CacheError
     from fuser.errors import RuleError
 
     if not args.targets and not args.builtins:
@@ -149,6 +153,8 @@ def precompile(args) -> int:
                 dtypes_shown = dict(source.meta).get("dtypes", "-")
                 rows.append([name, source.entry, r.target, dtypes_shown, r.status, f"{r.seconds:.2f}"])
                 progress.step(f"{name} {source.entry} {r.target} {r.status} {r.seconds:.2f}s")
+        except CacheError:
+            raise
         except Exception as e:  # noqa: BLE001
             progress.clear()
             failed.add(name)

@@ -162,5 +162,5 @@ def explain(prefix: str) -> list[str]:
         lines.append(f"binary {bm.get('key')} for {t}: the entry's fields, plus")
         extra = dict(bm, fields=[f for f in bm.get("fields", []) if f[0] in ("target", "compiler_env")])
         lines += ["  " + ln for ln in explain_manifest(extra, here)]
-    lines.append("A kernel hits when every field hashes the same; a field marked DIFFERS makes a miss here.")
+    lines.append("A kernel hits when every field hashes the same; any field that differs here makes a miss.")
     return lines
