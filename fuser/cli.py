@@ -49,10 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="inspect or clear the cache", parents=[common])
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    csub.add_parser("ls", help="one line per entry")
-    clear = csub.add_parser("clear", help="remove entries")
+    csub.add_parser("ls", help="one line per entry", parents=[common])
+    clear = csub.add_parser("clear", help="remove entries", parents=[common])
     clear.add_argument("--older-than", type=float, metavar="DAYS", help="only entries created before")
-    explain = csub.add_parser("explain", help="the fields of a key, each with its own hash")
+    explain = csub.add_parser("explain", help="the fields of a key, each with its own hash", parents=[common])
     explain.add_argument("key", metavar="KEY", help="a key or a unique prefix of one (from `fuser cache ls`)")
     return p
 

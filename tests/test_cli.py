@@ -128,7 +128,8 @@ def test_good_file_still_compiles_beside_a_bad_one(cache_root, fake, rules_file,
 
 def test_failing_kernel_names_rule_and_target(cache_root, fake, rules_file, tmp_path, capsys):
     path = tmp_path / "mixed.py"
-    path.write_text(RULES + '\nbroken_one = fuser.rule("p = p - lr * g", name="broken_one", hyper=dict(lr=1.0))\n')
+    broken_rule = 'broken_one = fuser.rule("p = p - lr * g", name="broken_one", hyper=dict(lr=1.0))'
+    path.write_text(RULES + "\n" + broken_rule + "\n")
     assert cli.main(["precompile", str(path), "--dtype", "fp32", "--target", "cuda:90", "-v"]) == 1
     captured = capsys.readouterr()
     errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
