@@ -42,6 +42,7 @@ class Result:
     key: str
     status: str  # "hit" or "compiled"
     seconds: float
+    binary: Path  # the stored cubin
 
 
 def source_file(source: KernelSource) -> str:
@@ -135,7 +136,8 @@ def precompile(sources: list[KernelSource], targets=("cuda:80", "cuda:90"), on_r
             t0 = time.perf_counter()
             binary, hit = ensure_binary(source, target, load_fn)
             seconds = time.perf_counter() - t0
-            result = Result(source, target, binary.key, "hit" if hit else "compiled", seconds)
+            status = "hit" if hit else "compiled"
+            result = Result(source, target, binary.key, status, seconds, binary.folder / binary.cubin)
             results.append(result)
             if on_result is not None:
                 on_result(result)

@@ -41,11 +41,11 @@ class CorruptEntry(Exception):
 
 
 def cache_dir() -> Path:
-    """``FUSER_CACHE_DIR``, or ``fuser`` under the user's cache folder."""
-    import platformdirs
-
-    root = os.environ.get("FUSER_CACHE_DIR") or platformdirs.user_cache_dir("fuser")
-    return Path(root).expanduser()
+    """``$FUSER_CACHE_DIR``, else ``$XDG_CACHE_HOME/fuser``, else ``~/.cache/fuser``."""
+    root = os.environ.get("FUSER_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fuser"
 
 
 def check_private(path: Path, st: os.stat_result | None = None) -> None:

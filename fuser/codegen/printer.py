@@ -52,6 +52,12 @@ class TritonPrinter(PythonCodePrinter):
     def doprint_expr(self, expr) -> str:
         return self._print(sympy.sympify(expr))
 
+    def parenthesize(self, item, level, strict=False):
+        # Numbers print as plain float literals: only a negative one needs parentheses.
+        if isinstance(item, sympy.Number) and item >= 0:
+            return self._print(item)
+        return super().parenthesize(item, level, strict)
+
     # atoms ---------------------------------------------------------------------------
     def _print_Symbol(self, expr):
         try:

@@ -66,15 +66,16 @@ def render_optim(plan: OptimPlan) -> KernelSource:
     p32 = TritonPrinter(body_names)
     nh, ns = len(plan.hyper), 1 + len(plan.scalar_states)
 
-    def scalar_loads(row: str, mask: str = ""):
+    def scalar_loads(names: dict, row: str, group: str, mask: str = "") -> list[str]:
         m = f", mask={mask}, other=0.0" if mask else ""
-        lines = [f"h_{h} = tl.load(hyper + grp * {nh} + {j}{m})" for j, h in enumerate(plan.hyper)]
-        lines.append(f"step = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
-        lines += [f"c_{s} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
+        lines = [f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})"
+                 for j, h in enumerate(plan.hyper)]
+        lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
+        lines += [f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
                   for j, s in enumerate(plan.scalar_states)]
         return lines
 
-    prologue = [f"{s.name} = {p64.doprint_expr(e)}" for s, e in plan.prologue]
+    prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in plan.prologue]
     casts = [f"f_{scalar_names[s]} = {scalar_names[s]}.to(tl.float32)" for s in scalars_in_body]
     loads = []
     for j, sl in enumerate(plan.slots):
@@ -85,21 +86,27 @@ def render_optim(plan: OptimPlan) -> KernelSource:
         if f"{sl.name}" in read:
             loads.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs, mask=mask).to(tl.float32)")
     body = [f"{s.name} = {p32.doprint_expr(e)}" for s, e in plan.body]
-    stores = [f"tl.store({n}_ptr + offs, ({p32.doprint_expr(e)}).to({TL_DTYPES[_slot(plan, n).dtype]}), "
-              f"mask=mask)" for n, e in plan.stores]
+    stores = [f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), _slot(plan, n).dtype)}, mask=mask)"
+              for n, e in plan.stores]
 
-    # Scalar-state updates recompute only the prologue lines they need, over TBLOCK tensors.
+    # The last program advances step and scalar states for TBLOCK tensors at a time. Its
+    # variables are vectors, so they get names of their own (`u_...`): Triton requires a
+    # loop-carried name to keep one type.
+    unames = {sym: f"u_{name}" for sym, name in scalar_names.items()}
+    pu = TritonPrinter(unames, fp64=True)
     needed = _closure(plan, [e for _, e in plan.scalar_updates])
-    update_prologue = [f"{s.name} = {p64.doprint_expr(e)}" for s, e in plan.prologue if s in needed]
-    update_stores = [f"tl.store(scalars + t * {ns}, step.to(tl.float32), mask=tmask)"]
-    update_stores += [f"tl.store(scalars + t * {ns} + {j + 1}, ({p64.doprint_expr(e)}).to(tl.float32), "
-                      f"mask=tmask)" for j, (_, e) in enumerate(plan.scalar_updates)]
-    update_loads = scalar_loads("t", "tmask")
-    used_update = set()
-    for line in update_prologue + update_stores:
-        used_update.add(line)
-    update_loads = [ln for ln in update_loads
-                    if ln.startswith("step") or any(ln.split(" =")[0] in u for u in used_update)]
+    update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in plan.prologue if s in needed]
+    update_stores = [f"tl.store(scalars + u_t * {ns}, {unames[STEP]}.to(tl.float32), mask=u_mask)"]
+    update_stores += [f"tl.store(scalars + u_t * {ns} + {j + 1}, ({pu.doprint_expr(e)}).to(tl.float32), "
+                      f"mask=u_mask)" for j, (_, e) in enumerate(plan.scalar_updates)]
+    used = set()
+    for _, e in plan.scalar_updates:
+        used |= e.free_symbols
+    for s in needed:
+        used |= dict(plan.prologue)[s].free_symbols
+    update_loads = [ln for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
+                    if ln.startswith(unames[STEP] + " ") or any(ln.startswith(unames[s] + " ") for s in used
+                                                                 if s in unames)]
 
     entry = f"{plan.name}_step"
     block, warps = optim_launch_config(plan)
@@ -115,7 +122,7 @@ def render_optim(plan: OptimPlan) -> KernelSource:
         hyper_names=", ".join(plan.hyper) or "(none)",
         scalar_states=plan.scalar_states,
         nscalar=ns,
-        scalar_loads=scalar_loads("t"),
+        scalar_loads=scalar_loads(scalar_names, "t", "grp"),
         prologue=prologue,
         casts=casts,
         loads=loads,
@@ -131,6 +138,13 @@ def render_optim(plan: OptimPlan) -> KernelSource:
     return KernelSource(text=text, entry=entry, signature=signature,
                         constexprs=(("BLOCK", block), ("TBLOCK", 128)), num_warps=warps, num_stages=1,
                         meta=(("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key)))
+
+
+def store_cast(value: str, dtype: str) -> str:
+    """An fp32 value converted for storage in ``dtype`` (bf16 through ``_to_bf16``)."""
+    if dtype == "bf16":
+        return f"_to_bf16({value})"
+    return f"({value}).to({TL_DTYPES[dtype]})"
 
 
 def _slot(plan: OptimPlan, name: str):

@@ -7,21 +7,6 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch):
     """A fresh, private FUSER_CACHE_DIR, and no kernels remembered by this process."""

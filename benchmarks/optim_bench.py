@@ -1,0 +1,163 @@
+"""One AdamW step: fuser's built-in AdamW beside torch's foreach and fused AdamW.
+
+Workloads (ANCHORS.md): `llama1b` = TinyLlama-1.1B's 201 parameter tensors, fp32 and
+all-bf16 (params, grads and states in bf16, as torch keeps them); `small1000` = 1000
+tensors of 4096 fp32 elements (launch-bound). Every implementation runs in this process on
+this GPU; each is first checked against torch's fused AdamW on the same inputs.
+
+    python benchmarks/optim_bench.py [--out DIR] [llama1b small1000]
+
+Writes `optim_<date>.json` and `.md` under --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fuser  # noqa: E402
+
+
+def llama1b_shapes():
+    vocab, hidden, inter, layers, kv = 32000, 2048, 5632, 22, 256
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden),
+                   (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    return shapes + [(hidden,), (vocab, hidden)]
+
+
+def event_ms(fn, warmup=3, rep=20):
+    """Median device time of fn (CUDA events), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def wall_ms(fn, steps=50):
+    """Host wall time per call over back-to-back calls, Python included."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 28, device="cuda")
+    a.normal_()
+    b = torch.empty_like(a)
+    ms = event_ms(lambda: b.copy_(a))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * (1 << 28) * 4 / (ms * 1e-3) / 1e12
+
+
+def make(shapes, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ps = [torch.randn(s, device="cuda", dtype=dtype, generator=g) * 0.02 for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, device="cuda", dtype=dtype, generator=g) * 1e-3
+    return ps
+
+
+IMPLS = {
+    "fuser.optim.AdamW": lambda ps, bf16: fuser.optim.AdamW(
+        ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None),
+    "torch.AdamW foreach": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+    "torch.AdamW fused": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+}
+
+
+def check(shapes, dtype, bf16):
+    """fuser vs torch fused after 3 steps on identical inputs: relative error of params."""
+    small = shapes[:12]
+    a, b = make(small, dtype, 1), make(small, dtype, 1)
+    oa, ob = IMPLS["fuser.optim.AdamW"](a, bf16), IMPLS["torch.AdamW fused"](b, bf16)
+    for _ in range(3):
+        oa.step()
+        ob.step()
+    num = sum(((x.double() - y.double()) ** 2).sum() for x, y in zip(a, b)).sqrt()
+    den = sum((y.double() ** 2).sum() for y in b).sqrt()
+    return (num / den).item()
+
+
+def run(workload, shapes, dtype, bw, rows):
+    bf16 = dtype == torch.bfloat16
+    n = sum(torch.Size(s).numel() for s in shapes)
+    floor_ms = n * (14 if bf16 else 28) / (bw * 1e12) * 1e3
+    err = check(shapes, dtype, bf16)
+    print(f"{workload}: {len(shapes)} tensors, {n / 1e6:.1f} M params, floor {floor_ms:.3f} ms, "
+          f"fuser vs torch fused rel err {err:.2e}", flush=True)
+    for name, build in IMPLS.items():
+        ps = make(shapes, dtype, 0)
+        opt = build(ps, bf16)
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ms = event_ms(opt.step)
+        wall = wall_ms(opt.step)
+        row = dict(workload=workload, impl=name, ms=round(ms, 4), wall_ms=round(wall, 4),
+                   floor_ms=round(floor_ms, 4), pct_of_floor=round(100 * floor_ms / ms, 1),
+                   first_step_s=round(first_s, 3), tensors=len(shapes), params=n,
+                   rel_err_vs_torch_fused=err if name.startswith("fuser") else None,
+                   device=torch.cuda.get_device_name())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del ps, opt
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workloads", nargs="*", default=["llama1b", "small1000"])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    rows = []
+    if "llama1b" in args.workloads:
+        run("adamw_fp32_llama1b", llama1b_shapes(), torch.float32, bw, rows)
+        run("adamw_bf16_llama1b", llama1b_shapes(), torch.bfloat16, bw, rows)
+    if "small1000" in args.workloads:
+        run("adamw_fp32_small1000", [(4096,)] * 1000, torch.float32, bw, rows)
+    date = datetime.date.today().isoformat()
+    meta = dict(date=date, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, copy_TBps=round(bw, 3),
+                command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"optim_{date}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# AdamW step, {meta['device']}, {date}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, copy bandwidth {meta['copy_TBps']} TB/s. "
+             f"Command: `{meta['command']}`", "",
+             "| workload | impl | median ms (events) | wall ms/step | % of floor | first step s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['impl']} | {r['ms']} | {r['wall_ms']} | {r['pct_of_floor']} | "
+              f"{r['first_step_s']} |" for r in rows]
+    with open(os.path.join(args.out, f"optim_{date}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
