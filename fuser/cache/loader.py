@@ -31,11 +31,14 @@ class JitKernel:
     def __init__(self, source: KernelSource, fn):
         self.source = source
         self.fn = fn
-        self._constexprs = dict(source.constexprs)
+        self._names = [n for n, _ in source.signature]
+        self._options = dict(source.constexprs, num_warps=source.num_warps, num_stages=source.num_stages)
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
-        self.fn[grid](*args, **self._constexprs, num_warps=self.source.num_warps,
-                      num_stages=self.source.num_stages)  # fmt: skip
+        if len(args) != len(self._names):
+            raise TypeError(f"{self.source.entry} takes {len(self._names)} arguments, got {len(args)}")
+        # By name: constexprs may sit between runtime parameters.
+        self.fn[grid](**dict(zip(self._names, args)), **self._options)
         stats.count("launches")
 
 
@@ -48,6 +51,9 @@ class BinaryKernel:
     """
 
     def __init__(self, source: KernelSource, fn, binary, device_index: int):
+        from triton import knobs
+
+        self._knobs = knobs
         spec = compile_spec(source, fn.arg_names)
         self.source = source
         self.target = binary.target
@@ -76,19 +82,24 @@ class BinaryKernel:
         stats.count("launches")
 
     def _launch(self, grid, args) -> None:
-        from triton import knobs
-        from triton.runtime.driver import driver
-
+        knobs = self._knobs
         full = list(self._template)
         for i, a in zip(self._slots, args):
             full[i] = a
         g = (*grid, 1, 1)
         k = self.kernel
         run = k.run
-        stream = driver.active.get_current_stream(self.device_index)
+        stream = current_stream(self.device_index)
         launch_metadata = k.launch_metadata(g[:3], stream, *full)
         run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, launch_metadata,
             knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)  # fmt: skip
+
+
+def current_stream(device_index: int):
+    """The raw handle of the current CUDA stream of a device, as Triton's JIT passes it."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device_index)
 
 
 def compiled_kernel(source: KernelSource, fn, binary):

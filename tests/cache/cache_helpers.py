@@ -65,3 +65,29 @@ def files_state(root: Path) -> dict:
         for p in root.rglob("*")
         if p.is_file() and p.suffix != ".lock"
     }
+
+
+MIDDLE = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale(x, BLOCK: tl.constexpr, n, SCALE: tl.constexpr, out):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, tl.load(x + offs, mask=mask) * SCALE, mask=mask)
+"""
+
+
+def middle() -> KernelSource:
+    """Constexprs between runtime parameters: launch arguments must interleave them."""
+    return KernelSource(
+        text=MIDDLE,
+        entry="scale",
+        signature=(("x", "*fp32"), ("n", "i32"), ("out", "*fp32")),
+        constexprs=(("BLOCK", 64), ("SCALE", 3)),
+        num_warps=2,
+        num_stages=1,
+        meta=(("rule", "scale_rule"), ("kind", "test"), ("dtypes", "fp32")),
+    )

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from cache_helpers import axpy
+from cache_helpers import axpy, middle
 
 import fuser
 from fuser.cache import load_kernel, precompile
@@ -86,3 +86,59 @@ def test_compile_spec_checks_the_declared_signature():
         compile_spec(source, ["x", "out", "y", "n", "a", "BLOCK"])
     with pytest.raises(CompileError, match="do not match"):
         compile_spec(source, ["x", "y", "out", "n", "BLOCK"])
+
+
+class _FakeCompiled:
+    """Stands in for a loaded CompiledKernel: records what the launcher is called with."""
+
+    function = object()
+    packed_metadata = (2, 1, 0)
+
+    def __init__(self):
+        self.calls = []
+
+    @property
+    def run(self):
+        return lambda *a: self.calls.append(a)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("meta", grid, stream, len(args))
+
+
+def test_binary_kernel_launches_like_the_jit(cache_root, monkeypatch):
+    """The call ``JITFunction.run`` makes: grid x, y, z, stream, function, packed metadata,
+    launch metadata, the two hooks, then every parameter in order, constexprs included."""
+    from triton import knobs
+
+    from fuser.cache import loader
+
+    source = middle()
+    path, _ = ensure_source(source)
+    fn = import_kernel(source, path, interpret=False)
+    binary, _ = ensure_binary(source, "cuda:90", lambda: fn)
+    fake = _FakeCompiled()
+    monkeypatch.setattr(loader, "compiled_kernel", lambda *a: fake)
+    monkeypatch.setattr(loader.BinaryKernel, "_device_guard", lambda self, f, *a: f(*a))
+    monkeypatch.setattr(loader, "current_stream", lambda index: 1000 + index)
+    kernel = loader.BinaryKernel(source, fn, binary, device_index=1)
+    before = fuser.stats()["launches"]
+    x, out = torch.zeros(10), torch.zeros(10)
+    kernel((5,), x, 10, out)
+    kernel((2, 3), x, 7, out)
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    assert fake.calls[0] == (5, 1, 1, 1001, fake.function, (2, 1, 0), ("meta", (5, 1, 1), 1001, 5), *hooks,
+                             x, 64, 10, 3, out)  # fmt: skip
+    assert fake.calls[1][:3] == (2, 3, 1) and fake.calls[1][-5:] == (x, 64, 7, 3, out)
+    assert fuser.stats()["launches"] - before == 2
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        kernel((1,), x, 10)
+
+
+def test_interleaved_constexprs_compile_and_run_on_cpu(cache_root):
+    (r,) = precompile([middle()], ["cuda:80"])
+    assert r.binary.read_bytes()[:4] == b"\x7fELF"
+    kernel = load_kernel(middle(), "cpu")
+    x = torch.randn(100)
+    out = torch.full((100,), float("nan"))
+    kernel((2,), x, 100, out)
+    torch.testing.assert_close(out, x * 3)
