@@ -7,9 +7,9 @@ On a machine without a GPU it runs through Triton's interpreter and checks the s
 import sys
 
 import torch
+from my_rules import Lion
 
 import fuser
-from my_rules import Lion
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
