@@ -12,6 +12,7 @@ each on stderr, no traceback unless ``--verbose``), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "precompile" and "triton" not in sys.modules:
+        # Triton imported in interpreter mode cannot compile; precompiling never interprets.
+        os.environ.pop("TRITON_INTERPRET", None)
     from fuser.cache.entries import CacheWarning
     from fuser.cache.store import CacheError
 

@@ -60,11 +60,17 @@ def compile_spec(source: KernelSource, arg_names: list[str]) -> CompileSpec:
     return CompileSpec(signature, constexprs, {}, options)
 
 
+_imported: dict[tuple, object] = {}
+
+
 def import_kernel(source: KernelSource, path: Path, *, interpret: bool):
     """Import the module at ``path`` and return its entry function: a ``JITFunction``, or
     with ``interpret`` the interpreter's function, whatever ``TRITON_INTERPRET`` says."""
     from triton import knobs
 
+    memo = (str(path), source.entry, interpret)
+    if memo in _imported:
+        return _imported[memo]
     name = f"fuser_kernels.{path.parent.name[:16]}_{source.entry}{'_interpret' if interpret else ''}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -73,10 +79,30 @@ def import_kernel(source: KernelSource, path: Path, *, interpret: bool):
         spec.loader.exec_module(module)
     # Triton resolves helper functions through the module's globals; keep it reachable.
     sys.modules[name] = module
-    return getattr(module, source.entry)
+    _imported[memo] = fn = getattr(module, source.entry)
+    return fn
 
 
-def compile_binary(source: KernelSource, fn, target: str) -> tuple[bytes, bytes]:
+def triton_is_interpreted() -> bool:
+    """Whether Triton was imported with ``TRITON_INTERPRET=1``: its own library functions
+    (``tl.sum``, ``tl.cdiv`` ...) are then interpreter objects that its compiler rejects."""
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(standard.sum, JITFunction)
+
+
+def compile_binary(source: KernelSource, path: Path, target: str) -> tuple[bytes, bytes]:
+    """Compile the kernel whose source file is ``path`` for ``target``: (cubin, metadata
+    JSON). In a process whose Triton runs in interpreter mode, a helper process compiles."""
+    if triton_is_interpreted():
+        from fuser.cache.worker import compile_in_worker
+
+        return compile_in_worker(source, path, target)
+    return compile_function(source, import_kernel(source, path, interpret=False), target)
+
+
+def compile_function(source: KernelSource, fn, target: str) -> tuple[bytes, bytes]:
     """Compile ``fn`` (a ``JITFunction``) for ``target``: (cubin, metadata JSON).
 
     Triton's own file cache is pointed at a temporary folder for the call, so the result

@@ -94,11 +94,9 @@ def ensure_source(source: KernelSource) -> tuple[Path, bool]:
     return folder / name, hit
 
 
-def ensure_binary(source: KernelSource, target: str, load_fn) -> tuple[Binary, bool]:
-    """(binary, served from disk?) of ``source`` for ``target``, compiling it if needed.
-
-    ``load_fn()`` returns the kernel's ``JITFunction``; it is called only on a miss.
-    """
+def ensure_binary(source: KernelSource, target: str, path: Path) -> tuple[Binary, bool]:
+    """(binary, served from disk?) of ``source`` for ``target``, compiling the source file
+    at ``path`` (from ``ensure_source``) if needed."""
     from fuser.cache.aot import compile_binary
 
     target = parse_target(target)
@@ -108,7 +106,7 @@ def ensure_binary(source: KernelSource, target: str, load_fn) -> tuple[Binary, b
     meta = {**dict(source.meta), "kernel": source.entry, "target": target}
 
     def build():
-        binary, md = compile_binary(source, load_fn(), target)
+        binary, md = compile_binary(source, path, target)
         store.write_folder(folder, key, {cubin: binary, metadata: md}, meta)
 
     _, hit = _get_or_build(folder, key.digest, build)
@@ -119,22 +117,13 @@ def precompile(sources: list[KernelSource], targets=("cuda:80", "cuda:90"), on_r
     """Write each kernel's source and compile it for every target, on any machine (no GPU
     needed). Returns one ``Result`` per (source, target); ``on_result(result)`` is called
     as each finishes. Raises ``CompileError`` for a kernel Triton rejects."""
-    from fuser.cache.aot import import_kernel
-
     targets = [parse_target(t) for t in targets]
     results = []
     for source in sources:
         path, _ = ensure_source(source)
-        fn = []
-
-        def load_fn(path=path, source=source, fn=fn):
-            if not fn:
-                fn.append(import_kernel(source, path, interpret=False))
-            return fn[0]
-
         for target in targets:
             t0 = time.perf_counter()
-            binary, hit = ensure_binary(source, target, load_fn)
+            binary, hit = ensure_binary(source, target, path)
             seconds = time.perf_counter() - t0
             status = "hit" if hit else "compiled"
             result = Result(source, target, binary.key, status, seconds, binary.folder / binary.cubin)

@@ -156,10 +156,9 @@ def _load(source: KernelSource, device, interpret: bool):
         # Interpreter: the source is the whole entry. ROCm: Triton's JIT compiles it.
         _count(hit and interpret)
         return JitKernel(source, import_kernel(source, path, interpret=interpret))
-    fn = import_kernel(source, path, interpret=False)
-    binary, hit = ensure_binary(source, target, lambda: fn)
+    binary, hit = ensure_binary(source, target, path)
     _count(hit)
-    return BinaryKernel(source, fn, binary, device.index)
+    return BinaryKernel(source, import_kernel(source, path, interpret=False), binary, device.index)
 
 
 def _count(hit: bool) -> None:

@@ -61,7 +61,7 @@ def test_compiled_kernel_is_built_from_the_stored_files(cache_root):
     source = axpy(block=256)
     path, _ = ensure_source(source)
     fn = import_kernel(source, path, interpret=False)
-    binary, hit = ensure_binary(source, "cuda:90", lambda: fn)
+    binary, hit = ensure_binary(source, "cuda:90", path)
     assert not hit
     kernel = compiled_kernel(source, fn, binary)
     assert kernel.asm["cubin"] == (binary.folder / binary.cubin).read_bytes()
@@ -115,7 +115,7 @@ def test_binary_kernel_launches_like_the_jit(cache_root, monkeypatch):
     source = middle()
     path, _ = ensure_source(source)
     fn = import_kernel(source, path, interpret=False)
-    binary, _ = ensure_binary(source, "cuda:90", lambda: fn)
+    binary, _ = ensure_binary(source, "cuda:90", path)
     fake = _FakeCompiled()
     monkeypatch.setattr(loader, "compiled_kernel", lambda *a: fake)
     monkeypatch.setattr(loader.BinaryKernel, "_device_guard", lambda self, f, *a: f(*a))
