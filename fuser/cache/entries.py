@@ -64,19 +64,32 @@ def _verified(folder: Path, key: str) -> dict[str, bytes] | None:
 
 def _get_or_build(folder: Path, key: str, build) -> tuple[dict[str, bytes], bool]:
     """(files, hit): the verified files of ``folder``, built under the key's lock if needed."""
+    from filelock import Timeout
+
     files = _verified(folder, key)
     if files is not None:
         return files, True
-    with store.lock(key):
-        try:
+    try:
+        with store.lock(key):
+            try:
+                files = store.read_folder(folder, key)
+            except store.CorruptEntry:
+                store.discard(folder)
+                files = None
+            if files is not None:
+                return files, True
+            build()
             files = store.read_folder(folder, key)
-        except store.CorruptEntry:
-            store.discard(folder)
-            files = None
-        if files is not None:
-            return files, True
-        build()
-        files = store.read_folder(folder, key)
+    except Timeout:
+        raise store.CacheError(
+            f"waited {store.LOCK_TIMEOUT_S:.0f} s for another process to build {folder}; if none is "
+            f"running, delete {store.lock_path(key)}"
+        ) from None
+    except PermissionError as e:
+        raise store.CacheError(
+            f"cannot write to the fuser cache ({e.filename or folder}: permission denied); set "
+            "FUSER_CACHE_DIR to a folder you can write, or precompile into this one"
+        ) from None
     return files, False
 
 

@@ -78,7 +78,8 @@ def inspect(folder: Path) -> Listing:
 
 
 def list_entries() -> list[Listing]:
-    return [inspect(d) for d in _entry_folders()]
+    """Every entry, by rule, kernel and dtypes."""
+    return sorted((inspect(d) for d in _entry_folders()), key=lambda e: (e.rule, e.kernel, e.dtypes, e.key))
 
 
 def clear(older_than_days: float | None = None) -> tuple[int, int]:

@@ -228,10 +228,14 @@ def discard(folder: Path, keep_dirs: bool = True) -> None:
             child.unlink()
 
 
+def lock_path(key: str) -> Path:
+    return root() / "locks" / f"{key}.lock"
+
+
 def lock(key: str):
     """The inter-process lock of one key (a ``filelock.FileLock``, use it as a context)."""
     from filelock import FileLock
 
-    path = root() / "locks" / f"{key}.lock"
+    path = lock_path(key)
     make_dirs(path.parent)
     return FileLock(str(path), timeout=LOCK_TIMEOUT_S, mode=0o600)

@@ -7,7 +7,7 @@ import pytest
 from cache_helpers import axpy, broken, files_state
 
 import fuser
-from fuser.cache import CompileError, precompile
+from fuser.cache import CacheError, CompileError, precompile
 from fuser.cache.entries import CacheWarning
 from fuser.cache.keys import binary_key, entry_key
 
@@ -138,3 +138,58 @@ def test_compile_error_names_kernel_and_target(cache_root):
 def test_unknown_target_is_refused(cache_root):
     with pytest.raises(ValueError, match="cuda:80"):
         precompile([axpy()], ["tpu:4"])
+
+
+def test_read_only_cache_serves_hits_and_explains_misses(cache_root):
+    import os
+    import stat
+
+    if os.getuid() == 0:
+        pytest.skip("root writes through read-only permissions")
+    precompile([axpy()], ["cuda:90"])
+    folders = [p for p in cache_root.rglob("*") if p.is_dir()] + [cache_root]
+    for d in folders:
+        d.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        (hit,) = precompile([axpy()], ["cuda:90"])
+        assert hit.status == "hit"
+        with pytest.raises(CacheError, match="cannot write"):
+            precompile([axpy()], ["cuda:80"])
+    finally:
+        for d in folders:
+            d.chmod(stat.S_IRWXU)
+
+
+def test_lock_held_elsewhere_times_out_with_a_clear_error(cache_root, monkeypatch):
+    from filelock import FileLock
+
+    from fuser.cache import store
+
+    source = axpy()
+    key = binary_key(source, "cuda:90").digest
+    monkeypatch.setattr(store, "LOCK_TIMEOUT_S", 0.2)
+    precompile([source], ["cuda:80"])  # the entry exists; its cuda:90 binary does not
+    holder = FileLock(str(store.lock_path(key)))
+    holder.acquire()
+    try:
+        # A lock held by another open file: filelock's in-process reentrancy does not apply.
+        with pytest.raises(CacheError, match=r"waited .* delete .*\.lock"):
+            precompile([source], ["cuda:90"])
+    finally:
+        holder.release()
+
+
+def test_hits_write_nothing_and_unwritable_misses_explain(cache_root, monkeypatch):
+    """The same as above for any user: every write goes through ``atomic_write``."""
+    from fuser.cache import store
+
+    precompile([axpy()], ["cuda:90"])
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(store, "atomic_write", refuse)
+    (hit,) = precompile([axpy()], ["cuda:90"])
+    assert hit.status == "hit"
+    with pytest.raises(CacheError, match="cannot write.*permission denied"):
+        precompile([axpy()], ["cuda:80"])
