@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             _err("interrupted")
             return 130
+        except BrokenPipeError:  # `fuser cache ls | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
 
 
 def _err(line: str) -> None:
