@@ -135,8 +135,13 @@ def load_kernel(source: KernelSource, device="cuda"):
 
     device = torch.device(device)
     interpret = device.type == "cpu" or bool(knobs.runtime.interpret)
-    if device.type == "cuda" and device.index is None and not interpret:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and not interpret:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"cannot load {source.entry} on {device}: no CUDA device here (CPU tensors "
+                               "run through Triton's interpreter; fuser.cache.precompile compiles for "
+                               "GPUs without one)")  # fmt: skip
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     memo = (source.digest, "interpret" if interpret else str(device))
     kernel = _loaded.get(memo)
     if kernel is not None:
