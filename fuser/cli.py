@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="storage dtype of parameters (optimizers) or logits (losses), repeatable "
                      f"(default: {' '.join(DTYPES)})")  # fmt: skip
     pre.add_argument("--builtins", action="store_true", help="also every built-in rule of fuser")
+    pre.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                     help="compile in N processes (0: one per CPU; default 1)")  # fmt: skip
 
     show = sub.add_parser("show", help="print the generated Triton source of rules", parents=[common])
     show.add_argument("target", metavar="TARGET", help="a .py file or a module name")
@@ -106,8 +108,6 @@ def _fail(args, what: str, e: BaseException) -> None:
 # --------------------------------------------------------------------------- precompile --
 def precompile(args) -> int:
     from fuser.cache import cache_dir, parse_target
-    from fuser.cache.entries import precompile as precompile_sources
-    from fuser.cache.store import CacheError
     from fuser.errors import RuleError
 
     if not args.targets and not args.builtins:
@@ -148,24 +148,25 @@ def precompile(args) -> int:
             continue
         for s in sources:
             unique.setdefault(s.digest, (name, s))
-    progress = clitools.Progress(len(unique) * len(gpu_targets))
-    rows, counts = [], {"compiled": 0, "hit": 0}
-    for name, source in unique.values():
-        if name in failed:
+    tasks = [(name, source) for name, source in unique.values() if name not in failed]
+    progress = clitools.Progress(len(tasks) * len(gpu_targets))
+    rows, counts = {}, {"compiled": 0, "hit": 0}
+    for i, name, source, outcome in _compile_all(tasks, gpu_targets, args.jobs):
+        if isinstance(outcome, tuple):  # (one-line error, traceback text)
+            progress.clear()
+            if name not in failed:
+                if getattr(args, "verbose", False):
+                    _err(outcome[1].rstrip())
+                _err(f"error: rule {name!r}: {outcome[0]}")
+            failed.add(name)
             progress.done += len(gpu_targets)
             continue
-        try:
-            for r in precompile_sources([source], gpu_targets):
-                counts[r.status] += 1
-                dtypes_shown = dict(source.meta).get("dtypes", "-")
-                rows.append([name, source.entry, r.target, dtypes_shown, r.status, f"{r.seconds:.2f}"])
-                progress.step(f"{name} {source.entry} {r.target} {r.status} {r.seconds:.2f}s")
-        except CacheError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            progress.clear()
-            failed.add(name)
-            _fail(args, f"rule {name!r}", e)
+        for r in outcome:
+            counts[r.status] += 1
+            dtypes_shown = dict(source.meta).get("dtypes", "-")
+            rows[i, r.target] = [name, source.entry, r.target, dtypes_shown, r.status, f"{r.seconds:.2f}"]
+            progress.step(f"{name} {source.entry} {r.target} {r.status} {r.seconds:.2f}s")
+    rows = [rows[k] for k in sorted(rows)]
     progress.clear()
     if rows:
         print(clitools.table(["rule", "kernel", "target", "dtypes", "status", "seconds"], rows, right={5}))
@@ -174,6 +175,42 @@ def precompile(args) -> int:
                f"{len(failed) + len(errors)} failed; {total:.1f} s; cache {cache_dir()}")  # fmt: skip
     print(summary)
     return 1 if failed or errors else 0
+
+
+def _compile_all(tasks, targets, jobs: int):
+    """Yield (index, rule name, source, results or (error line, traceback)) as each kernel
+    finishes, in this process or in ``jobs`` worker processes."""
+    if jobs == 1 or len(tasks) < 2:
+        for i, (name, source) in enumerate(tasks):
+            yield i, name, source, precompile_one(source, targets)
+        return
+    import concurrent.futures as cf
+    import multiprocessing
+
+    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
+    # spawn: workers start clean (no forked Triton state), and without TRITON_INTERPRET.
+    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(precompile_one, source, targets): (i, name, source)
+                   for i, (name, source) in enumerate(tasks)}  # fmt: skip
+        for future in cf.as_completed(futures):
+            yield (*futures[future], future.result())
+
+
+def precompile_one(source, targets):
+    """Results of one kernel for every target, or (error line, traceback text); a
+    ``CacheError`` (the cache is unusable) propagates."""
+    from fuser.cache.entries import CacheWarning, precompile
+    from fuser.cache.store import CacheError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CacheWarning)
+        warnings.showwarning = _show_warning
+        try:
+            return precompile([source], targets)
+        except CacheError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line per failing rule
+            return one_line(e), traceback.format_exc()
 
 
 # --------------------------------------------------------------------------------- show --

@@ -316,3 +316,21 @@ def test_four_concurrent_cli_precompiles(cache_root, rules_file, tmp_path):
     rerun = subprocess.run([sys.executable, "-c", DRIVER, str(Path(__file__).parent), str(go), *args],
                            env=_env(cache_root), capture_output=True, text=True)  # fmt: skip
     assert rerun.returncode == 0 and {r[4] for r in _rows(rerun.stdout)} == {"hit"}
+
+
+def test_jobs_compile_in_worker_processes(cache_root, fake, rules_file, tmp_path, capsys, monkeypatch):
+    broken_rule = 'broken_two = fuser.rule("p = p - lr * g", name="broken_two", hyper=dict(lr=1.0))'
+    path = tmp_path / "mixed.py"
+    path.write_text(RULES + "\n" + broken_rule + "\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests" / "cache")]))
+    assert cli.main(["precompile", str(path), "--dtype", "fp32", "--dtype", "fp16", "-j", "2"]) == 1
+    captured = capsys.readouterr()
+    rows = _rows(captured.out)
+    assert sorted((r[0], r[2]) for r in rows) == sorted(
+        (name, t) for name in ("sgd", "heavy_ball") for t in ("cuda:80", "cuda:90") for _ in range(2)
+    )
+    assert {r[4] for r in rows} == {"compiled"}
+    errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "broken_two" in errors[0]
+    assert cli.main(["precompile", str(rules_file), "--dtype", "fp32", "--dtype", "fp16", "-j", "0"]) == 0
+    assert {r[4] for r in _rows(capsys.readouterr().out)} == {"hit"}
