@@ -11,10 +11,10 @@ pytestmark = pytest.mark.gpu
 
 # Run in a fresh process where any call to Triton's compiler fails loudly.
 NO_COMPILE = """
-import triton, triton.compiler.compiler as cc
+import triton, triton.compiler, triton.compiler.compiler as cc
 def _boom(*a, **k):
     raise AssertionError("triton.compile was called")
-triton.compile = cc.compile = _boom
+triton.compile = triton.compiler.compile = cc.compile = _boom
 """
 
 AXPY_CHECKS = """
