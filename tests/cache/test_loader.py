@@ -142,3 +142,26 @@ def test_interleaved_constexprs_compile_and_run_on_cpu(cache_root):
     out = torch.full((100,), float("nan"))
     kernel((2,), x, 100, out)
     torch.testing.assert_close(out, x * 3)
+
+
+def test_triton_launcher_takes_the_arguments_we_pass(cache_root):
+    """Generate the C launcher Triton builds on a GPU host (as ``CudaLauncher`` does) from the
+    CompiledKernel we construct, and check that its argument format has one entry per
+    parameter we pass, constexprs included, after Triton's fixed launch arguments."""
+    import re
+
+    from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT, make_launcher
+
+    source = middle()
+    path, _ = ensure_source(source)
+    fn = import_kernel(source, path, interpret=False)
+    binary, _ = ensure_binary(source, "cuda:90", path)
+    kernel = compiled_kernel(source, fn, binary)
+    src = kernel.src
+    constants = {((fn.arg_names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
+    c_source = make_launcher(constants, dict(src.signature), kernel.metadata.tensordesc_meta)
+    fmt = re.search(r'PyArg_ParseTuple\(args, "([^"]+)"', c_source).group(1)
+    assert fmt.startswith(_BASE_ARGS_FORMAT)
+    per_arg = fmt[len(_BASE_ARGS_FORMAT) :]
+    # x, BLOCK, n, SCALE, out: pointers and constexprs are objects, n an int
+    assert per_arg == "OOiOO"
