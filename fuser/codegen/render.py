@@ -28,6 +28,11 @@ OPTIM_SIGNATURE = (
     ("n_tensors", "i32"), ("n_blocks", "i32"), ("part", "i32"), ("n_parts", "i32"), ("seed", "i64"),
 )
 REDUCE_BLOCK = 128
+# Reductions call tl.reduce with Triton's own combine functions rather than tl.sum/tl.max:
+# those are jitted library functions, which only run in the interpreter when it was on
+# at import, while the interpreter recognises these combiners and sums with numpy. The
+# same kernel module then serves the interpreter (CPU tensors) and the compiler.
+SUM, SUM_COMBINE, MAX_COMBINE = "tl.reduce", "tl.standard._sum_combine", "tl.standard._elementwise_max"
 
 
 def template_dir() -> Path:
@@ -122,7 +127,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     loads = scalar_loads(scalar_names, "t", "grp")
     for r in known:
         if r.global_column >= 0:
-            loads += [f"{r.symbol.name} = tl.zeros((), tl.float64)", "q = 0",
+            loads += [f"{r.symbol.name} = tl.full((), 0.0, tl.float64)", "q = 0",
                       "while q < n_parts:",
                       f"    {r.symbol.name} += tl.load(glob + q * {nglob} + {r.global_column}).to(tl.float64)",
                       "    q += 1",
@@ -151,15 +156,14 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     if last:
         sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
         if sr:
-            stores.append("sr_step = (step - 1.0).to(tl.uint32)")
+            # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
+            # by the element, so a run is reproducible and no state is kept.
+            stores.append("sr_key = _stream_key(seed, step, t)")
         for k, (n, e) in enumerate(phase.stores):
             dtype = _slot(plan, n).dtype
             rnd = None
             if sr and dtype != "fp32":
-                # Counter-based: one stream per (seed, element, tensor, step, slot).
-                stores.append(f"rnd_{n}, _, _, _ = tl.philox(seed, offs.to(tl.uint32), t.to(tl.uint32) + "
-                              f"tl.zeros_like(offs).to(tl.uint32), sr_step + tl.zeros_like(offs).to(tl.uint32), "
-                              f"tl.full(offs.shape, {k}, tl.uint32))")
+                stores.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
                 rnd = f"rnd_{n}"
             stores.append(f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), dtype, rnd)}, mask=smask)")
         # The last program advances step and scalar states for RBLOCK tensors at a time.
@@ -189,23 +193,23 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             value = p32.doprint_expr(e)
             if combine == "sum":
                 partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                                     f"tl.sum(tl.where(mask, {value}, 0.0), axis=0))")
-                combine_init.append(f"acc{col} = tl.zeros([RBLOCK], tl.float32)")
+                                     f"{SUM}(tl.where(mask, {value}, 0.0), 0, {SUM_COMBINE}))")
+                combine_init.append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
                 combine_step.append(f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)")
-                combine_store.append(f"tl.store(red + t * {nred} + {col}, tl.sum(acc{col}, axis=0))")
+                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {SUM_COMBINE}))")
             else:
                 partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                                     f"tl.max(tl.where(mask, {value}, float('-inf')), axis=0))")
+                                     f"{SUM}(tl.where(mask, {value}, float('-inf')), 0, {MAX_COMBINE}))")
                 combine_init.append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
                 combine_step.append(f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
                                     f"{col}, mask=m, other=float('-inf')))")
-                combine_store.append(f"tl.store(red + t * {nred} + {col}, tl.max(acc{col}, axis=0))")
+                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {MAX_COMBINE}))")
             r = plan.reductions[col]
             if r.global_column >= 0:
                 g = r.global_column
-                global_init.append(f"gacc{g} = tl.zeros([RBLOCK], tl.float32)")
+                global_init.append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")
                 global_step.append(f"gacc{g} += tl.load(red + tidx * {nred} + {col}, mask=tm, other=0.0)")
-                global_store.append(f"tl.store(glob + part * {nglob} + {g}, tl.sum(gacc{g}, axis=0))")
+                global_store.append(f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))")
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
     block, warps = optim_launch_config(plan)

@@ -219,6 +219,36 @@ adan = fuser.rule("""
     state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_diff=0.0, pre_grad=0.0))
 
 
+# --- LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Alg. 2) -----------
+# Adam's bias-corrected direction plus decoupled decay, scaled per tensor by the trust
+# ratio ||p|| / ||u|| (1 when either norm is 0). Two launches: the norms, then the update.
+lamb = fuser.rule("""
+    d = g - 2 * maximize * g
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    u = (exp_avg / (1 - beta1**step)) / (sqrt(exp_avg_sq / (1 - beta2**step)) + eps) + weight_decay * p
+    p_norm = norm(p)
+    u_norm = norm(u)
+    trust = where(p_norm > 0, where(u_norm > 0, p_norm / u_norm, 1), 1)
+    p = p - lr * trust * u
+""", name="lamb", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0, maximize=0.0),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0))
+
+# --- LARS (You et al. 2017, "Large Batch Training of Convolutional Networks", Alg. 1) -------
+# Layer-wise rate trust_coefficient * ||p|| / (||g|| + wd ||p||) (1 when a norm is 0) on
+# the decayed gradient, then heavy-ball momentum with lr applied outside the buffer (as
+# torch's SGD does, so lr schedules act on the step, not on the buffer).
+lars = fuser.rule("""
+    d = g - 2 * maximize * g
+    p_norm = norm(p)
+    denom = norm(d) + weight_decay * p_norm
+    trust = where(p_norm > 0, where(denom > 0, trust_coefficient * p_norm / denom, 1), 1)
+    momentum_buffer = momentum * momentum_buffer + (1 - dampening) * trust * (d + weight_decay * p)
+    p = p - lr * momentum_buffer
+""", name="lars", hyper=dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, trust_coefficient=1e-3,
+                              maximize=0.0),
+    state=dict(momentum_buffer=0.0))
+
 # --- classes ------------------------------------------------------------------------------
 
 def _flag(group: dict, key: str, default: bool = False) -> float:
@@ -262,12 +292,18 @@ class _Builtin(FuserOptimizer):
     def _variant(self, structure: tuple) -> Rule:
         return type(self).rule
 
-    def _init_builtin(self, params, defaults: dict, state_dtype) -> None:
+    def _init_builtin(self, params, defaults: dict, state_dtype, grad_attr="grad",
+                      stochastic_rounding=False, seed=0) -> None:
+        """fuser's own keywords, on every built-in: ``state_dtype``, ``grad_attr``
+        (``"main_grad"``), ``stochastic_rounding`` and ``seed`` (see ``fuser.compile``)."""
         if defaults.get("differentiable"):
             raise ValueError("fuser optimizers are not differentiable")
         self._structure_key = None
-        options = dataclasses.replace(type(self).options,
-                                      state_dtype=_options(state_dtype=state_dtype).state_dtype)
+        checked = _options(state_dtype=state_dtype, grad_attr=grad_attr,
+                           stochastic_rounding=stochastic_rounding, seed=seed)
+        options = dataclasses.replace(type(self).options, state_dtype=checked.state_dtype,
+                                      grad_attr=checked.grad_attr,
+                                      stochastic_rounding=checked.stochastic_rounding, seed=checked.seed)
         self._init_fuser(params, defaults, options=options)
         self.rule = self._variant(self._structure_key)
 
@@ -306,7 +342,8 @@ class SGD(_Builtin):
     options = Options()
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, state_dtype=None):
+                 maximize=False, foreach=None, differentiable=False, fused=None, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -314,7 +351,7 @@ class SGD(_Builtin):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _structure(self, group):
         with_momentum = group["momentum"] != 0
@@ -352,7 +389,8 @@ class Adam(_Builtin):
     options = Options()
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, state_dtype=None):
+                 decoupled_weight_decay=False, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas)
@@ -360,7 +398,7 @@ class Adam(_Builtin):
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _structure(self, group):
         return (bool(group.get("amsgrad", False)),)
@@ -387,14 +425,15 @@ class AdamW(_Builtin):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, state_dtype=None):
+                 differentiable=False, fused=None, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _structure(self, group):
         return (bool(group.get("amsgrad", False)),)
@@ -426,14 +465,15 @@ class Adagrad(_Builtin):
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
                  eps=1e-10, foreach=None, *, maximize=False, differentiable=False, fused=None,
-                 state_dtype=None):
+                 state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(lr_decay=lr_decay, weight_decay=weight_decay,
                       initial_accumulator_value=initial_accumulator_value, epsilon=eps)
         defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -457,13 +497,14 @@ class RMSprop(_Builtin):
     options = Options()
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
-                 capturable=False, foreach=None, maximize=False, differentiable=False, *, state_dtype=None):
+                 capturable=False, foreach=None, maximize=False, differentiable=False, *, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, momentum=momentum, weight_decay=weight_decay, alpha=alpha)
         defaults = dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered,
                         weight_decay=weight_decay, capturable=capturable, foreach=foreach,
                         maximize=maximize, differentiable=differentiable)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _structure(self, group):
         return (bool(group.get("centered", False)), group["momentum"] > 0)
@@ -489,7 +530,8 @@ class NAdam(_Builtin):
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, state_dtype=None):
+                 differentiable=False, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)
         betas = _check_betas(betas)
@@ -497,7 +539,7 @@ class NAdam(_Builtin):
                         momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -514,14 +556,15 @@ class RAdam(_Builtin):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, state_dtype=None):
+                 differentiable=False, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         foreach=foreach, capturable=capturable,
                         decoupled_weight_decay=decoupled_weight_decay, differentiable=differentiable)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -538,12 +581,13 @@ class Lion(_Builtin):
     options = Options()
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 state_dtype=None):
+                 state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(weight_decay=weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -562,7 +606,8 @@ class AdEMAMix(_Builtin):
     options = Options()
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=2.0, beta3_warmup=None,
-                 alpha_warmup=None, eps=1e-8, weight_decay=0.0, *, maximize=False, state_dtype=None):
+                 alpha_warmup=None, eps=1e-8, weight_decay=0.0, *, maximize=False, state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay, alpha=alpha)
         betas = _check_betas(betas, 3)
@@ -573,7 +618,7 @@ class AdEMAMix(_Builtin):
             raise ValueError("beta3_warmup ramps beta3 from beta1, which must then be > 0")
         defaults = dict(lr=lr, betas=betas, alpha=alpha, beta3_warmup=beta3_warmup,
                         alpha_warmup=alpha_warmup, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _group_hyper(self, group):
         beta1, beta2, beta3 = group["betas"]
@@ -595,7 +640,8 @@ class Adan(_Builtin):
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, *, maximize=False, foreach=None, fused=None,
-                 state_dtype=None):
+                 state_dtype=None, grad_attr="grad",
+                 stochastic_rounding=False, seed=0):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas, 3)
@@ -604,10 +650,55 @@ class Adan(_Builtin):
                                       "clip with torch.nn.utils.clip_grad_norm_ before step()")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0,
                         no_prox=no_prox, maximize=maximize, foreach=foreach, fused=fused)
-        self._init_builtin(params, defaults, state_dtype)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
     def _group_hyper(self, group):
         beta1, beta2, beta3 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
                     weight_decay=group["weight_decay"], no_prox=_flag(group, "no_prox"),
+                    maximize=_flag(group, "maximize"))
+
+
+class LAMB(_Builtin):
+    """LAMB (You et al. 2020): Adam's direction with decoupled weight decay, scaled per
+    tensor by the trust ratio ``||p|| / ||update||``. State keys ``exp_avg``, ``exp_avg_sq``."""
+
+    rule = lamb
+    options = Options()
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *, maximize=False,
+                 state_dtype=None, grad_attr="grad", stochastic_rounding=False, seed=0):
+        _check_lr(lr)
+        _check_nonneg(epsilon=eps, weight_decay=weight_decay)
+        betas = _check_betas(betas)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+
+    def _group_hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], maximize=_flag(group, "maximize"))
+
+
+class LARS(_Builtin):
+    """LARS (You et al. 2017): SGD with momentum whose rate is scaled per tensor by
+    ``trust_coefficient * ||p|| / (||g|| + weight_decay * ||p||)``. State key
+    ``momentum_buffer``. Exclude biases and norms by giving them their own param group with
+    ``trust_coefficient`` and ``weight_decay`` as you want them."""
+
+    rule = lars
+    options = Options()
+
+    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, trust_coefficient=1e-3,
+                 *, maximize=False, state_dtype=None, grad_attr="grad", stochastic_rounding=False, seed=0):
+        _check_lr(lr)
+        _check_nonneg(momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                      trust_coefficient=trust_coefficient)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, maximize=maximize)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+
+    def _group_hyper(self, group):
+        return dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
+                    weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"],
                     maximize=_flag(group, "maximize"))

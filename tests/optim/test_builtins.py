@@ -584,9 +584,13 @@ def test_every_builtin_rule_renders(device):
     from fuser.optim.factory import kernel_sources
 
     rules = [v for v in vars(builtins).values() if isinstance(v, fuser.Rule)]
-    assert len(rules) == 17
+    assert len(rules) == 19
     for rule in rules:
         for dtype in ("fp32", "bf16"):
-            (src,) = kernel_sources(rule, dtype)
-            assert src.text == kernel_sources(rule, dtype)[0].text
-            assert f"def {rule.name}_step(" in src.text
+            sources = kernel_sources(rule, dtype)
+            assert [s.text for s in sources] == [s.text for s in kernel_sources(rule, dtype)]
+            if len(sources) == 1:
+                assert f"def {rule.name}_step(" in sources[0].text
+            else:  # rules with reductions: one kernel per phase
+                for k, src in enumerate(sources):
+                    assert f"def {rule.name}_phase{k}(" in src.text
