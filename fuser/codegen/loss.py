@@ -11,7 +11,7 @@ from __future__ import annotations
 import sympy
 
 from fuser.codegen.printer import TritonPrinter
-from fuser.codegen.render import environment, helpers_source, store_cast
+from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import IS_Y, VOCAB, Z, Z_Y, Accumulator, LossPlan, Pass
 from fuser.rules.parse import symbol
@@ -67,31 +67,48 @@ def _indicators(exprs, printer) -> list[str]:
     return lines
 
 
+ARGMAX_COMBINE = "tl.standard._argmax_combine_tie_break_left"
+
+
+def _sum(x: str) -> str:
+    return f"{SUM}({x}, 0, {SUM_COMBINE})"
+
+
+def _max(x: str) -> str:
+    return f"{SUM}({x}, 0, {MAX_COMBINE})"
+
+
 def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str], list[str]]:
-    """(init, update, finish) lines of one reduction."""
+    """(init, update, finish) lines of one reduction.
+
+    Reductions call ``tl.reduce`` with Triton's own combiners, as the optimizer kernels do
+    (see ``fuser.codegen.render``): ``tl.sum``/``tl.max``/``tl.argmax`` are jitted library
+    functions that the interpreter only runs when it was on at import.
+    """
     i = acc.index
     if acc.op == "logsumexp":
         # Online logsumexp: a running max and the sum of exp(a - max), rescaled when the
         # max grows, so one sweep suffices and nothing overflows.
-        return ([f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.zeros((), tl.float32)"],
+        return ([f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.full((), 0.0, tl.float32)"],
                 [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                 f"nm{i} = tl.maximum(lm{i}, tl.max(a{i}, 0))",
-                 f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + tl.sum(tl.exp(a{i} - nm{i}), 0)",
+                 f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
+                 f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
                  f"lm{i} = nm{i}"],
                 [f"r{i} = lm{i} + tl.log(ls{i})"])
     if acc.op == "sum":
         # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
         # reductions, and rounding grows with V / BLOCK rather than V.
-        return ([f"acc{i} = tl.zeros((BLOCK,), tl.float32)"],
+        return ([f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
                 [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
-                [f"r{i} = tl.sum(acc{i}, 0)"])
+                [f"r{i} = {_sum(f'acc{i}')}"])
     if acc.op == "max":
-        # The first column holding the maximum: its indicator carries the gradient.
-        return ([f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.zeros((), tl.int32)"],
+        # The first column holding the maximum: its indicator carries the gradient. The
+        # indices reduced are positions in the block (the interpreter returns those
+        # whatever index values it is given).
+        return ([f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
                 [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                 f"tm{i} = tl.max(a{i}, 0)",
-                 f"ta{i} = tl.argmax(a{i}, 0).to(tl.int32) + start",
-                 f"am{i} = tl.where(tm{i} > mx{i}, ta{i}, am{i})",
+                 f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
+                 f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
                  f"mx{i} = tl.maximum(mx{i}, tm{i})"],
                 [f"r{i} = mx{i}"])
     raise ValueError(f"unknown reduction {acc.op!r}")
