@@ -13,7 +13,7 @@ import sympy
 from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
 from fuser.codegen.source import KernelSource
-from fuser.ir.loss import IS_Y, VOCAB, Z, Z_Y, Accumulator, LossPlan, Pass
+from fuser.ir.loss import IS_Y, VOCAB, Z_Y, Accumulator, LossPlan, Pass, Z
 from fuser.rules.parse import symbol
 
 TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
@@ -122,7 +122,8 @@ def _pass_context(p: Pass, printer) -> dict:
         update += b
         finish += c
     exprs = [e for _, e in p.body] + [a.arg for a in p.accumulators]
-    body = _indicators(exprs, printer) + [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
+    body = _indicators(exprs, printer)
+    body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
     return dict(
         summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
         prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
@@ -138,7 +139,8 @@ def loss_entry(plan: LossPlan) -> str:
     return f"{plan.name}_loss_rows"
 
 
-def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS) -> KernelSource:
+def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK,
+                num_warps: int = DEFAULT_WARPS) -> KernelSource:
     """Render the row kernel of a loss plan."""
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, not {block}")

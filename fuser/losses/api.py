@@ -98,7 +98,8 @@ class CompiledLoss:
             raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
         lead = hidden.shape[:-1]
         if target.shape != lead:
-            raise ValueError(f"target must have hidden's leading shape {list(lead)}, not {list(target.shape)}")
+            raise ValueError(f"target must have hidden's leading shape {list(lead)}, "
+                             f"not {list(target.shape)}")
         if target.dtype.is_floating_point or target.dtype == torch.bool:
             raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
         devices = {t.device for t in (hidden, weight, target, bias) if t is not None}

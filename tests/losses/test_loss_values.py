@@ -227,12 +227,14 @@ def test_bf16_target_gradient_is_rounded_once():
     # to bf16 first (steps of 2**-8 near 1) and subtracting 1 afterwards would lose it all.
     # With one token, grad_bias is the stored logit gradient itself.
     hidden, weight, b, target = make_inputs(torch.bfloat16, ignore="none", shape=(1,))
-    b = b.float()
-    b[target[0]] += 12.0
+    y = target[0]
+    z = hidden.double() @ weight.double().T + b.double()
+    others = torch.logsumexp(torch.cat([z[0, :y], z[0, y + 1:]]), 0)
+    b = b.double()
+    b[y] += others + 6.5 - z[0, y]  # 1 - p_y = about exp(-6.5) = 1.5e-3
     b = b.to(torch.bfloat16)
     loss, gx, gw, gb = run(fuser.losses.cross_entropy, hidden, weight, b, target)
     ref = reference(cross_entropy, hidden, weight, b, target, round_logits_to=torch.bfloat16)
-    y = target[0]
     assert -5e-3 < ref[3][y] < -1e-5
     assert abs(gb[y].double() - ref[3][y]) <= 1e-2 * abs(ref[3][y])
     assert_close(gb, ref[3], 1e-2, "grad bias")
