@@ -79,7 +79,8 @@ def _max(x: str) -> str:
 
 
 def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str], list[str]]:
-    """(init, update, finish) lines of one reduction.
+    """(init, update, finish) lines of one reduction. Rows that are not ``live`` (ignored)
+    sweep nothing and finish at 0, so what follows stays finite.
 
     Reductions call ``tl.reduce`` with Triton's own combiners, as the optimizer kernels do
     (see ``fuser.codegen.render``): ``tl.sum``/``tl.max``/``tl.argmax`` are jitted library
@@ -94,7 +95,7 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
                  f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
                  f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
                  f"lm{i} = nm{i}"],
-                [f"r{i} = lm{i} + tl.log(ls{i})"])
+                [f"r{i} = tl.where(live, lm{i}, 0.0) + tl.log(tl.where(live, ls{i}, 1.0))"])
     if acc.op == "sum":
         # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
         # reductions, and rounding grows with V / BLOCK rather than V.
@@ -110,7 +111,7 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
                  f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
                  f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
                  f"mx{i} = tl.maximum(mx{i}, tm{i})"],
-                [f"r{i} = mx{i}"])
+                [f"r{i} = tl.where(live, mx{i}, 0.0)"])
     raise ValueError(f"unknown reduction {acc.op!r}")
 
 
