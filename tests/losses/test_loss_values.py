@@ -305,3 +305,37 @@ def test_out_of_range_target_poisons_the_loss():
     target[3] = V + 5
     loss = fuser.losses.cross_entropy(hidden, weight, target, b, reduction="none")
     assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(T) != 3]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cross_entropy_matches_torch(dtype):
+    hidden, weight, b, target = make_inputs(dtype, shape=(3, 13))
+    grad_out = torch.rand(3, 13) + 0.5
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, reduction="none", grad_out=grad_out)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_()
+    ref = torch.nn.functional.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, target.reshape(-1),
+                                                   linear_bias=bb, reduction="none", ignore_index=IGNORE)
+    ref = ref.reshape(3, 13)
+    (ref * grad_out.to(dtype)).sum().backward()
+    assert got[0].shape == (3, 13) and got[0].dtype == dtype
+    assert_close(got[0], ref.detach().double(), TOL[dtype], "loss")
+    for a, e, n in ((got[1], x.grad, "hidden"), (got[2], w.grad, "weight"), (got[3], bb.grad, "bias")):
+        assert a.dtype == e.dtype
+        assert_close(a, e.double(), TOL[dtype], f"grad {n}")
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_only_the_inputs_that_need_grad_get_one(frozen):
+    hidden, weight, b, target = make_inputs(bias=False)
+    x = hidden.clone().requires_grad_(frozen != "hidden")
+    w = weight.clone().requires_grad_(frozen != "weight")
+    fuser.losses.cross_entropy(x, w, target).backward()
+    ref = reference(cross_entropy, hidden, weight, None, target)
+    if frozen == "weight":
+        assert w.grad is None
+        assert_close(x.grad, ref[1], 2e-5, "grad hidden")
+    else:
+        assert x.grad is None
+        assert_close(w.grad, ref[2], 2e-5, "grad weight")
