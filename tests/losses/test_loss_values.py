@@ -129,6 +129,18 @@ def _max_of_scaled(z, y):
     return (z * (1 + s * s)).max(1).values - z.gather(1, y[:, None])[:, 0]
 
 
+def _lse_of_lse(z, y):
+    # the derivative of a logsumexp with respect to an earlier reduction is not closed-form:
+    # it becomes a softmax-weighted sum in one more sweep
+    a = torch.logsumexp(z, 1, keepdim=True)
+    return torch.logsumexp(z * a / 10, 1) - z.gather(1, y[:, None])[:, 0] * a[:, 0] / 10
+
+
+def _shift_clamp(z, y):
+    z = (z - z.gather(1, y[:, None])).clamp(-4, 4)
+    return torch.logsumexp(torch.where(z > 0, 2 * z, z), 1) + torch.log1p(torch.exp(-z.abs())).sum(1) / 50
+
+
 USER_RULES = {
     "softcap_zloss": ("""
         z = cap * tanh(z / cap)
@@ -147,6 +159,14 @@ USER_RULES = {
         z = z * z / (1 + m * m) + log1p(exp(-abs(z)))
         loss = logsumexp(z) - z[y]
     """, {}, _nested),
+    "lse_of_lse": ("""
+        a = logsumexp(z)
+        loss = logsumexp(z * a / 10) - z[y] * a / 10
+    """, {}, _lse_of_lse),
+    "shift_clamp": ("""
+        z = clamp(z - z[y], -4, 4)
+        loss = logsumexp(where(z > 0, 2 * z, z)) + sum(log1p(exp(-abs(z)))) / 50
+    """, {}, _shift_clamp),
     "max_of_scaled": ("""
         s = mean(z)
         loss = max(z * (1 + s**2)) - z[y]
