@@ -169,6 +169,9 @@ class LinearLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.eager:
+            if ctx.grads is None:
+                raise RuntimeError("the gradients of a fused linear + loss were computed in its forward pass "
+                                   "and already handed out: backward can run through it once")
             gx, gw, gb = ctx.grads
             ctx.grads = None
             go = grad_out.float()

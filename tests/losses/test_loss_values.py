@@ -359,3 +359,12 @@ def test_only_the_inputs_that_need_grad_get_one(frozen):
     else:
         assert x.grad is None
         assert_close(w.grad, ref[2], 2e-5, "grad weight")
+
+
+def test_second_backward_through_the_eager_schedule_says_why():
+    hidden, weight, b, target = make_inputs(bias=False)
+    w = weight.clone().requires_grad_()
+    loss = fuser.losses.cross_entropy(hidden, w, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
