@@ -120,7 +120,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         lines = [f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})"
                  for j, h in enumerate(plan.hyper)]
         lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
-        lines.append(f"{names[NUMEL]} = tl.load(numels + {row}{m}).to(tl.float64)")
+        lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
         lines += [f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
                   for j, s in enumerate(plan.scalar_states)]
         for r in known:

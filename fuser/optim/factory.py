@@ -19,6 +19,8 @@ from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import DTYPES, OptimPlan, lower_optim, scalar_state_names
 from fuser.rules.rule import Rule
+from fuser.runtime import distributed
+from fuser.runtime.distributed import local
 from fuser.runtime.tables import Tables, build_tables, check_layout
 
 TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -103,6 +105,7 @@ class _Engine:
     glob: dict = field(default_factory=dict)  # device -> fp32 [n_parts, n_global]
     n_parts: dict = field(default_factory=dict)  # device -> launches (dtype plans) on it
     amp_defaults: dict = field(default_factory=dict)  # device -> (grad_scale 1.0, found_inf 0.0)
+    shards: object = None  # combines reductions of DTensor shards between phases (runtime.distributed)
 
 
 class _Source:
@@ -172,7 +175,8 @@ class FuserOptimizer(torch.optim.Optimizer):
     def _gather(self):
         """Parameters with gradients, and what the tables depend on: ``signature`` (all but
         the gradients' addresses) and ``grad_ptrs`` (those, which change every step when
-        gradients are set to None between steps)."""
+        gradients are set to None between steps). Both are of the local tensors the kernels
+        walk: a DTensor's own ``data_ptr()`` is 0."""
         attr = self.options.grad_attr
         keys = list(self._state_keys.values())
         items, signature, grad_ptrs = [], [], []
@@ -181,12 +185,14 @@ class FuserOptimizer(torch.optim.Optimizer):
                 g = getattr(p, attr, None)
                 if g is None:
                     continue
+                g = distributed.grad_for(p, g, attr)
                 items.append((p, g, gi))
                 st = self.state.get(p)
+                pl, gl = local(p), local(g)
                 try:
-                    grad_ptrs.append(g.data_ptr())
-                    sig = (gi, p.data_ptr(), p.dtype, g.dtype, p.device, g.device, p.shape, g.shape,
-                           p.stride(), g.stride())
+                    grad_ptrs.append(gl.data_ptr())
+                    sig = (gi, pl.data_ptr(), pl.dtype, gl.dtype, pl.device, gl.device, pl.shape, gl.shape,
+                           pl.stride(), gl.stride())
                 except RuntimeError:  # sparse and other storage-less gradients
                     sig = (gi, id(g))
                 if st:
@@ -213,7 +219,8 @@ class FuserOptimizer(torch.optim.Optimizer):
             eng.grad_ptrs = grad_ptrs
         self._sync_hyper()
         seed = self.options.seed
-        for phase in range(len(eng.launches[0].kernels)):
+        n_phases = len(eng.launches[0].kernels)
+        for phase in range(n_phases):
             # Phase k of every launch before phase k + 1 of any: global reductions combine
             # the totals of every launch on the device.
             for launch in eng.launches:
@@ -225,6 +232,8 @@ class FuserOptimizer(torch.optim.Optimizer):
                     t.tensor_first_block, t.tensor_blocks, eng.hyper_tables[device], launch.scalars,
                     launch.red, launch.partials, t.counters, eng.glob[device], grad_scale, found_inf,
                     t.n_tensors, t.n_blocks, launch.part, eng.n_parts[device], seed)
+            if eng.shards is not None and phase < n_phases - 1:
+                eng.shards(phase)
 
     def _amp_tensors(self, device):
         """(grad_scale, found_inf) on ``device``: GradScaler's when it set them, else 1 and 0."""
@@ -244,6 +253,8 @@ class FuserOptimizer(torch.optim.Optimizer):
         attr = self.options.grad_attr
         for p, g, _ in items:
             where = f"parameter of shape {tuple(p.shape)}"
+            distributed.check(p, g, where, attr)
+            p, g = local(p), local(g)
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
                                    f"({where}); use a dense gradient")
@@ -294,12 +305,13 @@ class FuserOptimizer(torch.optim.Optimizer):
                 elif not isinstance(st[key], torch.Tensor):
                     raise RuntimeError(f"state {key!r} of a parameter is {type(st[key]).__name__}, "
                                        "not a tensor")
-                elif st[key].shape == p.shape and (st[key].dtype != want or st[key].device != p.device
-                                                   or st[key].stride() != p.stride()):
+                st[key] = distributed.like_param(st[key], p)  # a DTensor parameter's state is sharded like it
+                if st[key].shape == p.shape and (st[key].dtype != want or st[key].device != p.device
+                                                 or st[key].stride() != p.stride()):
                     fixed = torch.empty_like(p, dtype=want, memory_format=torch.preserve_format)
                     fixed.copy_(st[key])
                     st[key] = fixed
-                check_layout(f"state {key!r}", st[key], p)
+                check_layout(f"state {key!r}", local(st[key]), local(p))
 
         # Partition by device and dtype plan: one launch each.
         parts: dict[tuple, list] = {}
@@ -317,9 +329,10 @@ class FuserOptimizer(torch.optim.Optimizer):
             for p, g, _ in members:
                 st = self.state[p]
                 slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
-                rows.append([slot_tensor[sl.name] for sl in plan.slots])
+                rows.append([local(slot_tensor[sl.name]) for sl in plan.slots])
             block = dict(sources[0].constexprs)["BLOCK"]
-            tables = build_tables(rows, [gi for _, _, gi in members], block, device)
+            tables = build_tables(rows, [gi for _, _, gi in members], block, device,
+                                  [p.numel() for p, _, _ in members])
             scalars = self._pack_scalars(members, scalar_names, device)
             nred = max(1, len(plan.reductions))
             red = torch.zeros(tables.n_tensors, nred, device=device)
@@ -334,6 +347,8 @@ class FuserOptimizer(torch.optim.Optimizer):
         eng.n_parts = n_parts
         n_global = max(1, launches[0].plan.n_global)
         eng.glob = {d: torch.zeros(n, n_global, device=d) for d, n in n_parts.items()}
+        eng.shards = distributed.shard_reduction(
+            launches, [[items[i][0] for i in launch.members] for launch in launches], eng.glob)
         eng.hyper_values = []  # force a hyper table refresh
 
     def _pack_scalars(self, members, scalar_names, device) -> torch.Tensor:
@@ -412,6 +427,7 @@ class FuserOptimizer(torch.optim.Optimizer):
                 if not torch.is_tensor(value):
                     continue
                 if key in element_keys and value.shape == p.shape:
+                    value = distributed.like_param(value, p)
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
                 elif key in scalar_keys and value.numel() == 1:
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())

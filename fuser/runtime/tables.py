@@ -20,7 +20,7 @@ class Tables:
     """Device tables for one launch: ``n_tensors`` rows, ``n_blocks`` programs."""
 
     ptrs: torch.Tensor  # int64 [n_tensors, n_slots]
-    numels: torch.Tensor  # int64 [n_tensors]
+    numels: torch.Tensor  # int64 [2, n_tensors]: elements here, then elements of the logical tensor
     groups: torch.Tensor  # int32 [n_tensors]
     block_tensor: torch.Tensor  # int32 [n_blocks]
     block_start: torch.Tensor  # int64 [n_blocks]
@@ -32,8 +32,11 @@ class Tables:
 
 
 def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
-                 device: torch.device) -> Tables:
+                 device: torch.device, logical_numels: list[int] | None = None) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
+
+    ``logical_numels`` are what a rule's ``numel`` (and ``mean``) reads: the whole tensor's
+    size where a row holds one shard of it (DTensor parameters); the rows' own by default.
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
@@ -43,6 +46,7 @@ def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
+    logical = numels if logical_numels is None else torch.tensor(logical_numels, dtype=torch.int64)
     counts = ((numels + block - 1) // block).clamp_min(1)
     total = int(counts.sum())
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
@@ -51,7 +55,7 @@ def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
     stats.count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
-        numels=numels.to(device),
+        numels=torch.stack([numels, logical]).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
