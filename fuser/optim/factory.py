@@ -408,19 +408,17 @@ class FuserOptimizer(torch.optim.Optimizer):
         # torch casts floating state to each parameter's dtype; fuser keeps its own state
         # dtype (fp32 by default), so restore the saved values at full precision.
         saved = state_dict["state"]
+        # Saved ids in group order, as torch maps them: indices from state_dict(), or
+        # parameter names from torch.distributed.checkpoint's set_optimizer_state_dict.
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
-        id_to_param = {}
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                id_to_param[index] = p
-                index += 1
+        id_to_param = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
         scalar_names = scalar_state_names(self.rule)
         keys = self._state_keys
         element_keys = {keys[s] for s in keys if s not in scalar_names}
         scalar_keys = {keys[s] for s in scalar_names}
         for pid, st in saved.items():
-            p = id_to_param.get(int(pid))
+            p = id_to_param.get(pid)
             if p is None:
                 continue
             for key, value in st.items():

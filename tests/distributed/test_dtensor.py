@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import centred, lamb_clip
 from ranks import run_ranks
 
 import fuser
@@ -14,28 +15,6 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch was built without gloo", allow_module_level=True)
 
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
-
-# LAMB on gradients clipped in the step by their global norm: a global reduction, then
-# two per-tensor norms of which one reads the clipped gradient (three phases).
-lamb_clip = fuser.rule("""
-    c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
-    m = beta1 * m + (1 - beta1) * c
-    v = beta2 * v + (1 - beta2) * c**2
-    u = m / (1 - beta1**step) / (sqrt(v / (1 - beta2**step)) + eps) + weight_decay * p
-    p_norm = norm(p)
-    u_norm = norm(u)
-    trust = where(p_norm > 0, where(u_norm > 0, p_norm / u_norm, 1), 1)
-    p = p - lr * trust * u
-""", name="lamb_clip", hyper=dict(lr=0.02, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, max_norm=1.0),
-    state=dict(m=0.0, v=0.0))
-
-# Every other reduction, sums and maxes in the same phase, and numel.
-centred = fuser.rule("""
-    d = g - mean(g)
-    ema = beta * ema + (1 - beta) * d
-    r = amax(abs(g)) / (amax(abs(ema)) + eps)
-    p = p - lr * r * ema / (norm(d) / sqrt(numel) + eps) - lr * weight_decay * (p - sum(p) / numel)
-""", name="centred", hyper=dict(lr=0.05, beta=0.8, eps=1e-3, weight_decay=0.1), state=dict(ema=0.0))
 
 # (shape, placements): odd sizes; (1, 3) leaves rank 1 an empty shard; a Shard(1)
 # tensor; a replicated one, which global_norm must count once.
