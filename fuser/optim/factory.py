@@ -416,7 +416,9 @@ class FuserOptimizer(torch.optim.Optimizer):
         scalar_names = scalar_state_names(self.rule)
         keys = self._state_keys
         element_keys = {keys[s] for s in keys if s not in scalar_names}
-        scalar_keys = {keys[s] for s in scalar_names}
+        # The step too: a live optimizer's state_dict() holds views of its scalar table,
+        # which its next step advances.
+        scalar_keys = {keys[s] for s in scalar_names} | {"step"}
         for pid, st in saved.items():
             p = id_to_param.get(pid)
             if p is None:

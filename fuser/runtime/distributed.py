@@ -88,7 +88,7 @@ def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if not isinstance(value, DTensor):
             if value.shape != p.shape:
                 return value
-            return distribute_tensor(value.to(p._local_tensor.device), p.device_mesh, p.placements)
+            return distribute_tensor(value.detach().to(p._local_tensor.device), p.device_mesh, p.placements)
         if value._spec.placements != p._spec.placements or not _same_mesh(value, p):
             return value.redistribute(p.device_mesh, p.placements)
         return value

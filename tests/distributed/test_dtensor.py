@@ -82,7 +82,37 @@ def sharded_worker(rank, world, names):
         out[name] = dict(params=[p.full_tensor() for p in params], states=states,
                          local_numels=[p.to_local().numel() for p in params], collectives=collectives,
                          kinds=[list(k) for k in kinds])
+    out["reload"] = reload_full_state(mesh)
     return out
+
+
+def reload_full_state(mesh):
+    """A state_dict of full tensors (as saved without sharding) loaded into an optimizer
+    of DTensor parameters: each state is scattered like its parameter, and the next step
+    is the one the original optimizer takes."""
+    full, grads = data()
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements(code)))
+              for p, (_, code) in zip(full, LAYOUT)]
+    opt = OPTIMIZERS["lamb_clip"](param_groups(params))
+    for p, g, (_, code) in zip(params, grads[0], LAYOUT):
+        p.grad = distribute_tensor(g, mesh, placements(code))
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
+                      for i, st in saved["state"].items()}
+    copies = [torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, placements(code)))
+              for p, (_, code) in zip(params, LAYOUT)]
+    reloaded = OPTIMIZERS["lamb_clip"](param_groups(copies))
+    reloaded.load_state_dict(saved)
+    placed = all(isinstance(reloaded.state[c][k], DTensor) and reloaded.state[c][k].placements == c.placements
+                 for c in copies for k in ("m", "v"))
+    for p, c, g, (_, code) in zip(params, copies, grads[1], LAYOUT):
+        p.grad = distribute_tensor(g, mesh, placements(code))
+        c.grad = distribute_tensor(g, mesh, placements(code))
+    opt.step()
+    reloaded.step()
+    diffs = [(p.full_tensor() - c.full_tensor()).abs().max().item() for p, c in zip(params, copies)]
+    return dict(placed=placed, diffs=diffs)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +150,9 @@ def test_one_collective_per_reduction_phase_and_combine_op(sharded, name, per_st
 def test_state_is_sharded_like_its_parameter(sharded):
     kinds = {tuple(k) for k in sharded[0]["LAMB"]["kinds"]}
     assert kinds == {("exp_avg", "DTensor", True), ("exp_avg_sq", "DTensor", True), ("step", "Tensor", False)}
+
+
+def test_a_full_state_dict_loads_into_sharded_parameters(sharded):
+    for r in sharded:
+        assert r["reload"]["placed"]
+        assert r["reload"]["diffs"] == [0.0] * len(LAYOUT)

@@ -1,7 +1,10 @@
 """FSDP2 (``fully_shard``) with a fuser optimizer on 2 gloo processes, and its
-``torch.distributed.checkpoint`` saved on 2 ranks and loaded on 2 and on 1."""
+``torch.distributed.checkpoint``: saved on 2 ranks and loaded on 2 and on 1, saved on 1
+and loaded on 2."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 STEPS, SAVE_AFTER = 4, 2
 Optimizer = fuser.compile(lamb_clip)
@@ -47,7 +51,19 @@ def checkpoint(model, opt) -> dict:
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
 
-def fsdp_worker(rank, world, path):
+def resume(model, path: str, data, **load) -> dict:
+    """Load the checkpoint at ``path`` into ``model`` and a new optimizer, train on
+    ``data``, and return the full parameters."""
+    opt = Optimizer(model.parameters())
+    sd = checkpoint(model, opt)
+    dcp.load(sd, checkpoint_id=path, **load)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    train(model, opt, data)
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
+
+
+def fsdp_worker(rank, world, path, single_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -59,37 +75,36 @@ def fsdp_worker(rank, world, path):
     train(model, opt, local[:SAVE_AFTER])
     dcp.save(checkpoint(model, opt), checkpoint_id=path)
     train(model, opt, local[SAVE_AFTER:])
-    local_numels = [p.to_local().numel() for p in model.parameters()]
-    state_types = sorted({type(v).__name__ for st in opt.state.values() for v in st.values()})
-    final = {n: p.full_tensor() for n, p in model.named_parameters()}
-
-    # A fresh model and optimizer on 2 ranks, resumed from the checkpoint.
-    model = sharded_model(mesh)
-    opt = Optimizer(model.parameters())
-    sd = checkpoint(model, opt)
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
-    train(model, opt, local[SAVE_AFTER:])
-    resumed = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return dict(final=final, resumed=resumed, local_numels=local_numels, state_types=state_types)
+    return dict(final={n: p.full_tensor() for n, p in model.named_parameters()},
+                local_numels=[p.to_local().numel() for p in model.parameters()],
+                state_types=sorted({type(v).__name__ for st in opt.state.values() for v in st.values()}),
+                # Fresh models and optimizers on 2 ranks, from this run's checkpoint and
+                # from the single-process run's.
+                resumed=resume(sharded_model(mesh), path, local[SAVE_AFTER:]),
+                from_one=resume(sharded_model(mesh), single_path, local[SAVE_AFTER:]))
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
+def single_process(tmp_path_factory):
+    """The final parameters of a single-process run, and its checkpoint after SAVE_AFTER steps."""
+    path = str(tmp_path_factory.mktemp("dcp_single"))
+    model = make_model()
+    opt = Optimizer(model.parameters())
+    train(model, opt, batches(STEPS)[:SAVE_AFTER])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(checkpoint(model, opt), checkpoint_id=path, no_dist=True)
+    train(model, opt, batches(STEPS)[SAVE_AFTER:])
+    return dict(model.named_parameters()), path
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory, single_process):
     path = str(tmp_path_factory.mktemp("dcp"))
-    results = run_ranks(fsdp_worker, path)
+    results = run_ranks(fsdp_worker, path, single_process[1])
     if "skip" in results[0]:
         pytest.skip(results[0]["skip"])
     return path, results
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    model = make_model()
-    opt = Optimizer(model.parameters())
-    train(model, opt, batches(STEPS))
-    return dict(model.named_parameters())
 
 
 def assert_params_close(got: dict, want: dict) -> None:
@@ -103,7 +118,7 @@ def test_fsdp_training_equals_a_single_process_run(fsdp, single_process):
     assert results[1]["local_numels"][-2:] == [0, 0]  # the (1, 3) weight and (1,) bias
     assert results[0]["state_types"] == ["DTensor", "Tensor"]  # sharded m and v, a plain step
     for r in results:
-        assert_params_close(r["final"], single_process)
+        assert_params_close(r["final"], single_process[0])
 
 
 def test_dcp_checkpoint_resumes_on_the_same_two_ranks(fsdp):
@@ -112,8 +127,14 @@ def test_dcp_checkpoint_resumes_on_the_same_two_ranks(fsdp):
         assert_params_close(r["resumed"], r["final"])
 
 
+def test_dcp_saved_on_one_process_resumes_on_two_ranks(fsdp, single_process):
+    _, results = fsdp
+    for r in results:
+        assert_params_close(r["from_one"], single_process[0])
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_dcp_saved_on_two_ranks_loads_on_one_process(fsdp, single_process):
+def test_dcp_saved_on_two_ranks_resumes_on_one_process(fsdp, single_process):
     path, _ = fsdp
     model = make_model()  # its initial values are overwritten by the checkpoint's
     with torch.no_grad():
@@ -127,4 +148,4 @@ def test_dcp_saved_on_two_ranks_loads_on_one_process(fsdp, single_process):
     assert all(type(v) is torch.Tensor for st in opt.state.values() for v in st.values())
     assert {float(st["step"]) for st in opt.state.values()} == {SAVE_AFTER}
     train(model, opt, batches(STEPS)[SAVE_AFTER:])
-    assert_params_close(dict(model.named_parameters()), single_process)
+    assert_params_close(dict(model.named_parameters()), single_process[0])
