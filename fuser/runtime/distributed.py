@@ -74,9 +74,6 @@ def check(p: torch.Tensor, g: torch.Tensor, where: str, attr: str) -> None:
         if any(pl.is_partial() for pl in p.placements):
             raise RuntimeError(f"{where} is a DTensor with placements {p.placements}: a parameter must "
                                "be sharded or replicated, not Partial")
-        if p.device_mesh.device_type != p._local_tensor.device.type:
-            raise RuntimeError(f"{where} is a DTensor on a {p.device_mesh.device_type} mesh whose local "
-                               f"shard is on {p._local_tensor.device}")
 
 
 def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Optimizers on hand-made DTensor shards (``distribute_tensor``) over 2 gloo processes,
-against a single-process run of the same optimizer on the full tensors."""
+"""Optimizers on hand-made DTensor shards (``distribute_tensor``) over 2 gloo processes
+(and 4, for a 2 x 2 mesh), against a single-process run of the same optimizer on the full
+tensors."""
 
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
-# (shape, placements): odd sizes; (1, 3) leaves rank 1 an empty shard; a Shard(1)
-# tensor; a replicated one, which global_norm must count once.
-LAYOUT = [((7, 3), "S0"), ((1, 3), "S0"), ((5,), "S0"), ((3, 5), "S1"), ((4,), "R"), ((2, 9), "S0")]
+# (shape, placements per mesh dimension, dtype). On one mesh dimension of 2 ranks: odd
+# sizes; (1, 3) leaves rank 1 an empty shard; a Shard(1) tensor; a replicated one, which
+# global_norm must count once; a bf16 one, in a launch of its own whose partials go in
+# the same collectives. On a 2 x 2 mesh: tensors sharded over one dimension, the other,
+# both (on two tensor dimensions or nested on one), or neither.
+LAYOUTS = {
+    "1d": [((7, 3), "S0"), ((1, 3), "S0"), ((5,), "S0"), ((3, 5), "S1"), ((4,), "R"), ((2, 9), "S0"),
+           ((6, 5), "S0", torch.bfloat16)],
+    "2d": [((7, 3), "S0 S1"), ((5, 4), "R S0"), ((1, 3), "S0 R"), ((9,), "S0 S0"), ((4,), "R R"),
+           ((3, 3), "S1 S0")],
+}
+MESHES = {"1d": (2,), "2d": (2, 2)}
 STEPS = 3
 OPTIMIZERS = {
     "lamb_clip": lambda params: fuser.compile(lamb_clip)(params),
@@ -28,16 +38,21 @@ OPTIMIZERS = {
 }
 
 
-def placements(code: str):
-    return {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}[code]
+def placements(codes: str):
+    return [{"S0": Shard(0), "S1": Shard(1), "R": Replicate()}[c] for c in codes.split()]
 
 
-def data():
+def data(layout: str):
     """The full initial parameters and every step's full gradients (the same on every rank)."""
     gen = torch.Generator().manual_seed(1234)
-    params = [torch.randn(shape, generator=gen) for shape, _ in LAYOUT]
-    grads = [[torch.randn(shape, generator=gen) for shape, _ in LAYOUT] for _ in range(STEPS)]
+    shapes = [(entry[0], entry[2] if len(entry) > 2 else torch.float32) for entry in LAYOUTS[layout]]
+    params = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in shapes]
+    grads = [[torch.randn(shape, generator=gen).to(dtype) for shape, dtype in shapes] for _ in range(STEPS)]
     return params, grads
+
+
+def codes(layout: str) -> list[str]:
+    return [entry[1] for entry in LAYOUTS[layout]]
 
 
 def param_groups(params):
@@ -45,8 +60,8 @@ def param_groups(params):
     return [{"params": params[:3]}, {"params": params[3:], "lr": 0.03}]
 
 
-def single_process(name: str):
-    full, grads = data()
+def single_process(name: str, layout: str):
+    full, grads = data(layout)
     params = [p.clone() for p in full]
     opt = OPTIMIZERS[name](param_groups(params))
     for step_grads in grads:
@@ -56,22 +71,26 @@ def single_process(name: str):
     return params, [dict(opt.state[p]) for p in params]
 
 
-def sharded_worker(rank, world, names):
+def distribute(tensors, mesh, layout: str, replicated: bool = False):
+    return [distribute_tensor(t, mesh, [Replicate()] * mesh.ndim if replicated else placements(c))
+            for t, c in zip(tensors, codes(layout))]
+
+
+def sharded_worker(rank, world, names, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", MESHES[layout])
     out = {}
     for name in names:
-        full, grads = data()
-        params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements(code)))
-                  for p, (_, code) in zip(full, LAYOUT)]
+        full, grads = data(layout)
+        params = [torch.nn.Parameter(p) for p in distribute(full, mesh, layout)]
         opt = OPTIMIZERS[name](param_groups(params))
         before = fuser.stats()["collectives"]
         for k, step_grads in enumerate(grads):
-            for p, g, (_, code) in zip(params, step_grads, LAYOUT):
-                # Step 2 hands replicated gradients (what autograd gives for a loss summed
-                # over a sharded tensor): the optimizer lays them out like the parameter.
-                p.grad = distribute_tensor(g, mesh, [Replicate()] if k == 1 else placements(code))
+            # Step 2 hands replicated gradients (what autograd gives for a loss summed
+            # over a sharded tensor): the optimizer lays them out like the parameter.
+            for p, g in zip(params, distribute(step_grads, mesh, layout, replicated=k == 1)):
+                p.grad = g
             opt.step()
         collectives = fuser.stats()["collectives"] - before
         states = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in opt.state[p].items()}
@@ -82,33 +101,32 @@ def sharded_worker(rank, world, names):
         out[name] = dict(params=[p.full_tensor() for p in params], states=states,
                          local_numels=[p.to_local().numel() for p in params], collectives=collectives,
                          kinds=[list(k) for k in kinds])
-    out["reload"] = reload_full_state(mesh)
+    if layout == "1d":
+        out["reload"] = reload_full_state(mesh, layout)
     return out
 
 
-def reload_full_state(mesh):
+def reload_full_state(mesh, layout: str):
     """A state_dict of full tensors (as saved without sharding) loaded into an optimizer
     of DTensor parameters: each state is scattered like its parameter, and the next step
     is the one the original optimizer takes."""
-    full, grads = data()
-    params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements(code)))
-              for p, (_, code) in zip(full, LAYOUT)]
+    full, grads = data(layout)
+    params = [torch.nn.Parameter(p) for p in distribute(full, mesh, layout)]
     opt = OPTIMIZERS["lamb_clip"](param_groups(params))
-    for p, g, (_, code) in zip(params, grads[0], LAYOUT):
-        p.grad = distribute_tensor(g, mesh, placements(code))
+    for p, g in zip(params, distribute(grads[0], mesh, layout)):
+        p.grad = g
     opt.step()
     saved = opt.state_dict()
     saved["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
                       for i, st in saved["state"].items()}
-    copies = [torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, placements(code)))
-              for p, (_, code) in zip(params, LAYOUT)]
+    fulls = [p.detach().full_tensor() for p in params]
+    copies = [torch.nn.Parameter(c) for c in distribute(fulls, mesh, layout)]
     reloaded = OPTIMIZERS["lamb_clip"](param_groups(copies))
     reloaded.load_state_dict(saved)
     placed = all(isinstance(reloaded.state[c][k], DTensor) and reloaded.state[c][k].placements == c.placements
                  for c in copies for k in ("m", "v"))
-    for p, c, g, (_, code) in zip(params, copies, grads[1], LAYOUT):
-        p.grad = distribute_tensor(g, mesh, placements(code))
-        c.grad = distribute_tensor(g, mesh, placements(code))
+    for p, c, g in zip(params, copies, distribute(grads[1], mesh, layout)):
+        p.grad, c.grad = g, g.clone()
     opt.step()
     reloaded.step()
     diffs = [(p.full_tensor() - c.full_tensor()).abs().max().item() for p, c in zip(params, copies)]
@@ -117,21 +135,39 @@ def reload_full_state(mesh):
 
 @pytest.fixture(scope="module")
 def sharded():
-    return run_ranks(sharded_worker, list(OPTIMIZERS))
+    """Every optimizer on one mesh dimension of 2 ranks."""
+    return run_ranks(sharded_worker, list(OPTIMIZERS), "1d")
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_step_equals_a_single_process_run(sharded, name):
-    want_params, want_states = single_process(name)
-    for rank_result in sharded:
+@pytest.fixture(scope="module")
+def sharded_2d():
+    """The two reduction rules on a 2 x 2 mesh (4 ranks)."""
+    return run_ranks(sharded_worker, ["lamb_clip", "centred"], "2d", world=4)
+
+
+def assert_matches_single_process(results: list, name: str, layout: str) -> None:
+    want_params, want_states = single_process(name, layout)
+    for rank_result in results:
         got = rank_result[name]
         for i, (p, want) in enumerate(zip(got["params"], want_params)):
-            torch.testing.assert_close(p, want, rtol=2e-5, atol=2e-6, msg=f"parameter {i} ({LAYOUT[i]})")
+            # A bf16 parameter may round one ulp apart where the reductions' order differs.
+            tol = dict(rtol=8e-3, atol=1e-5) if want.dtype == torch.bfloat16 else dict(rtol=2e-5, atol=2e-6)
+            torch.testing.assert_close(p, want, **tol, msg=f"parameter {i} {LAYOUTS[layout][i]}")
         for i, (st, want) in enumerate(zip(got["states"], want_states)):
             assert set(st) == set(want)
             for key in want:
                 torch.testing.assert_close(torch.as_tensor(st[key]), torch.as_tensor(want[key]),
                                            rtol=2e-5, atol=2e-6, msg=f"state {key!r} of parameter {i}")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sharded_step_equals_a_single_process_run(sharded, name):
+    assert_matches_single_process(sharded, name, "1d")
+
+
+@pytest.mark.parametrize("name", ["lamb_clip", "centred"])
+def test_2d_mesh_step_equals_a_single_process_run(sharded_2d, name):
+    assert_matches_single_process(sharded_2d, name, "2d")
 
 
 def test_a_shard_may_be_empty(sharded):
@@ -141,10 +177,15 @@ def test_a_shard_may_be_empty(sharded):
 
 @pytest.mark.parametrize("name, per_step", [("lamb_clip", 2), ("centred", 4), ("LAMB", 1), ("AdamW", 0)])
 def test_one_collective_per_reduction_phase_and_combine_op(sharded, name, per_step):
-    # For all six tensors at once (one mesh). lamb_clip: phases 1 and 2 reduce, by sums.
-    # centred: both of its reduction phases have sums and maxes. LAMB: one phase of
-    # norms. AdamW reduces nothing.
+    # For all tensors at once, fp32 and bf16 launches together. lamb_clip: phases 1 and 2
+    # reduce, by sums. centred: both of its reduction phases have sums and maxes. LAMB:
+    # one phase of norms. AdamW reduces nothing.
     assert sharded[0][name]["collectives"] == per_step * STEPS
+
+
+@pytest.mark.parametrize("name, per_step", [("lamb_clip", 2 * 2), ("centred", 4 * 2)])
+def test_one_collective_per_mesh_dimension_on_a_2d_mesh(sharded_2d, name, per_step):
+    assert sharded_2d[0][name]["collectives"] == per_step * STEPS
 
 
 def test_state_is_sharded_like_its_parameter(sharded):
@@ -155,4 +196,4 @@ def test_state_is_sharded_like_its_parameter(sharded):
 def test_a_full_state_dict_loads_into_sharded_parameters(sharded):
     for r in sharded:
         assert r["reload"]["placed"]
-        assert r["reload"]["diffs"] == [0.0] * len(LAYOUT)
+        assert r["reload"]["diffs"] == [0.0] * len(LAYOUTS["1d"])
