@@ -185,10 +185,9 @@ class FuserOptimizer(torch.optim.Optimizer):
                 g = getattr(p, attr, None)
                 if g is None:
                     continue
-                g = distributed.grad_for(p, g, attr)
+                g, pl, gl = distributed.local_pair(p, g, attr)
                 items.append((p, g, gi))
                 st = self.state.get(p)
-                pl, gl = local(p), local(g)
                 try:
                     grad_ptrs.append(gl.data_ptr())
                     sig = (gi, pl.data_ptr(), pl.dtype, gl.dtype, pl.device, gl.device, pl.shape, gl.shape,

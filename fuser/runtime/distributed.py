@@ -46,18 +46,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def grad_for(p: torch.Tensor, g: torch.Tensor, attr: str) -> torch.Tensor:
-    """``p``'s gradient laid out like ``p``. A DTensor gradient on other placements
-    (``Replicate`` or ``Partial`` from autograd on hand-made shards, say) is
-    redistributed once and stored back in ``p.<attr>``: the same logical values, in the
-    layout the kernel walks, and the same object however often the step looks at it."""
-    if not (isinstance(g, DTensor) and isinstance(p, DTensor)):
-        return g
-    if g._spec.placements == p._spec.placements and _same_mesh(g, p):
-        return g
-    g = g.redistribute(p.device_mesh, p.placements)
-    setattr(p, attr, g)
-    return g
+def local_pair(p: torch.Tensor, g: torch.Tensor, attr: str) -> tuple[torch.Tensor, ...]:
+    """(``g`` laid out like ``p``, ``p``'s local tensor, ``g``'s), with one type check for
+    a plain parameter: this runs for every tensor of every step.
+
+    A DTensor gradient on other placements than its parameter's (``Replicate`` or
+    ``Partial`` from autograd on hand-made shards, say) is redistributed once and stored
+    back in ``p.<attr>``: the same logical values, in the layout the kernel walks, and the
+    same object however often the step looks at it."""
+    if not isinstance(p, DTensor):
+        return g, p, g  # a DTensor gradient here is refused by check()
+    if isinstance(g, DTensor):
+        if g._spec.placements != p._spec.placements or not _same_mesh(g, p):
+            g = g.redistribute(p.device_mesh, p.placements)
+            setattr(p, attr, g)
+        return g, p._local_tensor, g._local_tensor
+    return g, p._local_tensor, g
 
 
 def _same_mesh(a: DTensor, b: DTensor) -> bool:
