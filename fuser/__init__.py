@@ -8,11 +8,13 @@
 """
 
 from fuser.errors import RuleError
+from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import Rule, loss, rule
 from fuser.runtime.stats import stats
 
 __version__ = "0.1.0"
+_configure_logging()
 
 sqrt = _FUNCTIONS["sqrt"]
 rsqrt = _FUNCTIONS["rsqrt"]

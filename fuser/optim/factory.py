@@ -18,6 +18,7 @@ from fuser.cache import load_kernel
 from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import DTYPES, OptimPlan, lower_optim, scalar_state_names
+from fuser.log import logger
 from fuser.rules.rule import Rule
 from fuser.runtime.tables import Tables, build_tables, check_layout
 
@@ -330,6 +331,8 @@ class FuserOptimizer(torch.optim.Optimizer):
             launches.append(_Launch(kernels, plan, tables, scalars, red, partials,
                                     [m[0] for m in indexed], grad_column, part))
         eng = self._fuser
+        logger.info("%s: tables rebuilt for %d tensors in %d launch group(s)", type(self).__name__,
+                    len(items), len(launches))
         eng.launches = launches
         eng.n_parts = n_parts
         n_global = max(1, launches[0].plan.n_global)

@@ -215,7 +215,7 @@ def test_bad_gradients_raise_before_anything_changes(device):
     run_steps(opt, params, fresh_grads(params, 1))
     snapshot = [p.clone() for p in params]
     state = copy.deepcopy({i: dict(opt.state[p]) for i, p in enumerate(params)})
-    for i, p in enumerate(params):
+    for p in params:
         p.grad = torch.randn_like(p)
     params[3].grad = params[3].grad.to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
