@@ -8,6 +8,7 @@
 """
 
 from fuser.errors import RuleError
+from fuser.explainer import explain
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import Rule, loss, rule
 from fuser.runtime.stats import stats
@@ -55,7 +56,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Rule", "RuleError", "compile", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
+    "Rule", "RuleError", "compile", "explain", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
     "log1p", "expm1", "abs", "sign", "tanh", "sigmoid", "minimum", "maximum", "where", "clamp",
     "optim", "losses",
 ]

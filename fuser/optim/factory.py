@@ -17,6 +17,7 @@ import torch
 from fuser.cache import load_kernel
 from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
+from fuser.display import NotebookDisplay
 from fuser.ir.optim import DTYPES, OptimPlan, lower_optim, scalar_state_names
 from fuser.rules.rule import Rule
 from fuser.runtime.tables import Tables, build_tables, check_layout
@@ -102,7 +103,7 @@ class _Source:
         return _plan_and_source(owner.rule, plan)[1].text
 
 
-class FuserOptimizer(torch.optim.Optimizer):
+class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     """Base of every compiled optimizer. Subclasses set ``rule`` and ``options``.
 
     Built-ins whose constructors take torch.optim's keywords call ``_init_fuser`` with

@@ -1,0 +1,229 @@
+"""How fuser objects show themselves in Jupyter: rules as math, kernels as highlighted source.
+
+``Rule._repr_latex_`` renders a rule statement by statement, as its author wrote it (each
+right-hand side over the names current at that line, not with earlier lines substituted);
+compiled optimizers render their generated Triton source through ``source_html``.
+Highlighting uses pygments when it is installed and falls back to an escaped ``<pre>``.
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+import re
+import textwrap
+
+import sympy
+from sympy.codegen.cfunctions import expm1, log1p
+from sympy.printing.latex import LatexPrinter
+
+from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid
+from fuser.rules.parse import Language, Statement, _Walker, symbol
+
+_GREEK = {
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi",
+    "psi", "omega", "eps",
+}
+
+
+def symbol_latex(name: str) -> str:
+    """LaTeX for a rule name: ``beta1`` is β₁, ``m`` is m, ``weight_decay`` is *weight_decay*."""
+    if name == "z_y":
+        return "z_{y}"
+    m = re.fullmatch(r"([A-Za-z]+)(\d*)", name)
+    if m and (len(m.group(1)) == 1 or m.group(1) in _GREEK):
+        base = "\\epsilon" if m.group(1) == "eps" else (
+            f"\\{m.group(1)}" if m.group(1) in _GREEK else m.group(1))
+        return base + (f"_{{{m.group(2)}}}" if m.group(2) else "")
+    return "\\mathit{" + name.replace("_", "\\_") + "}"
+
+
+class RuleLatexPrinter(LatexPrinter):
+    """sympy's LaTeX printer with fuser's names and functions."""
+
+    def _print_Symbol(self, expr, style="plain"):
+        return symbol_latex(expr.name)
+
+    def _print_Sigmoid(self, expr, exp=None):
+        return self._fn("\\sigma", expr, exp)
+
+    def _print_log1p(self, expr, exp=None):
+        return self._fn("\\operatorname{log1p}", expr, exp)
+
+    def _print_expm1(self, expr, exp=None):
+        return self._fn("\\operatorname{expm1}", expr, exp)
+
+    def _print_Reduction(self, expr, exp=None):
+        return self._fn(f"\\operatorname{{{expr.op}}}", expr, exp)
+
+    def _print_sign(self, expr, exp=None):
+        return self._fn("\\operatorname{sign}", expr, exp)
+
+    def _fn(self, name, expr, exp):
+        args = ", ".join(self._print(a) for a in expr.args)
+        head = f"{name}^{{{exp}}}" if exp else name
+        return f"{head}\\left({args}\\right)"
+
+    def _print_Function(self, expr, exp=None):
+        if isinstance(expr, Sigmoid):
+            return self._print_Sigmoid(expr, exp)
+        if isinstance(expr, log1p):
+            return self._print_log1p(expr, exp)
+        if isinstance(expr, expm1):
+            return self._print_expm1(expr, exp)
+        if isinstance(expr, Reduction):
+            return self._print_Reduction(expr, exp)
+        return super()._print_Function(expr, exp)
+
+
+def expr_latex(expr) -> str:
+    return RuleLatexPrinter({"mul_symbol": None, "order": "none"}).doprint(sympy.sympify(expr))
+
+
+class _AsWritten(_Walker):
+    """The parser's walker, except that each name stays a symbol after it is assigned, so
+    every statement reads over the names current at its line (as the author wrote it)."""
+
+    def name(self, node: ast.Name) -> sympy.Expr:
+        if node.id in self.env:
+            return symbol(node.id)
+        return super().name(node)
+
+    def subscript(self, node: ast.Subscript):
+        if isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name):
+            return symbol(f"{node.value.id}_{node.slice.id}")
+        return super().subscript(node)
+
+    def statement(self, node):
+        st = super().statement(node)
+        self.env[st.target] = symbol(st.target)
+        return st
+
+
+def written_statements(rule) -> tuple[Statement, ...]:
+    """The rule's statements as written. Text rules are parsed again (they parsed once
+    already, so this cannot fail); traced functions give one statement per output."""
+    if not _is_text(rule):
+        return tuple(rule.statements)
+    reductions = OPTIM_REDUCTIONS if rule.kind == "optim" else LOSS_REDUCTIONS
+    readable = {*(n for n, _ in rule.hyper), *(n for n, _ in rule.state),
+                *(("p", "g", "step") if rule.kind == "optim" else ("z", "y"))}
+    lang = Language(readable=frozenset(readable), frozen=frozenset(), reductions=reductions, subscripts={})
+    text = textwrap.dedent(rule.text).strip("\n")
+    walker = _AsWritten(lang, text.splitlines())
+    try:
+        return tuple(walker.statement(node) for node in ast.parse(text).body)
+    except Exception:  # noqa: BLE001 - a display must never raise; show what the rule holds
+        return tuple(rule.statements)
+
+
+def _is_text(rule) -> bool:
+    text = rule.text.lstrip()
+    return not (text.startswith("@") or text.startswith("def ") or text.startswith("<function"))
+
+
+def rule_latex(rule) -> str:
+    """The rule as display math: one ``target ← expression`` row per statement, then, for a
+    loss rule with derived gradients, the gradient with respect to each logit.
+
+    A traced function gives each output as a function of the values before the step, so
+    its rows name the new values with a prime: ``p' = ...``, ``m' = ...``.
+    """
+    if _is_text(rule):
+        rows = [f"{symbol_latex(s.target)} &\\leftarrow {expr_latex(s.expr)}"
+                for s in written_statements(rule)]
+    else:
+        rows = [f"{symbol_latex(s.target)}' &= {expr_latex(s.expr)}" for s in rule.statements]
+    for label, expr in _gradients(rule):
+        rows.append(f"{label} &= {expr_latex(expr)}")
+    return "$$\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}$$"
+
+
+def _gradients(rule) -> list[tuple[str, sympy.Expr]]:
+    """Derived gradients a loss rule carries, as (LaTeX label, expression)."""
+    grads = getattr(rule, "gradients", None) or ()
+    if isinstance(grads, dict):
+        grads = tuple(grads.items())
+    return [(f"\\frac{{\\partial\\,\\mathit{{loss}}}}{{\\partial {symbol_latex(str(name))}}}", expr)
+            for name, expr in grads]
+
+
+def source_html(text: str, title: str = "") -> str:
+    """Python/Triton source as HTML: highlighted by pygments with inline styles (no
+    stylesheet needed in the notebook), or escaped in a ``<pre>`` without pygments."""
+    try:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+    except ImportError:
+        body = f"<pre>{html.escape(text)}</pre>"
+    else:
+        body = highlight(text, PythonLexer(), HtmlFormatter(noclasses=True, nobackground=False))
+    head = f"<summary>{html.escape(title)}</summary>" if title else ""
+    return f"<details open>{head}{body}</details>"
+
+
+def optimizer_html(obj) -> str:
+    """HTML for a compiled optimizer class or instance: rule, hyperparameters (per param
+    group for an instance) and the Triton source of each kernel it launches."""
+    is_class = isinstance(obj, type)
+    cls = obj if is_class else type(obj)
+    rule = obj.rule
+    parts = [f"<b>{html.escape(cls.__name__)}</b>: fuser optimizer compiled from rule "
+             f"<code>{html.escape(rule.name)}</code>"]
+    if is_class:
+        parts.append(_table(["hyperparameter", "default"], [[k, v] for k, v in rule.hyper]))
+    else:
+        names = list(rule.hyper_defaults)
+        rows = []
+        for i, group in enumerate(obj.param_groups):
+            hv = obj._group_hyper(group)
+            rows.append([i, len(group["params"]), *(hv[n] for n in names)])
+        parts.append(_table(["group", "tensors", *names], rows))
+    if rule.state:
+        parts.append("state: " + ", ".join(f"<code>{html.escape(s)}</code> = {html.escape(str(v))}"
+                                            for s, v in rule.state))
+    for title, text in _kernel_texts(obj):
+        parts.append(source_html(text, title))
+    return "<div>" + "<br>\n".join(parts) + "</div>"
+
+
+def _kernel_texts(obj) -> list[tuple[str, str]]:
+    launches = [] if isinstance(obj, type) else getattr(getattr(obj, "_fuser", None), "launches", [])
+    seen, out = set(), []
+    for launch in launches:
+        src = launch.kernel.source
+        if src.digest not in seen:
+            seen.add(src.digest)
+            out.append((f"Triton kernel {src.entry} ({dict(src.meta).get('dtypes', '')})", src.text))
+    if not out:
+        out.append(("Triton kernel (fp32 tensors)", obj.source))
+    return out
+
+
+def _table(header: list, rows: list[list]) -> str:
+    def cells(tag, values):
+        return "".join(f"<{tag}>{html.escape(str(v))}</{tag}>" for v in values)
+
+    body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
+    return f"<table><tr>{cells('th', header)}</tr>{body}</table>"
+
+
+class NotebookDisplay:
+    """Mixin: Jupyter shows a compiled optimizer, class or instance, as its kernel source.
+
+    IPython looks up ``_repr_html_`` on the object and, for a class, uses it only when it
+    is a bound method; the descriptor below binds to the instance or to the class.
+    """
+
+    class _Bound:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __get__(self, obj, cls):
+            import types
+
+            return types.MethodType(self.fn, obj if obj is not None else cls)
+
+    _repr_html_ = _Bound(optimizer_html)
