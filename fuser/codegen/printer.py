@@ -22,7 +22,7 @@ FUNCTIONS = {
     sympy.Abs: "tl.abs",
     sympy.sign: "_sign",
     sympy.tanh: "_tanh",
-    Sigmoid: "tl.sigmoid",
+    Sigmoid: "_sigmoid",
     log1p: "_log1p",
     expm1: "_expm1",
 }

@@ -1,7 +1,7 @@
 """Plans -> ``KernelSource`` through jinja2 templates and ``TritonPrinter``.
 
 Jinja carries structure only; every expression comes from the printer. Rendering is a
-pure function of the plan and options: the same inputs give byte-identical text.
+pure function of the plan: the same inputs give byte-identical text.
 """
 
 from __future__ import annotations
@@ -14,10 +14,25 @@ import sympy
 
 from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import STEP, OptimPlan
+from fuser.ir.optim import ACCUMULATE, NUMEL, STEP, OptimPlan, Phase
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
+
+# Every phase kernel of an optimizer takes these runtime arguments, in this order.
+OPTIM_SIGNATURE = (
+    ("ptrs", "*i64"), ("numels", "*i64"), ("groups", "*i32"), ("block_tensor", "*i32"),
+    ("block_start", "*i64"), ("tensor_first_block", "*i32"), ("tensor_blocks", "*i32"),
+    ("hyper", "*fp64"), ("scalars", "*fp32"), ("red", "*fp32"), ("partials", "*fp32"),
+    ("counters", "*i32"), ("glob", "*fp32"), ("grad_scale", "*fp32"), ("found_inf", "*fp32"),
+    ("n_tensors", "i32"), ("n_blocks", "i32"), ("part", "i32"), ("n_parts", "i32"), ("seed", "i64"),
+)
+REDUCE_BLOCK = 128
+# Reductions call tl.reduce with Triton's own combine functions rather than tl.sum/tl.max:
+# those are jitted library functions, which only run in the interpreter when it was on
+# at import, while the interpreter recognises these combiners and sums with numpy. The
+# same kernel module then serves the interpreter (CPU tensors) and the compiler.
+SUM, SUM_COMBINE, MAX_COMBINE = "tl.reduce", "tl.standard._sum_combine", "tl.standard._elementwise_max"
 
 
 def template_dir() -> Path:
@@ -46,114 +61,184 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
     return 2048, 8
 
 
-def render_optim(plan: OptimPlan) -> KernelSource:
-    """Render the one-launch step kernel of an optimizer plan."""
-    hyper_syms = {symbol(h): f"h_{h}" for h in plan.hyper}
-    scalar_state_syms = {symbol(s): f"c_{s}" for s in plan.scalar_states}
-    temps64 = {s: s.name for s, _ in plan.prologue}
-    scalar_names = {**hyper_syms, STEP: "step", **scalar_state_syms, **temps64}
+def store_cast(value: str, dtype: str, random: str | None = None) -> str:
+    """An fp32 value converted for storage in ``dtype``: round to nearest even, or
+    stochastically from the uint32 ``random`` bits when given."""
+    if dtype == "fp32":
+        return f"({value}).to(tl.float32)"
+    if random is not None:
+        return f"_to_{dtype}_sr({value}, {random})"
+    if dtype == "bf16":
+        return f"_to_bf16({value})"
+    return f"({value}).to(tl.float16)"
 
-    # fp64 scalars used by per-element code get an fp32 copy, `f_<name>`.
+
+def _finalize(op: str, raw: str) -> str:
+    if op == "mean":
+        return f"{raw} / numel"
+    if op in ("norm", "global_norm"):
+        return f"tl.sqrt({raw})"
+    return raw
+
+
+def render_optim(plan: OptimPlan) -> list[KernelSource]:
+    """Render the step's kernels, one per phase, in launch order."""
+    return [render_phase(plan, ph) for ph in plan.phases]
+
+
+def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
+    last = phase.index == len(plan.phases) - 1
+    nh, ns = len(plan.hyper), 1 + len(plan.scalar_states)
+    nred, nglob = max(1, len(plan.reductions)), max(1, plan.n_global)
+    known = [r for r in plan.reductions if r.phase < phase.index]
+
+    scalar_names = {symbol(h): f"h_{h}" for h in plan.hyper}
+    scalar_names.update({STEP: "step", NUMEL: "numel"})
+    scalar_names.update({symbol(s): f"c_{s}" for s in plan.scalar_states})
+    scalar_names.update({r.symbol: r.symbol.name for r in known})
+    scalar_names.update({s: s.name for s, _ in phase.prologue})
+
+    results = phase.stores if last else phase.reduce
     body_free = set()
-    for _, e in (*plan.body, *plan.stores):
+    for _, e in (*phase.body, *results):
         body_free |= e.free_symbols
     scalars_in_body = sorted((s for s in body_free if s in scalar_names), key=lambda s: scalar_names[s])
-    element_names = {symbol(sl.name): f"x_{sl.name}" for sl in plan.slots}
-    body_names = {**element_names, **{s: f"f_{scalar_names[s]}" for s in scalars_in_body},
-                  **{s: s.name for s, _ in plan.body}}
-
+    body_names = {symbol(sl.name): f"x_{sl.name}" for sl in plan.slots}
+    body_names.update({s: f"f_{scalar_names[s]}" for s in scalars_in_body})
+    body_names.update({s: s.name for s, _ in phase.body})
     p64 = TritonPrinter(scalar_names, fp64=True)
     p32 = TritonPrinter(body_names)
-    nh, ns = len(plan.hyper), 1 + len(plan.scalar_states)
 
     def scalar_loads(names: dict, row: str, group: str, mask: str = "") -> list[str]:
         m = f", mask={mask}, other=0.0" if mask else ""
         lines = [f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})"
                  for j, h in enumerate(plan.hyper)]
         lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
+        lines.append(f"{names[NUMEL]} = tl.load(numels + {row}{m}).to(tl.float64)")
         lines += [f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
                   for j, s in enumerate(plan.scalar_states)]
+        for r in known:
+            if r.global_column >= 0:
+                continue
+            raw = f"tl.load(red + {row} * {nred} + {r.column}{m}).to(tl.float64)"
+            lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw).replace('numel', names[NUMEL])}")
         return lines
 
-    prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in plan.prologue]
+    loads = scalar_loads(scalar_names, "t", "grp")
+    for r in known:
+        if r.global_column >= 0:
+            loads += [f"{r.symbol.name} = tl.full((), 0.0, tl.float64)", "q = 0",
+                      "while q < n_parts:",
+                      f"    {r.symbol.name} += tl.load(glob + q * {nglob} + {r.global_column}).to(tl.float64)",
+                      "    q += 1",
+                      f"{r.symbol.name} = tl.sqrt({r.symbol.name})"]
+    prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in phase.prologue]
     casts = [f"f_{scalar_names[s]} = {scalar_names[s]}.to(tl.float32)" for s in scalars_in_body]
-    loads = []
-    for j, sl in enumerate(plan.slots):
-        loads.append(f"{sl.name}_ptr = tl.load(ptrs + t * {len(plan.slots)} + {j})"
-                     f".to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
+
+    element = []
     read = {s.name for s in body_free}
+    written = {n for n, _ in phase.stores}
+    for j, sl in enumerate(plan.slots):
+        if sl.name in read or sl.name in written:
+            element.append(f"{sl.name}_ptr = tl.load(ptrs + t * {len(plan.slots)} + {j})"
+                           f".to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
     for sl in plan.slots:
-        if f"{sl.name}" in read:
-            loads.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs, mask=mask).to(tl.float32)")
-    body = [f"{s.name} = {p32.doprint_expr(e)}" for s, e in plan.body]
-    stores = [f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), _slot(plan, n).dtype)}, mask=mask)"
-              for n, e in plan.stores]
+        if sl.name in read:
+            scale = " * inv_scale" if sl.role == "grad" else ""
+            element.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs, mask=mask, other=0.0)"
+                           f".to(tl.float32){scale}")
+    body = [f"{s.name} = {p32.doprint_expr(e)}" for s, e in phase.body]
 
-    # The last program advances step and scalar states for TBLOCK tensors at a time. Its
-    # variables are vectors, so they get names of their own (`u_...`): Triton requires a
-    # loop-carried name to keep one type.
-    unames = {sym: f"u_{name}" for sym, name in scalar_names.items()}
-    pu = TritonPrinter(unames, fp64=True)
-    needed = _closure(plan, [e for _, e in plan.scalar_updates])
-    update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in plan.prologue if s in needed]
-    update_stores = [f"tl.store(scalars + u_t * {ns}, {unames[STEP]}.to(tl.float32), mask=u_mask)"]
-    update_stores += [f"tl.store(scalars + u_t * {ns} + {j + 1}, ({pu.doprint_expr(e)}).to(tl.float32), "
-                      f"mask=u_mask)" for j, (_, e) in enumerate(plan.scalar_updates)]
-    used = set()
-    for _, e in plan.scalar_updates:
-        used |= e.free_symbols
-    for s in needed:
-        used |= dict(plan.prologue)[s].free_symbols
-    update_loads = [ln for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
-                    if ln.startswith(unames[STEP] + " ") or any(ln.startswith(unames[s] + " ") for s in used
-                                                                 if s in unames)]
+    stores, partial_lines = [], []
+    combine_init, combine_step, combine_store = [], [], []
+    global_init, global_step, global_store = [], [], []
+    update_loads, update_prologue, update_stores = [], [], []
+    if last:
+        sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
+        if sr:
+            # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
+            # by the element, so a run is reproducible and no state is kept.
+            stores.append("sr_key = _stream_key(seed, step, t)")
+        for k, (n, e) in enumerate(phase.stores):
+            dtype = _slot(plan, n).dtype
+            rnd = None
+            if sr and dtype != "fp32":
+                stores.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
+                rnd = f"rnd_{n}"
+            stores.append(f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), dtype, rnd)}, mask=smask)")
+        # The last program advances step and scalar states for RBLOCK tensors at a time.
+        # Its variables are vectors, so they get names of their own (`u_...`): Triton
+        # requires a loop-carried name to keep one type.
+        unames = {sym: f"u_{name}" for sym, name in scalar_names.items()}
+        pu = TritonPrinter(unames, fp64=True)
+        defs = dict(phase.prologue)
+        needed = _closure(defs, [e for _, e in phase.scalar_updates])
+        update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in phase.prologue if s in needed]
+        update_stores = [f"tl.store(scalars + u_t * {ns}, (u_step - 1.0 + advance).to(tl.float32), mask=u_mask)"]
+        for j, (name, e) in enumerate(phase.scalar_updates):
+            old = f"u_c_{name}"
+            update_stores.append(f"tl.store(scalars + u_t * {ns} + {j + 1}, tl.where(advance > 0, "
+                                 f"{pu.doprint_expr(e)}, {old}).to(tl.float32), mask=u_mask)")
+        used = {STEP} | {symbol(s) for s in plan.scalar_states}
+        for _, e in phase.scalar_updates:
+            used |= e.free_symbols
+        for s in needed:
+            used |= defs[s].free_symbols
+        update_loads = [ln for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
+                        if any(ln.startswith(unames[s] + " ") for s in used if s in unames)]
+    else:
+        for col, e in phase.reduce:
+            op = plan.reductions[col].op
+            combine = ACCUMULATE[op][1]
+            value = p32.doprint_expr(e)
+            if combine == "sum":
+                partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
+                                     f"{SUM}(tl.where(mask, {value}, 0.0), 0, {SUM_COMBINE}))")
+                combine_init.append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
+                combine_step.append(f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)")
+                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {SUM_COMBINE}))")
+            else:
+                partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
+                                     f"{SUM}(tl.where(mask, {value}, float('-inf')), 0, {MAX_COMBINE}))")
+                combine_init.append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
+                combine_step.append(f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
+                                    f"{col}, mask=m, other=float('-inf')))")
+                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {MAX_COMBINE}))")
+            r = plan.reductions[col]
+            if r.global_column >= 0:
+                g = r.global_column
+                global_init.append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")
+                global_step.append(f"gacc{g} += tl.load(red + tidx * {nred} + {col}, mask=tm, other=0.0)")
+                global_store.append(f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))")
 
-    entry = f"{plan.name}_step"
+    entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
     block, warps = optim_launch_config(plan)
     text = environment().get_template("optim_step.py.jinja").render(
-        name=plan.name,
-        dtype_key=plan.dtype_key,
-        rule_lines=plan.rule_text.splitlines(),
-        helpers=helpers_source(),
-        entry=entry,
-        slots=plan.slots,
-        slot_names=", ".join(s.name for s in plan.slots),
-        hyper=plan.hyper,
-        hyper_names=", ".join(plan.hyper) or "(none)",
-        scalar_states=plan.scalar_states,
-        nscalar=ns,
-        scalar_loads=scalar_loads(scalar_names, "t", "grp"),
-        prologue=prologue,
-        casts=casts,
-        loads=loads,
-        body=body,
-        stores=stores,
-        update_loads=update_loads,
-        update_prologue=update_prologue,
-        update_stores=update_stores,
+        name=plan.name, phase=phase.index + 1, n_phases=len(plan.phases), last=last,
+        dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
+        rule_lines=plan.rule_text.splitlines(), helpers=helpers_source(), entry=entry,
+        slots=plan.slots, slot_names=", ".join(s.name for s in plan.slots), hyper=plan.hyper,
+        hyper_names=", ".join(plan.hyper) or "(none)", scalar_states=plan.scalar_states, nscalar=ns,
+        nred=nred, nglob=nglob, scalar_loads=loads, prologue=prologue, casts=casts, loads=element,
+        body=body, stores=stores, update_loads=update_loads, update_prologue=update_prologue,
+        update_stores=update_stores, partials=partial_lines, combine_init=combine_init,
+        combine_step=combine_step, combine_store=combine_store,
+        global_columns=[r.global_column for r in plan.reductions if r.global_column >= 0 and r.phase == phase.index],
+        global_init=global_init, global_step=global_step, global_store=global_store,
     )
-    signature = (("ptrs", "*i64"), ("numels", "*i64"), ("groups", "*i32"), ("block_tensor", "*i32"),
-                 ("block_start", "*i64"), ("hyper", "*fp64"), ("scalars", "*fp32"), ("ticket", "*i32"),
-                 ("n_tensors", "i32"), ("n_blocks", "i32"))
-    return KernelSource(text=text, entry=entry, signature=signature,
-                        constexprs=(("BLOCK", block), ("TBLOCK", 128)), num_warps=warps, num_stages=1,
-                        meta=(("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key)))
-
-
-def store_cast(value: str, dtype: str) -> str:
-    """An fp32 value converted for storage in ``dtype`` (bf16 through ``_to_bf16``)."""
-    if dtype == "bf16":
-        return f"_to_bf16({value})"
-    return f"({value}).to({TL_DTYPES[dtype]})"
+    return KernelSource(text=text, entry=entry, signature=OPTIM_SIGNATURE,
+                        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK)), num_warps=warps,
+                        num_stages=1,
+                        meta=(("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key),
+                              ("phase", f"{phase.index + 1}/{len(plan.phases)}")))
 
 
 def _slot(plan: OptimPlan, name: str):
     return next(s for s in plan.slots if s.name == name)
 
 
-def _closure(plan: OptimPlan, exprs) -> set[sympy.Symbol]:
+def _closure(defs: dict, exprs) -> set[sympy.Symbol]:
     """Prologue symbols that ``exprs`` depend on, directly or through other prologue lines."""
-    defs = dict(plan.prologue)
     need, todo = set(), [s for e in exprs for s in e.free_symbols]
     while todo:
         s = todo.pop()

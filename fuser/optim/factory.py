@@ -32,10 +32,13 @@ class Options:
 
     state_dtype: str | None = None  # None: fp32; "param": each parameter's dtype; or a dtype name
     state_keys: tuple[tuple[str, str], ...] = ()  # rule state name -> key in optimizer.state[p]
-    grad_attr: str = "grad"
+    grad_attr: str = "grad"  # read each gradient from this attribute ("main_grad": Megatron's fp32)
+    stochastic_rounding: bool = False  # bf16/fp16 stores round stochastically
+    seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
 
 
-def _options(state_dtype=None, state_keys=None, grad_attr="grad") -> Options:
+def _options(state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False,
+             seed=0) -> Options:
     if isinstance(state_dtype, torch.dtype):
         if state_dtype not in TORCH_DTYPES:
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, not {state_dtype}")
@@ -44,12 +47,16 @@ def _options(state_dtype=None, state_keys=None, grad_attr="grad") -> Options:
         raise ValueError(f"state_dtype must be a torch dtype, one of {DTYPES}, or 'param'")
     if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
         raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
-    return Options(state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr)
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be a non-negative integer below 2**63, not {seed!r}")
+    return Options(state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr,
+                   bool(stochastic_rounding), seed)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_and_source(rule: Rule, dtypes: tuple[tuple[str, str], ...]) -> tuple[OptimPlan, KernelSource]:
-    plan = lower_optim(rule, dict(dtypes))
+def _plan_and_sources(rule: Rule, dtypes: tuple[tuple[str, str], ...],
+                      stochastic_rounding: bool = False) -> tuple[OptimPlan, list[KernelSource]]:
+    plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
     return plan, render_optim(plan)
 
 
@@ -69,19 +76,22 @@ def kernel_sources(rule: Rule, dtype: str = "fp32", **options) -> list[KernelSou
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     opts = _options(**options)
-    return [_plan_and_source(rule, _dtype_plan(rule, opts, dtype, dtype))[1]]
+    return list(_plan_and_sources(rule, _dtype_plan(rule, opts, dtype, dtype), opts.stochastic_rounding)[1])
 
 
 @dataclass
 class _Launch:
     """Everything one launch needs, valid while the signature it was built for holds."""
 
-    kernel: object
+    kernels: list  # one per phase
     plan: OptimPlan
     tables: Tables
     scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
+    red: torch.Tensor  # fp32 [n_tensors, n_reductions]: per-tensor reduction results
+    partials: torch.Tensor  # fp32 [n_blocks, n_reductions]
     members: list[int]  # index in the step's parameter list of each table row
     grad_column: int  # column of the gradient in ``tables.ptrs``
+    part: int  # row of this launch in its device's global-reduction table
 
 
 @dataclass
@@ -89,8 +99,11 @@ class _Engine:
     signature: list = field(default_factory=list)
     grad_ptrs: list = field(default_factory=list)
     launches: list = field(default_factory=list)
-    hyper_values: list = field(default_factory=list)
+    hyper_values: list = field(default_factory=list)  # per group: floats, None where a tensor
     hyper_tables: dict = field(default_factory=dict)  # device -> fp64 [n_groups, n_hyper]
+    glob: dict = field(default_factory=dict)  # device -> fp32 [n_parts, n_global]
+    n_parts: dict = field(default_factory=dict)  # device -> launches (dtype plans) on it
+    amp_defaults: dict = field(default_factory=dict)  # device -> (grad_scale 1.0, found_inf 0.0)
 
 
 class _Source:
@@ -100,7 +113,8 @@ class _Source:
     def __get__(self, obj, cls):
         owner = obj if obj is not None else cls
         plan = _dtype_plan(owner.rule, owner.options, "fp32", "fp32")
-        return _plan_and_source(owner.rule, plan)[1].text
+        sources = _plan_and_sources(owner.rule, plan, owner.options.stochastic_rounding)[1]
+        return "\n\n".join(src.text for src in sources)
 
 
 class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
@@ -114,6 +128,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     rule: Rule
     options: Options
     source = _Source()
+    # torch.amp.GradScaler sets `grad_scale` and `found_inf` on the optimizer and lets the
+    # step unscale and skip on its own device, with no host synchronisation.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, **hyper):
         defaults = dict(self.rule.hyper_defaults)
@@ -195,11 +212,33 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 launch.tables.ptrs[:, launch.grad_column].copy_(column)
             eng.grad_ptrs = grad_ptrs
         self._sync_hyper()
-        for launch in eng.launches:
-            t = launch.tables
-            launch.kernel((t.n_blocks,), t.ptrs, t.numels, t.groups, t.block_tensor, t.block_start,
-                          eng.hyper_tables[t.ptrs.device], launch.scalars, t.ticket, t.n_tensors,
-                          t.n_blocks)
+        seed = self.options.seed
+        for phase in range(len(eng.launches[0].kernels)):
+            # Phase k of every launch before phase k + 1 of any: global reductions combine
+            # the totals of every launch on the device.
+            for launch in eng.launches:
+                t = launch.tables
+                device = t.ptrs.device
+                grad_scale, found_inf = self._amp_tensors(device)
+                launch.kernels[phase](
+                    (t.n_blocks,), t.ptrs, t.numels, t.groups, t.block_tensor, t.block_start,
+                    t.tensor_first_block, t.tensor_blocks, eng.hyper_tables[device], launch.scalars,
+                    launch.red, launch.partials, t.counters, eng.glob[device], grad_scale, found_inf,
+                    t.n_tensors, t.n_blocks, launch.part, eng.n_parts[device], seed)
+
+    def _amp_tensors(self, device):
+        """(grad_scale, found_inf) on ``device``: GradScaler's when it set them, else 1 and 0."""
+        eng = self._fuser
+        if device not in eng.amp_defaults:
+            eng.amp_defaults[device] = (torch.ones(1, device=device), torch.zeros(1, device=device))
+        scale, found = eng.amp_defaults[device]
+        gs = getattr(self, "grad_scale", None)
+        fi = getattr(self, "found_inf", None)
+        if gs is not None:
+            scale = gs.to(device=device, dtype=torch.float32).reshape(1)
+        if fi is not None:
+            found = fi.to(device=device, dtype=torch.float32).reshape(1)
+        return scale, found
 
     def _validate(self, items) -> None:
         attr = self.options.grad_attr
@@ -235,10 +274,19 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         self._validate(items)
         keys = self._state_keys
         init = dict(self.rule.state)
+        scalar_names = scalar_state_names(self.rule)
         for p, _, _ in items:
             st = self.state[p]
             for s, key in keys.items():
                 want = self._state_dtype(p)
+                if s in scalar_names:
+                    # One number per tensor, packed into the scalar table by _pack_scalars.
+                    value = st.get(key)
+                    if not (value is None or isinstance(value, (int, float))
+                            or (torch.is_tensor(value) and value.numel() == 1)):
+                        raise RuntimeError(f"state {key!r} of a parameter must be one number, not a "
+                                           f"tensor of shape {tuple(value.shape)}")
+                    continue
                 if key not in st:
                     st[key] = (p.detach().to(want, copy=True) if init[s] == "p"
                                else torch.full_like(p, float(init[s]), dtype=want,
@@ -246,7 +294,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 elif not isinstance(st[key], torch.Tensor):
                     raise RuntimeError(f"state {key!r} of a parameter is {type(st[key]).__name__}, "
                                        "not a tensor")
-                elif st[key].dtype != want or st[key].device != p.device or st[key].stride() != p.stride():
+                elif st[key].shape == p.shape and (st[key].dtype != want or st[key].device != p.device
+                                                   or st[key].stride() != p.stride()):
                     fixed = torch.empty_like(p, dtype=want, memory_format=torch.preserve_format)
                     fixed.copy_(st[key])
                     st[key] = fixed
@@ -258,24 +307,34 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             dplan = _dtype_plan(self.rule, self.options, TORCH_DTYPES[p.dtype], TORCH_DTYPES[g.dtype])
             parts.setdefault((p.device, dplan), []).append((i, p, g, gi))
 
-        scalar_names = scalar_state_names(self.rule)
         launches = []
+        n_parts: dict = {}
         for (device, dplan), indexed in parts.items():
             members = [m[1:] for m in indexed]
-            plan, source = _plan_and_source(self.rule, dplan)
-            kernel = load_kernel(source, device)
+            plan, sources = _plan_and_sources(self.rule, dplan, self.options.stochastic_rounding)
+            kernels = [load_kernel(src, device) for src in sources]
             rows = []
             for p, g, _ in members:
                 st = self.state[p]
-                slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys}}
+                slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
                 rows.append([slot_tensor[sl.name] for sl in plan.slots])
-            block = dict(source.constexprs)["BLOCK"]
+            block = dict(sources[0].constexprs)["BLOCK"]
             tables = build_tables(rows, [gi for _, _, gi in members], block, device)
             scalars = self._pack_scalars(members, scalar_names, device)
+            nred = max(1, len(plan.reductions))
+            red = torch.zeros(tables.n_tensors, nred, device=device)
+            partials = torch.zeros(tables.n_blocks if plan.reductions else 1, nred, device=device)
             grad_column = [sl.name for sl in plan.slots].index("g")
-            launches.append(_Launch(kernel, plan, tables, scalars, [m[0] for m in indexed], grad_column))
-        self._fuser.launches = launches
-        self._fuser.hyper_values = []  # force a hyper table refresh
+            part = n_parts.get(device, 0)
+            n_parts[device] = part + 1
+            launches.append(_Launch(kernels, plan, tables, scalars, red, partials,
+                                    [m[0] for m in indexed], grad_column, part))
+        eng = self._fuser
+        eng.launches = launches
+        eng.n_parts = n_parts
+        n_global = max(1, launches[0].plan.n_global)
+        eng.glob = {d: torch.zeros(n, n_global, device=d) for d, n in n_parts.items()}
+        eng.hyper_values = []  # force a hyper table refresh
 
     def _pack_scalars(self, members, scalar_names, device) -> torch.Tensor:
         """One fp32 row per tensor: step, then each per-tensor scalar state; the optimizer's
@@ -286,8 +345,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         for p, _, _ in members:
             st = self.state[p]
             vals = [st.get("step", 0.0)]
-            vals += [st[keys[s]] if torch.is_tensor(st.get(keys[s])) and st[keys[s]].numel() == 1
-                     else float(init[s]) for s in scalar_names]
+            vals += [st[keys[s]] if st.get(keys[s]) is not None else float(init[s]) for s in scalar_names]
             cols.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device)
                                      for v in vals]))
         scalars = torch.stack(cols)
@@ -299,29 +357,37 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         return scalars
 
     def _sync_hyper(self) -> None:
+        """Send the groups' hyperparameters to each device's table: numbers when they change
+        (a host-to-device copy), tensors (an ``lr`` tensor, say) by a device copy every
+        step, which a captured CUDA graph replays."""
         eng = self._fuser
         names = list(self.rule.hyper_defaults)
-        values = []
-        for group in self.param_groups:
+        rows, tensors = [], []
+        for gi, group in enumerate(self.param_groups):
             hv = self._group_hyper(group)
-            values.append(tuple(hv[n] for n in names))
-        has_tensor = any(torch.is_tensor(v) for row in values for v in row)
-        if values == eng.hyper_values and not has_tensor:
-            return
+            row = []
+            for j, n in enumerate(names):
+                v = hv[n]
+                if torch.is_tensor(v):
+                    tensors.append((gi, j, v))
+                    row.append(None)
+                else:
+                    v = float(v)
+                    if not math.isfinite(v):
+                        raise ValueError(f"hyperparameter {n!r} of param group {gi} is {v}; it must be finite")
+                    row.append(v)
+            rows.append(tuple(row))
         devices = {launch.tables.ptrs.device for launch in eng.launches}
-        rows = [[float(v) if not torch.is_tensor(v) else math.nan for v in row] for row in values]
-        for row in rows:
-            for n, v in zip(names, row):
-                if not math.isfinite(v) and not has_tensor:
-                    raise ValueError(f"hyperparameter {n!r} is {v}; it must be finite")
+        if rows != eng.hyper_values or set(eng.hyper_tables) != devices:
+            numbers = [[math.nan if v is None else v for v in row] for row in rows]
+            for device in devices:
+                eng.hyper_tables[device] = torch.tensor(numbers, dtype=torch.float64).reshape(
+                    len(rows), len(names)).to(device)
+            eng.hyper_values = rows
         for device in devices:
-            table = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
-            for gi, row in enumerate(values):
-                for j, v in enumerate(row):
-                    if torch.is_tensor(v):
-                        table[gi, j].copy_(v.reshape(()))
-            eng.hyper_tables[device] = table
-        eng.hyper_values = values
+            table = eng.hyper_tables[device]
+            for gi, j, v in tensors:
+                table[gi, j].copy_(v.reshape(()))
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts floating state to each parameter's dtype; fuser keeps its own state
@@ -334,15 +400,21 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             for p in group["params"]:
                 id_to_param[index] = p
                 index += 1
-        full_state_keys = set(self._state_keys.values())
+        scalar_names = scalar_state_names(self.rule)
+        keys = self._state_keys
+        element_keys = {keys[s] for s in keys if s not in scalar_names}
+        scalar_keys = {keys[s] for s in scalar_names}
         for pid, st in saved.items():
             p = id_to_param.get(int(pid))
             if p is None:
                 continue
             for key, value in st.items():
-                if key in full_state_keys and torch.is_tensor(value) and value.numel() == p.numel() \
-                        and value.numel() > 1:
+                if not torch.is_tensor(value):
+                    continue
+                if key in element_keys and value.shape == p.shape:
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+                elif key in scalar_keys and value.numel() == 1:
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         self._fuser.signature = []
 
     def add_param_group(self, param_group: dict) -> None:
@@ -354,12 +426,14 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
     """Build the optimizer class for ``rule`` (see ``fuser.compile``).
 
     Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
-    or ``"param"`` to store each state like its parameter) and ``grad_attr``.
+    or ``"param"`` to store each state like its parameter), ``grad_attr`` (``"main_grad"``
+    reads Megatron-style fp32 gradients), ``stochastic_rounding`` and its ``seed``.
     """
     opts = _options(**options)
-    _plan_and_source(rule, _dtype_plan(rule, opts, "fp32", "fp32"))  # errors show at compile time
+    _plan_and_sources(rule, _dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
     doc = (f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
            + "\n".join("    " + line for line in rule.text.splitlines())
            + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n")
-    return type(cls_name, (FuserOptimizer,), {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})
+    return type(cls_name, (FuserOptimizer,),
+                {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})

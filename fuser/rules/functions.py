@@ -13,7 +13,7 @@ from sympy.codegen.cfunctions import log1p as _Log1p
 
 
 class Sigmoid(sympy.Function):
-    """1 / (1 + exp(-x)), kept whole so the printer can emit ``tl.sigmoid``."""
+    """1 / (1 + exp(-x)), kept whole so the printer can emit one call."""
 
     nargs = 1
     is_real = True

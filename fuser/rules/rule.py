@@ -22,9 +22,6 @@ LOSS_INPUTS = ("z", "y")
 # The symbol that stands for the logit at the target, z[y].
 ZY = "z_y"
 
-# Reductions each kind may use now; lowering handles exactly these.
-ENABLED_OPTIM_REDUCTIONS: dict = {}
-
 
 @dataclass(frozen=True, eq=False)
 class Rule:
@@ -97,7 +94,9 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None,
     """Define an optimizer update rule from text or a function.
 
     Text: statements such as ``m = beta1 * m + (1 - beta1) * g``, run in order; it reads
-    ``p``, ``g``, ``step``, each state and each hyperparameter, and must assign ``p``.
+    ``p``, ``g``, ``step``, ``numel``, each state and each hyperparameter, may call the
+    per-tensor reductions ``norm sum mean amax`` and ``global_norm`` (over every tensor the
+    step updates), and must assign ``p``.
     A function is called once with sympy symbols (per-element inputs as positional
     parameters, hyperparameters and ``step`` as keyword-only ones) and returns a dict of
     the new ``p`` and states. Used as ``@fuser.rule(hyper=..., state=...)`` it decorates.
@@ -110,9 +109,9 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None,
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
     _check_names("optim", hyper, state, OPTIM_INPUTS)
     lang = Language(
-        readable=frozenset({*OPTIM_INPUTS, *hyper, *state}),
+        readable=frozenset({*OPTIM_INPUTS, "numel", *hyper, *state}),
         frozen=frozenset({"g", "step", "numel", *hyper}),
-        reductions=ENABLED_OPTIM_REDUCTIONS,
+        reductions=OPTIM_REDUCTIONS,
         subscripts={},
     )
     rule_name = name or getattr(source, "__name__", None) or "rule"
@@ -160,7 +159,7 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}
-    keyword_only = {*hyper, "step"}
+    keyword_only = {*hyper, "step", "numel"}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise RuleError(f"the rule function may not take *{pname} or **{pname}; name each input",

@@ -24,7 +24,9 @@ class Tables:
     groups: torch.Tensor  # int32 [n_tensors]
     block_tensor: torch.Tensor  # int32 [n_blocks]
     block_start: torch.Tensor  # int64 [n_blocks]
-    ticket: torch.Tensor  # int32 [1]
+    tensor_first_block: torch.Tensor  # int32 [n_tensors]
+    tensor_blocks: torch.Tensor  # int32 [n_tensors]
+    counters: torch.Tensor  # int32 [n_tensors + 2]: zero between launches
     n_tensors: int
     n_blocks: int
 
@@ -34,18 +36,15 @@ def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
-    its row, so that element ``i`` of storage order is element ``i`` of each of them.
+    its row, so that element ``i`` of storage order is element ``i`` of each of them. An
+    empty tensor still gets one (masked-off) block, so that every tensor reports its
+    reductions and the step advances.
     """
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
-    counts = (numels + block - 1) // block
+    counts = ((numels + block - 1) // block).clamp_min(1)
     total = int(counts.sum())
-    if total == 0:
-        # Every tensor is empty: one masked-off program still runs so the step advances.
-        counts = counts.clone()
-        counts[0] = 1
-        total = 1
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
@@ -56,7 +55,9 @@ def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
-        ticket=torch.zeros(1, dtype=torch.int32, device=device),
+        tensor_first_block=first.to(torch.int32).to(device),
+        tensor_blocks=counts.to(torch.int32).to(device),
+        counters=torch.zeros(n + 2, dtype=torch.int32, device=device),
         n_tensors=n,
         n_blocks=total,
     )

@@ -41,9 +41,20 @@ def compile_for(source, capability):
                           options=dict(num_warps=source.num_warps, num_stages=source.num_stages))
 
 
+RULES["clipped_lamb"] = fuser.rule("""
+    c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
+    m = beta1 * m + (1 - beta1) * c
+    u = m / (1 - beta1**step) + wd * p
+    p = p - lr * norm(p) / norm(u) * u * amax(abs(c)) / (sum(abs(c)) / numel + mean(c) ** 2)
+""", name="clipped_lamb", hyper=dict(lr=1e-3, beta1=0.9, wd=0.01, max_norm=1.0), state=dict(m=0.0))
+
+
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize("dtypes", [{}, {"p": "bf16", "g": "bf16", "m": "bf16"}, {"p": "fp16", "g": "fp16"}])
-def test_kernel_compiles_ahead_of_time(rule, capability, dtypes):
-    compiled = compile_for(render_optim(lower_optim(RULES[rule], dtypes)), capability)
-    assert len(compiled.asm["cubin"]) > 1000
+@pytest.mark.parametrize("dtypes, sr", [({}, False), ({"p": "bf16", "g": "bf16", "m": "bf16"}, False),
+                                        ({"p": "fp16", "g": "fp16"}, False),
+                                        ({"p": "bf16", "m": "fp16"}, True)])
+def test_kernel_compiles_ahead_of_time(rule, capability, dtypes, sr):
+    for source in render_optim(lower_optim(RULES[rule], dtypes, stochastic_rounding=sr)):
+        compiled = compile_for(source, capability)
+        assert len(compiled.asm["cubin"]) > 1000

@@ -26,10 +26,10 @@ def adamw_rule():
 
 
 def test_rendering_is_byte_identical_in_process():
-    a = render_optim(lower_optim(adamw_rule(), {"p": "bf16"}))
-    b = render_optim(lower_optim(adamw_rule(), {"p": "bf16"}))
+    a = render_optim(lower_optim(adamw_rule(), {"p": "bf16"}))[0]
+    b = render_optim(lower_optim(adamw_rule(), {"p": "bf16"}))[0]
     assert a.text == b.text and a.digest == b.digest
-    c = render_optim(lower_optim(adamw_rule(), {"p": "fp32"}))
+    c = render_optim(lower_optim(adamw_rule(), {"p": "fp32"}))[0]
     assert c.digest != a.digest
 
 
@@ -40,7 +40,7 @@ def test_rendering_is_byte_identical_across_processes():
         "from fuser.codegen.render import render_optim\n"
         f"r = fuser.rule({ADAMW!r}, name='adamw', hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,"
         " weight_decay=0.01), state=dict(m=0.0, v=0.0))\n"
-        "print(hashlib.sha256(render_optim(lower_optim(r, {'p': 'fp16'})).text.encode()).hexdigest())\n"
+        "print(hashlib.sha256(render_optim(lower_optim(r, {'p': 'fp16'}))[0].text.encode()).hexdigest())\n"
     )
     digests = set()
     for seed in ("0", "12345"):
@@ -48,7 +48,7 @@ def test_rendering_is_byte_identical_across_processes():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              check=True)
         digests.add(out.stdout.strip())
-    here = render_optim(lower_optim(adamw_rule(), {"p": "fp16"})).text
+    here = render_optim(lower_optim(adamw_rule(), {"p": "fp16"}))[0].text
     import hashlib
 
     digests.add(hashlib.sha256(here.encode()).hexdigest())
@@ -56,7 +56,7 @@ def test_rendering_is_byte_identical_across_processes():
 
 
 def test_kernel_opens_with_the_rule_and_marks_its_sections():
-    src = render_optim(lower_optim(adamw_rule())).text
+    src = render_optim(lower_optim(adamw_rule()))[0].text
     head = src.splitlines()[:8]
     assert head[0].startswith("# fuser optimizer step `adamw`")
     assert "#   m = beta1 * m + (1 - beta1) * g" in head
@@ -65,7 +65,7 @@ def test_kernel_opens_with_the_rule_and_marks_its_sections():
 
 
 def test_hyper_only_subexpressions_are_hoisted_out_of_the_element_work():
-    plan = lower_optim(adamw_rule())
+    (plan,) = lower_optim(adamw_rule()).phases
     per_element = [e for _, e in plan.body] + [e for _, e in plan.stores]
     step, b1, b2 = symbol("step"), symbol("beta1"), symbol("beta2")
     element = {symbol(n) for n in ("p", "g", "m", "v")} | {t for t, _ in plan.body}
@@ -84,14 +84,14 @@ def test_hyper_only_subexpressions_are_hoisted_out_of_the_element_work():
 
 
 def test_cse_computes_each_updated_moment_once():
-    src = render_optim(lower_optim(adamw_rule())).text
+    src = render_optim(lower_optim(adamw_rule()))[0].text
     compute = src.split("# compute (fp32)")[1].split("# stores")[0]
     assert compute.count("x_m") == 1 and compute.count("x_v") == 1
 
 
 def test_constants_fold():
     r = fuser.rule("p = p - (2 * 3 - 5) * lr * g * (4 / 2)", name="fold", hyper=dict(lr=0.1))
-    (_, e), = lower_optim(r).stores
+    (_, e), = lower_optim(r).phases[0].stores
     assert all(n in (-2, 1, -1, 2) or n.is_Symbol for n in e.atoms(sympy.Number))
 
 

@@ -1,0 +1,224 @@
+"""Per-tensor and global reductions in optimizer rules: LAMB, LARS, in-step clipping,
+against float64 references and third-party implementations, with launch counts."""
+
+import pytest
+import torch
+
+import fuser
+
+SHAPES = [(1,), (7,), (129,), (33, 5), (3, 4, 5)]
+
+
+def rel_err(a, b, scale=None):
+    den = b.double().norm()
+    if scale is not None:
+        den = torch.maximum(den, scale.double().norm())
+    return ((a.double() - b.double()).norm() / den.clamp_min(1e-30)).item()
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def fresh(params, steps):
+    return [[torch.randn(p.shape, device=p.device) for p in params] for _ in range(steps)]
+
+
+def lamb_reference(p, grads, lr, beta1, beta2, eps, wd):
+    """LAMB (You et al. 2020, Alg. 2) in float64."""
+    p = p.double().clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps) + wd * p
+        pn, un = p.norm(), u.norm()
+        trust = (pn / un) if pn > 0 and un > 0 else 1.0
+        p = p - lr * trust * u
+    return p
+
+
+def test_lamb_matches_the_paper_in_float64_with_two_launches_per_step(device):
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone() for p in params]
+    opt = fuser.optim.LAMB(params, lr=0.05, weight_decay=0.1)
+    grads = fresh(params, 3)
+    before = fuser.stats()["launches"]
+    for gs in grads:
+        set_grads(params, gs)
+        opt.step()
+    assert fuser.stats()["launches"] - before == 2 * 3
+    for i, p in enumerate(params):
+        want = lamb_reference(start[i], [gs[i] for gs in grads], 0.05, 0.9, 0.999, 1e-6, 0.1)
+        assert rel_err(p, want, start[i]) < 2e-6
+
+
+def test_zero_norm_tensors_take_a_unit_trust_ratio(device):
+    params = [torch.zeros(7, device=device), torch.randn(5, device=device)]
+    opt = fuser.optim.LAMB(params, lr=0.1)
+    grads = [torch.randn(7, device=device), torch.randn(5, device=device)]
+    start = [p.clone() for p in params]
+    set_grads(params, grads)
+    opt.step()
+    for i, p in enumerate(params):
+        want = lamb_reference(start[i], [grads[i]], 0.1, 0.9, 0.999, 1e-6, 0.0)
+        assert torch.isfinite(p).all()
+        assert rel_err(p, want, start[i]) < 2e-6
+
+
+def test_user_lamb_matches_pytorch_optimizer(device):
+    po = pytest.importorskip("pytorch_optimizer")
+    # pytorch-optimizer's Lamb: decoupled decay first, Adam direction without the second
+    # moment's bias correction, trust ratio min(||p||, 10) / (||u|| + eps).
+    lamb = fuser.rule("""
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g**2
+        p = p * (1 - lr * weight_decay)
+        u = m / (sqrt(v) + eps)
+        wn = minimum(norm(p), 10)
+        un = norm(u)
+        trust = where(wn > 0, where(un > 0, wn / (un + eps), 1), 1)
+        p = p - lr / (1 - beta1**step) * trust * u
+    """, name="po_lamb", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0),
+        state=dict(m=0.0, v=0.0))
+    a = [torch.randn(s, device=device) for s in SHAPES]
+    b = [p.clone().requires_grad_() for p in a]
+    oa = fuser.compile(lamb)(a, lr=0.02, weight_decay=0.05)
+    ob = po.Lamb(b, lr=0.02, weight_decay=0.05, foreach=False)
+    for gs in fresh(a, 4):
+        set_grads(a, gs)
+        set_grads(b, gs)
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):
+        assert rel_err(x, y.detach()) < 1e-5
+
+
+def test_lars_matches_the_paper_and_pytorch_optimizer(device):
+    po = pytest.importorskip("pytorch_optimizer")
+    # pytorch-optimizer adapts only tensors with 2+ dimensions: compare on matrices.
+    shapes = [(33, 5), (3, 4, 5), (7, 2)]
+    a = [torch.randn(s, device=device) for s in shapes]
+    b = [p.clone().requires_grad_() for p in a]
+    start = [p.double() for p in a]
+    oa = fuser.optim.LARS(a, lr=0.1, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02)
+    ob = po.LARS(b, lr=0.1, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, foreach=False)
+    grads = fresh(a, 3)
+    for gs in grads:
+        set_grads(a, gs)
+        set_grads(b, gs)
+        oa.step()
+        ob.step()
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert rel_err(x, y.detach(), start[i]) < 1e-5
+        # The paper's form, in float64: v = m v + trust (g + wd p); p -= lr v.
+        p, v = start[i].clone(), torch.zeros_like(start[i])
+        for gs in grads:
+            g = gs[i].double()
+            pn, gn = p.norm(), g.norm()
+            trust = 0.02 * pn / (gn + 0.01 * pn)
+            v = 0.9 * v + trust * (g + 0.01 * p)
+            p = p - 0.1 * v
+        assert rel_err(x, p, start[i]) < 1e-5
+
+
+def test_global_norm_clipping_inside_the_step_matches_clip_grad_norm(device):
+    clipped_adamw = fuser.rule("""
+        c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
+        m = beta1 * m + (1 - beta1) * c
+        v = beta2 * v + (1 - beta2) * c**2
+        p = p * (1 - lr * weight_decay) - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
+    """, name="clipped_adamw", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                          max_norm=1.0), state=dict(m=0.0, v=0.0))
+    # 300+ tensors, some bf16 (a second launch group): the global norm spans them all.
+    sizes = torch.randint(1, 30, (311,)).tolist()
+    a = [torch.randn(n, device=device) for n in sizes]
+    b = [p.clone().requires_grad_() for p in a]
+    opt_a = fuser.compile(clipped_adamw)(a, lr=1e-2, max_norm=0.5)
+    opt_b = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.01)
+    before = fuser.stats()["launches"]
+    steps = 3
+    for gs in fresh(a, steps):
+        set_grads(a, gs)
+        set_grads(b, gs)
+        total = torch.nn.utils.clip_grad_norm_(b, max_norm=0.5)
+        assert total > 0.5  # clipping is active
+        opt_a.step()
+        opt_b.step()
+    assert fuser.stats()["launches"] - before == 2 * steps
+    for x, y in zip(a, b):
+        assert rel_err(x, y.detach(), y.detach()) < 1e-5
+
+
+def test_global_norm_spans_every_launch_group(device):
+    rule = fuser.rule("p = p - lr * g / global_norm(g)", name="normalized_sgd", hyper=dict(lr=0.1))
+    a = [torch.randn(33, device=device), torch.randn(7, device=device).bfloat16(), torch.randn(5, device=device)]
+    start = [p.double() for p in a]
+    grads = [torch.randn(p.shape, device=device).to(p.dtype) for p in a]
+    set_grads(a, grads)
+    fuser.compile(rule)(a).step()
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    for x, g, s in zip(a, grads, start):
+        want = s - 0.1 * g.double() / total
+        tol = 1e-6 if x.dtype == torch.float32 else 2**-8
+        assert rel_err(x, want, s) <= tol
+
+
+def test_sum_mean_amax_and_numel(device):
+    rule = fuser.rule("""
+        centered = g - mean(g)
+        scale = amax(abs(g)) * numel / sum(abs(g))
+        p = p - lr * centered * scale
+    """, name="centered", hyper=dict(lr=0.1))
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.double() for p in params]
+    grads = [torch.randn(s, device=device) for s in SHAPES]
+    set_grads(params, grads)
+    fuser.compile(rule)(params).step()
+    for p, g, s in zip(params, grads, start):
+        g = g.double()
+        want = s - 0.1 * (g - g.mean()) * (g.abs().max() * g.numel() / g.abs().sum())
+        assert rel_err(p, want, s) < 1e-6
+
+
+def test_reductions_of_updated_state_and_nested_reductions(device):
+    # norm(u) reads the moment updated in the same step. Reductions nest three deep
+    # (mean(m), then mean(u) and norm(u), then sum(abs(u - mean(u)))): three reduction
+    # launches and the update.
+    rule = fuser.rule("""
+        m = beta * m + g
+        u = m - mean(m)
+        p = p - lr * u / norm(u) * sum(abs(u - mean(u)))
+    """, name="nested", hyper=dict(lr=0.01, beta=0.5), state=dict(m=0.0))
+    params = [torch.randn(s, device=device) for s in SHAPES[1:]]
+    start = [p.double() for p in params]
+    opt = fuser.compile(rule)(params)
+    grads = fresh(params, 2)
+    before = fuser.stats()["launches"]
+    for gs in grads:
+        set_grads(params, gs)
+        opt.step()
+    assert fuser.stats()["launches"] - before == 4 * 2
+    for i, p in enumerate(params):
+        q, m = start[i].clone(), torch.zeros_like(start[i])
+        for gs in grads:
+            m = 0.5 * m + gs[i].double()
+            u = m - m.mean()
+            q = q - 0.01 * u / u.norm() * (u - u.mean()).abs().sum()
+        assert rel_err(p, q, start[i]) < 1e-5
+
+
+def test_reductions_are_deterministic(device):
+    rule = fuser.rule("p = p - lr * g / norm(g) * global_norm(p)", name="det", hyper=dict(lr=0.1))
+    base = [torch.randn(5000, device=device), torch.randn(3, device=device)]
+    grads = [torch.randn_like(p) for p in base]
+    results = []
+    for _ in range(2):
+        params = [p.clone() for p in base]
+        set_grads(params, grads)
+        fuser.compile(rule)(params).step()
+        results.append(params)
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
