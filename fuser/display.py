@@ -16,6 +16,7 @@ import textwrap
 import sympy
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.printing.latex import LatexPrinter
+from sympy.printing.str import StrPrinter
 
 from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid
 from fuser.rules.parse import Language, Statement, _Walker, symbol
@@ -75,6 +76,46 @@ class RuleLatexPrinter(LatexPrinter):
         if isinstance(expr, Reduction):
             return self._print_Reduction(expr, exp)
         return super()._print_Function(expr, exp)
+
+
+class RuleStrPrinter(StrPrinter):
+    """sympy expressions in the rule language's own spelling: ``where(c, a, b)``,
+    ``norm(e)``, ``minimum``, ``sigmoid``, ``abs``."""
+
+    def __init__(self):
+        super().__init__({"order": "none"})
+
+    def _print_Piecewise(self, expr):
+        *pairs, (last, _) = expr.args
+        text = self._print(last)
+        for value, cond in reversed(pairs):
+            text = f"where({self._print(cond)}, {self._print(value)}, {text})"
+        return text
+
+    def _call(self, name, expr):
+        return f"{name}({', '.join(self._print(a) for a in expr.args)})"
+
+    def _print_Function(self, expr):
+        # sympy skips _print_<Base> for subclasses of functions: dispatch here.
+        if isinstance(expr, Reduction):
+            return self._call(expr.op, expr)
+        if isinstance(expr, Sigmoid):
+            return self._call("sigmoid", expr)
+        return super()._print_Function(expr)
+
+    def _print_Min(self, expr):
+        return self._call("minimum", expr)
+
+    def _print_Max(self, expr):
+        return self._call("maximum", expr)
+
+    def _print_Abs(self, expr):
+        return self._call("abs", expr)
+
+
+def expr_text(expr) -> str:
+    """An expression as rule text."""
+    return RuleStrPrinter().doprint(sympy.sympify(expr))
 
 
 def expr_latex(expr) -> str:
@@ -190,15 +231,20 @@ def optimizer_html(obj) -> str:
 
 
 def _kernel_texts(obj) -> list[tuple[str, str]]:
+    """(title, source) of each kernel: those an instance has launched, else those it
+    launches for fp32 tensors."""
     launches = [] if isinstance(obj, type) else getattr(getattr(obj, "_fuser", None), "launches", [])
+    sources = [kernel.source for launch in launches for kernel in launch.kernels]
+    if not sources:
+        from fuser.optim.factory import _dtype_plan, _plan_and_sources
+
+        dplan = _dtype_plan(obj.rule, obj.options, "fp32", "fp32")
+        sources = _plan_and_sources(obj.rule, dplan, obj.options.stochastic_rounding)[1]
     seen, out = set(), []
-    for launch in launches:
-        src = launch.kernel.source
+    for src in sources:
         if src.digest not in seen:
             seen.add(src.digest)
-            out.append((f"Triton kernel {src.entry} ({dict(src.meta).get('dtypes', '')})", src.text))
-    if not out:
-        out.append(("Triton kernel (fp32 tensors)", obj.source))
+            out.append((f"Triton kernel {src.entry} for {dict(src.meta).get('dtypes', '')}", src.text))
     return out
 
 

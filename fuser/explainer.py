@@ -8,16 +8,17 @@ and the kernel's identity (launch options and the digest that keys the cache).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TextIO
-
-import sympy
 
 from fuser.rules.rule import Rule
 
 
 def _s(expr) -> str:
-    return sympy.sstr(expr, order="none")
+    from fuser.display import expr_text
+
+    return expr_text(expr)
 
 
 def _resolve(obj) -> tuple[Rule, dict]:
@@ -28,7 +29,9 @@ def _resolve(obj) -> tuple[Rule, dict]:
     if isinstance(rule, Rule):
         options = getattr(obj, "options", None)
         if options is not None and rule.kind == "optim":
-            return rule, {"state_dtype": options.state_dtype, "grad_attr": options.grad_attr}
+            opts = dataclasses.asdict(options)
+            opts["state_keys"] = dict(options.state_keys)
+            return rule, opts
         return rule, {}
     raise TypeError(f"fuser.explain takes a fuser.Rule or a compiled optimizer, not {type(obj).__name__}")
 
@@ -64,16 +67,24 @@ def _statements(rule: Rule) -> list[str]:
     return lines
 
 
+_ACCUMULATE = {"sum": "sum", "mean": "sum, then / numel", "norm": "sum of squares, then sqrt",
+               "global_norm": "sum of squares over every tensor, then sqrt", "amax": "max"}
+
+
 def _explain_optim(rule: Rule, dtype: str, **options) -> str:
-    from fuser.codegen.render import render_optim
-    from fuser.ir.optim import DTYPES, lower_optim
-    from fuser.optim.factory import _dtype_plan, _options
+    from fuser.ir.optim import DTYPES
+    from fuser.optim.factory import _dtype_plan, _options, _plan_and_sources
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     opts = _options(**options)
-    plan = lower_optim(rule, dict(_dtype_plan(rule, opts, dtype, dtype)))
-    source = render_optim(plan)
+    plan, sources = _plan_and_sources(rule, _dtype_plan(rule, opts, dtype, dtype), opts.stochastic_rounding)
+    many = len(plan.phases) > 1
+
+    def phase_head(ph) -> list[str]:
+        return [f"   phase {ph.index}:"] if many else []
+
+    pad = "     " if many else "   "
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
     state = ", ".join(f"{k}={v!r}" for k, v in rule.state) or "none"
     out = [f"fuser.explain: optimizer rule {rule.name!r}, {dtype} parameters and gradients",
@@ -84,39 +95,53 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
     out.append("")
 
     out.append("2. per-step scalars, hoisted out of the per-element work (fp64, once per program)")
-    if plan.prologue:
-        out += [f"   {sym} = {_s(e)}" for sym, e in plan.prologue]
-    else:
-        out.append("   none")
+    for ph in plan.phases:
+        out += phase_head(ph)
+        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.prologue] or [f"{pad}none"]
     if plan.scalar_states:
         out.append("   per-tensor scalar states (one number per tensor, advanced by the last program):")
-        out += [f"   {name} <- {_s(e)}" for name, e in plan.scalar_updates]
+        out += [f"   {name} <- {_s(e)}" for name, e in plan.phases[-1].scalar_updates]
     out.append("")
 
     out.append("3. per-element plan after CSE (fp32; hyperparameters and s<i> used here are fp32 copies)")
-    out += [f"   {sym} = {_s(e)}" for sym, e in plan.body]
-    out += [f"   store {name} = {_s(e)}" for name, e in plan.stores]
+    by_column = {r.column: r for r in plan.reductions}
+    for ph in plan.phases:
+        out += phase_head(ph)
+        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.body]
+        out += [f"{pad}accumulate {by_column[col].symbol} += {_s(e)}" for col, e in ph.reduce]
+        out += [f"{pad}store {name} = {_s(e)}" for name, e in ph.stores]
     out.append("")
 
     out.append("4. phases and reductions")
-    out.append("   reductions: none")
-    out.append("   phases: 1 (load, compute, store in one launch over every tensor; the last program")
-    out.append("   advances step" + (" and the scalar states)" if plan.scalar_states else ")"))
+    if plan.reductions:
+        for r in plan.reductions:
+            scope = "over every tensor" if r.global_column >= 0 else "per tensor"
+            out.append(f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
+                       f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}")
+    else:
+        out.append("   reductions: none")
+    out.append(f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
+               "phase stores, and its last program advances step"
+               + (" and the scalar states" if plan.scalar_states else ""))
     out.append("")
 
     out.append("5. dtype plan (loads upcast to fp32, stores cast to each slot's dtype)")
     out.append(f"   {'slot':<14}{'role':<7}{'dtype':<7}access")
     for sl in plan.slots:
         out.append(f"   {sl.name:<14}{sl.role:<7}{sl.dtype:<7}{'read/write' if sl.written else 'read'}")
+    rounding = (f"stochastic (seed {opts.seed})" if plan.stochastic_rounding
+                else "to nearest even")
+    out.append(f"   bf16/fp16 stores round {rounding}")
     out.append(f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}")
     out.append(f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
                + ", ".join(("step", *plan.scalar_states)))
     out.append("")
 
-    constexprs = ", ".join(f"{k}={v}" for k, v in source.constexprs)
-    out.append("6. kernel and cache key")
-    out.append(f"   entry {source.entry}({', '.join(n for n, _ in source.signature)})")
-    out.append(f"   {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
-               f"{len(source.text.splitlines())} lines of Triton")
-    out.append(f"   source digest (cache key): {source.digest}")
+    out.append("6. kernels and cache keys")
+    for src in sources:
+        constexprs = ", ".join(f"{k}={v}" for k, v in src.constexprs)
+        out.append(f"   {src.entry}({', '.join(n for n, _ in src.signature)})")
+        out.append(f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
+                   f"{len(src.text.splitlines())} lines of Triton")
+        out.append(f"     source digest (cache key): {src.digest}")
     return "\n".join(out)

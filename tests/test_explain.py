@@ -37,7 +37,7 @@ def section(text: str, number: int) -> str:
 def test_explain_prints_every_stage_in_order():
     text = explained(ADAMW)
     heads = ["1. parsed statements", "2. per-step scalars", "3. per-element plan after CSE",
-             "4. phases and reductions", "5. dtype plan", "6. kernel and cache key"]
+             "4. phases and reductions", "5. dtype plan", "6. kernels and cache keys"]
     positions = [text.index(h) for h in heads]
     assert positions == sorted(positions)
     assert text.startswith("fuser.explain: optimizer rule 'adamw', fp32")
@@ -72,9 +72,30 @@ def test_explain_dtype_plan_and_cache_key_match_what_runs():
     assert re.search(r"^\s+g\s+grad\s+bf16\s+read$", plan, re.M)
     assert re.search(r"^\s+m\s+state\s+bf16\s+read/write$", plan, re.M)
     assert "lr, beta1, beta2, eps, weight_decay" in plan
-    digest = kernel_sources(ADAMW, "bf16", state_dtype=torch.bfloat16)[0].digest
-    assert f"source digest (cache key): {digest}" in text
+    (source,) = kernel_sources(ADAMW, "bf16", state_dtype=torch.bfloat16)
+    assert f"source digest (cache key): {source.digest}" in text
     assert kernel_sources(ADAMW, "fp32")[0].digest not in text
+
+
+def test_explain_shows_phases_and_reductions():
+    from fuser.optim.builtins import lamb
+
+    text = explained(lamb)
+    parsed, body, phases = section(text, 1), section(text, 3), section(text, 4)
+    # Rule spelling, not sympy's: norm(...) and where(...), not Norm(...) and Piecewise(...).
+    assert "p_norm = norm(p)" in parsed and "trust = where(p_norm > 0, " in parsed
+    assert "Norm" not in text and "Piecewise" not in text
+    # Phase 0 accumulates both norms (as sums of squares), phase 1 stores.
+    phase0, phase1 = body.split("phase 1:")
+    assert re.search(r"accumulate r\d \+= p\*\*2$", phase0, re.M)
+    assert len(re.findall(r"accumulate r\d", phase0)) == 2 and "store" not in phase0
+    assert "store p = " in phase1 and "accumulate" not in phase1
+    assert len(re.findall(r"norm\(\.\.\.\) per tensor: accumulated in phase 0", phases)) == 2
+    assert "phases: 2 launches per step" in phases
+    sources = kernel_sources(lamb)
+    assert len(sources) == 2
+    for src in sources:
+        assert f"{src.entry}(" in text and src.digest in text
 
 
 def test_explain_takes_compiled_optimizers_with_their_options():
@@ -177,12 +198,17 @@ def test_instance_shows_groups_and_launched_kernels():
     before = html_of(opt)
     assert "<tr><td>0</td><td>1</td><td>0.01</td>" in before
     assert "<tr><td>1</td><td>1</td><td>0.003</td>" in before
-    assert "fp32 tensors" in before
+    assert "Triton kernel adamw_step for p:fp32-g:fp32-m:fp32-v:fp32" in before
     w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
     opt.step()
     after = html_of(opt)
     # One kernel per dtype plan that ran: the bf16 one is shown beside the fp32 one.
     assert "p:fp32-g:fp32" in after and "p:bf16-g:bf16" in after
+
+
+def test_multi_phase_optimizer_shows_every_kernel():
+    page = html_of(fuser.optim.LAMB)
+    assert "Triton kernel lamb_phase0 for " in page and "Triton kernel lamb_phase1 for " in page
 
 
 def test_html_falls_back_to_escaped_pre_without_pygments(monkeypatch):
