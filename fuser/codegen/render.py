@@ -7,6 +7,7 @@ pure function of the plan: the same inputs give byte-identical text.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jinja2
@@ -57,8 +58,13 @@ def helpers_source() -> str:
 
 
 def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a step kernel."""
-    return 2048, 8
+    """(BLOCK, num_warps) for a step kernel. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_WARPS``
+    override them (for tuning runs; the values are part of the kernel's cache key)."""
+    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or 2048)
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or 8)
+    if block < 128 or block & (block - 1):
+        raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
+    return block, warps
 
 
 def store_cast(value: str, dtype: str, random: str | None = None) -> str:
@@ -135,37 +141,50 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in phase.prologue]
     casts = [f"f_{scalar_names[s]} = {scalar_names[s]}.to(tl.float32)" for s in scalars_in_body]
 
-    element = []
     read = {s.name for s in body_free}
     written = {n for n, _ in phase.stores}
-    for j, sl in enumerate(plan.slots):
-        if sl.name in read or sl.name in written:
-            element.append(f"{sl.name}_ptr = tl.load(ptrs + t * {len(plan.slots)} + {j})"
-                           f".to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
-    for sl in plan.slots:
-        if sl.name in read:
-            scale = " * inv_scale" if sl.role == "grad" else ""
-            element.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs, mask=mask, other=0.0)"
-                           f".to(tl.float32){scale}")
-    body = [f"{s.name} = {p32.doprint_expr(e)}" for s, e in phase.body]
+    used_slots = [(j, sl) for j, sl in enumerate(plan.slots) if sl.name in read or sl.name in written]
+    pointers = []
+    for j, sl in used_slots:
+        pointers.append(f"{sl.name}_raw = tl.load(ptrs + t * {len(plan.slots)} + {j})")
+        pointers.append(f"{sl.name}_ptr = {sl.name}_raw.to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
+    aligned = " | ".join(f"{sl.name}_raw" for _, sl in used_slots) or "0"
 
-    stores, partial_lines = [], []
+    def element_lines(fast: bool) -> list[str]:
+        lines = []
+        for _, sl in used_slots:
+            if fast:
+                lines.append(f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)")
+        for _, sl in used_slots:
+            if sl.name in read:
+                scale = " * inv_scale" if sl.role == "grad" else ""
+                how = "" if fast else ", mask=mask, other=0.0"
+                lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
+        lines += [f"{s.name} = {p32.doprint_expr(e)}" for s, e in phase.body]
+        return lines
+
+    fast_lines, masked_lines = element_lines(True), element_lines(False)
+    sr_lines = []
+    update_loads, update_prologue, update_stores = [], [], []
     combine_init, combine_step, combine_store = [], [], []
     global_init, global_step, global_store = [], [], []
-    update_loads, update_prologue, update_stores = [], [], []
     if last:
         sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
         if sr:
             # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
             # by the element, so a run is reproducible and no state is kept.
-            stores.append("sr_key = _stream_key(seed, step, t)")
+            pointers.append("sr_key = _stream_key(seed, step, t)")
         for k, (n, e) in enumerate(phase.stores):
             dtype = _slot(plan, n).dtype
             rnd = None
             if sr and dtype != "fp32":
-                stores.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
+                sr_lines.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
                 rnd = f"rnd_{n}"
-            stores.append(f"tl.store({n}_ptr + offs, {store_cast(p32.doprint_expr(e), dtype, rnd)}, mask=smask)")
+            value = store_cast(p32.doprint_expr(e), dtype, rnd)
+            fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
+            masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
+        fast_lines[len(fast_lines) - len(phase.stores):len(fast_lines) - len(phase.stores)] = sr_lines
+        masked_lines[len(masked_lines) - len(phase.stores):len(masked_lines) - len(phase.stores)] = sr_lines
         # The last program advances step and scalar states for RBLOCK tensors at a time.
         # Its variables are vectors, so they get names of their own (`u_...`): Triton
         # requires a loop-carried name to keep one type.
@@ -191,19 +210,20 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             op = plan.reductions[col].op
             combine = ACCUMULATE[op][1]
             value = p32.doprint_expr(e)
+            comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
+            # A scalar-only value (sum(1), say) still counts once per element.
+            fast_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
+                              f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))")
+            masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
+                                f"{SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))")
             if combine == "sum":
-                partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                                     f"{SUM}(tl.where(mask, {value}, 0.0), 0, {SUM_COMBINE}))")
                 combine_init.append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
                 combine_step.append(f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)")
-                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {SUM_COMBINE}))")
             else:
-                partial_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                                     f"{SUM}(tl.where(mask, {value}, float('-inf')), 0, {MAX_COMBINE}))")
                 combine_init.append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
                 combine_step.append(f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
                                     f"{col}, mask=m, other=float('-inf')))")
-                combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {MAX_COMBINE}))")
+            combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {comb}))")
             r = plan.reductions[col]
             if r.global_column >= 0:
                 g = r.global_column
@@ -219,9 +239,9 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         rule_lines=plan.rule_text.splitlines(), helpers=helpers_source(), entry=entry,
         slots=plan.slots, slot_names=", ".join(s.name for s in plan.slots), hyper=plan.hyper,
         hyper_names=", ".join(plan.hyper) or "(none)", scalar_states=plan.scalar_states, nscalar=ns,
-        nred=nred, nglob=nglob, scalar_loads=loads, prologue=prologue, casts=casts, loads=element,
-        body=body, stores=stores, update_loads=update_loads, update_prologue=update_prologue,
-        update_stores=update_stores, partials=partial_lines, combine_init=combine_init,
+        nred=nred, nglob=nglob, scalar_loads=loads, prologue=prologue, casts=casts, pointers=pointers,
+        aligned=aligned, fast_lines=fast_lines, masked_lines=masked_lines, update_loads=update_loads,
+        update_prologue=update_prologue, update_stores=update_stores, combine_init=combine_init,
         combine_step=combine_step, combine_store=combine_store,
         global_columns=[r.global_column for r in plan.reductions if r.global_column >= 0 and r.phase == phase.index],
         global_init=global_init, global_step=global_step, global_store=global_store,

@@ -191,8 +191,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 except RuntimeError:  # sparse and other storage-less gradients
                     sig = (gi, id(g))
                 if st:
-                    sig += tuple(st[k].data_ptr() if isinstance(st.get(k), torch.Tensor) else None
-                                 for k in keys) + (id(st.get("step")),)
+                    # States are fuser's own tensors: a new one (load_state_dict, assignment)
+                    # is a new object, so identity is enough and far cheaper than data_ptr().
+                    sig += tuple(id(st.get(k)) for k in keys) + (id(st.get("step")),)
                 signature.append(sig)
         return items, signature, grad_ptrs
 
