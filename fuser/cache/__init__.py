@@ -1,5 +1,24 @@
-"""Kernels on disk: rendered sources are written once, loaded, and launched."""
+"""Kernels on disk: content-addressed entries, ahead-of-time compilation, loading.
 
-from fuser.cache.store import cache_dir, load_kernel
+load_kernel(source, device)   # launchable kernel(grid, *args), from the store if there
+precompile(sources, targets)  # write sources and compile binaries, no GPU needed
+"""
 
-__all__ = ["cache_dir", "load_kernel"]
+from fuser.cache.aot import CompileError
+from fuser.cache.entries import CacheWarning, Result, precompile
+from fuser.cache.keys import binary_key, entry_key, parse_target
+from fuser.cache.loader import load_kernel
+from fuser.cache.store import CacheError, cache_dir
+
+__all__ = [
+    "CacheError",
+    "CacheWarning",
+    "CompileError",
+    "Result",
+    "binary_key",
+    "cache_dir",
+    "entry_key",
+    "load_kernel",
+    "parse_target",
+    "precompile",
+]

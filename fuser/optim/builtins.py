@@ -248,6 +248,13 @@ lars = fuser.rule("""
 """, name="lars", hyper=dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, trust_coefficient=1e-3,
                               maximize=0.0),
     state=dict(momentum_buffer=0.0))
+# Adan with the authors' global gradient clipping (max_grad_norm > 0): every gradient is
+# scaled by min(1, max_grad_norm / (||all gradients|| + eps)) inside the step.
+adan_clipped = fuser.rule(adan.text.replace(
+    "d = g - 2 * maximize * g",
+    "d = (g - 2 * maximize * g) * minimum(1, max_grad_norm / (global_norm(g) + eps))"),
+    name="adan_clipped", hyper={**dict(adan.hyper), "max_grad_norm": 1.0}, state=dict(adan.state))
+
 
 # --- classes ------------------------------------------------------------------------------
 
@@ -633,7 +640,8 @@ class Adan(_Builtin):
     ``betas=(beta1, beta2, beta3)`` are EMA decay factors (0.98, 0.92, 0.99 by default, the
     paper's 0.02, 0.08, 0.01 as 1 - beta); ``no_prox=False`` applies weight decay as the
     paper's proximal step. State keys ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and
-    ``pre_grad`` (the previous gradient)."""
+    ``pre_grad`` (the previous gradient). ``max_grad_norm > 0`` clips all gradients by
+    their global norm inside the step, as the authors' implementation does."""
 
     rule = adan
     options = Options()
@@ -645,18 +653,28 @@ class Adan(_Builtin):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas, 3)
-        if max_grad_norm:
-            raise NotImplementedError("Adan's max_grad_norm (global gradient clipping) is not supported: "
-                                      "clip with torch.nn.utils.clip_grad_norm_ before step()")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=0.0,
+        _check_nonneg(max_grad_norm=max_grad_norm)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, maximize=maximize, foreach=foreach, fused=fused)
         self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
 
+    def _structure(self, group):
+        return (group.get("max_grad_norm", 0.0) > 0,)
+
+    def _structure_doc(self):
+        return "max_grad_norm (zero or not)"
+
+    def _variant(self, structure):
+        return adan_clipped if structure[0] else adan
+
     def _group_hyper(self, group):
         beta1, beta2, beta3 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
-                    weight_decay=group["weight_decay"], no_prox=_flag(group, "no_prox"),
-                    maximize=_flag(group, "maximize"))
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"],
+                     weight_decay=group["weight_decay"], no_prox=_flag(group, "no_prox"),
+                     maximize=_flag(group, "maximize"))
+        if self._structure_key and self._structure_key[0]:
+            hyper["max_grad_norm"] = group["max_grad_norm"]
+        return hyper
 
 
 class LAMB(_Builtin):

@@ -226,7 +226,11 @@ def _export(name: str):
     def f(*args):
         if len(args) != nargs:
             raise TypeError(f"{name}() takes {nargs} argument(s), got {len(args)}")
-        return builder(*[sympy.sympify(a) for a in args])
+        value = builder(*[sympy.sympify(a) for a in args])
+        # A traced loss function's logits (fuser.losses.rules.Logits) stay wrapped, so
+        # `z[y]` still works after `z = cap * fuser.tanh(z / cap)`.
+        wrapped = next((a for a in args if hasattr(a, "_fuser_rewrap")), None)
+        return value if wrapped is None else wrapped._fuser_rewrap(value)
 
     f.__name__ = name
     f.__doc__ = f"Symbolic {name} for rule functions traced by fuser.rule / fuser.loss."

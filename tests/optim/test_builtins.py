@@ -62,7 +62,8 @@ def assert_same_state(fopt, fparams, topt, tparams, keys, rtol=RTOL, atol=ATOL):
         assert_close(fp, tp, rtol, atol, "parameter")
         fs, ts = fopt.state[fp], topt.state[tp]
         for k in keys:
-            assert_close(fs[k].reshape(ts[k].shape), ts[k], rtol, atol, f"state {k!r}")
+            # torch keeps NAdam's mu_product on the CPU unless capturable; fuser on the device.
+            assert_close(fs[k].reshape(ts[k].shape).to(ts[k].device), ts[k], rtol, atol, f"state {k!r}")
 
 
 # (fuser class, torch class, constructor keywords, state keys compared, steps)
@@ -575,8 +576,8 @@ def test_torch_argument_checks(device):
         fo.RAdam([a], lr=-1.0)
     with pytest.raises(ValueError, match="differentiable"):
         fo.Adam([a], differentiable=True)
-    with pytest.raises(NotImplementedError, match="max_grad_norm"):
-        fo.Adan([a], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        fo.Adan([a], max_grad_norm=-1.0)
 
 
 def test_every_builtin_rule_renders(device):
@@ -584,7 +585,7 @@ def test_every_builtin_rule_renders(device):
     from fuser.optim.factory import kernel_sources
 
     rules = [v for v in vars(builtins).values() if isinstance(v, fuser.Rule)]
-    assert len(rules) == 19
+    assert len(rules) == 20
     for rule in rules:
         for dtype in ("fp32", "bf16"):
             sources = kernel_sources(rule, dtype)

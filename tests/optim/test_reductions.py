@@ -222,3 +222,24 @@ def test_reductions_are_deterministic(device):
         results.append(params)
     for x, y in zip(*results):
         assert torch.equal(x, y)
+
+
+def test_adan_clips_by_the_global_gradient_norm(device):
+    from test_builtins import adan_reference
+
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone() for p in params]
+    opt = fuser.optim.Adan(params, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    grads = fresh(params, 3)
+    clipped = []
+    for gs in grads:
+        total = torch.sqrt(sum((g.double() ** 2).sum() for g in gs))
+        assert total > 0.5  # clipping is active
+        coef = min(1.0, 0.5 / (total.item() + 1e-8))
+        clipped.append([g.double() * coef for g in gs])
+        set_grads(params, gs)
+        opt.step()
+    for i, p in enumerate(params):
+        want, _ = adan_reference(start[i], [c[i] for c in clipped], lr=1e-2, betas=(0.98, 0.92, 0.99),
+                                 eps=1e-8, weight_decay=0.1)
+        assert rel_err(p, want, start[i]) < 1e-5

@@ -1,0 +1,187 @@
+"""Fused linear + cross-entropy, forward + backward, bf16: fuser's built-in beside torch.
+
+Configs (ANCHORS.md): `gist` = T=32768, H=768, V=128256; `llama8b` = T=8192, H=4096,
+V=128256. Targets on an H100: <= 32 ms / <= 1 GiB extra peak (gist), <= 36 ms / <= 3.1 GiB
+(llama8b). Extra peak is measured as the anchors do: above the inputs, the weight and their
+existing `.grad`. Every variant runs in this process on this GPU; each is checked against a
+float64 reference (the loss; `grad_weight` on a slice of vocabulary rows and `grad_hidden` on
+a slice of tokens, both from the whole batch).
+
+    python benchmarks/loss_bench.py [gist llama8b] [--out DIR] [--sweep]
+
+`--sweep` also times a few (chunk, block, warps) settings of fuser's kernel, to pick the
+defaults. Writes `loss_<date>.json` and `.md` under --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fuser  # noqa: E402
+import fuser.losses  # noqa: E402
+
+CONFIGS = {"gist": (32768, 768, 128256), "llama8b": (8192, 4096, 128256)}
+TARGETS = {"gist": (32.0, 1.0), "llama8b": (36.0, 3.1)}  # ms, GiB on an H100
+GIB = 1 << 30
+
+
+def event_ms(fn, warmup=2, rep=10):
+    """Median device time of fn (CUDA events), after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_tflops():
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = event_ms(lambda: a @ b, rep=10)
+    return 2 * m**3 / (ms * 1e-3) / 1e12
+
+
+def reference(x, w, y, rows, tokens, chunk=1024):
+    """Float64 mean cross-entropy of the whole batch, with grad_weight[rows] and
+    grad_hidden[tokens]."""
+    n = y.numel()
+    w64 = w.detach().double()
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    gw = torch.zeros(len(rows), w.shape[1], dtype=torch.float64, device=x.device)
+    gx = torch.zeros(len(tokens), w.shape[1], dtype=torch.float64, device=x.device)
+    for s in range(0, n, chunk):
+        xc = x.detach()[s:s + chunk].double()
+        z = xc @ w64.T
+        lse = torch.logsumexp(z, 1)
+        loss += (lse - z.gather(1, y[s:s + chunk, None])[:, 0]).sum()
+        dz = torch.exp(z - lse[:, None])
+        dz.scatter_add_(1, y[s:s + chunk, None], -torch.ones_like(dz[:, :1]))
+        dz /= n
+        gw += dz[:, rows].T @ xc
+        here = (tokens >= s) & (tokens < s + chunk)
+        gx[here] = dz[tokens[here] - s] @ w64
+        del z, dz
+    return loss / n, gw, gx
+
+
+def rel_err(a, ref):
+    a = a.double()
+    return float((a - ref).norm() / ref.norm().clamp(min=1e-30)), float((a - ref).abs().max())
+
+
+def measure(name, fn, x, w, y, ref, cfg):
+    def step():
+        loss = fn(x, w, y)
+        loss.backward()
+        return loss
+
+    x.grad.zero_()
+    w.grad.zero_()
+    loss = step()
+    torch.cuda.synchronize()
+    err_loss = abs(float(loss.detach()) - float(ref[0]))
+    err_w = rel_err(w.grad[ref[3]], ref[1])
+    err_x = rel_err(x.grad[ref[4]], ref[2])
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    ms = event_ms(step)
+    t, h, v = CONFIGS[cfg]
+    row = dict(cfg=cfg, name=name, fwd_bwd_ms=round(ms, 2), extra_peak_GiB=round(peak, 3),
+               loss_abs_err=err_loss, grad_weight_rel_err=err_w[0], grad_weight_max_err=err_w[1],
+               grad_hidden_rel_err=err_x[0], grad_hidden_max_err=err_x[1],
+               gemm_floor_ms=round(6 * t * h * v / (783e12) * 1e3, 2))
+    print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(cfg, sweep, rows_out):
+    t, h, v = CONFIGS[cfg]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    y = torch.randint(0, v, (t,), device="cuda", generator=g)
+    x.grad = torch.zeros_like(x)
+    w.grad = torch.zeros_like(w)
+    rows = torch.arange(0, v, max(1, v // 512), device="cuda")[:512]
+    tokens = torch.arange(0, min(t, 1024), 4, device="cuda")
+    r = reference(x, w, y, rows, tokens)
+    ref = (*r, rows, tokens)
+
+    def guarded(name, fn):
+        try:
+            rows_out.append(measure(name, fn, x, w, y, ref, cfg))
+        except Exception as e:  # one failing variant must not hide the others
+            rows_out.append(dict(cfg=cfg, name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(json.dumps(rows_out[-1]), flush=True)
+            torch.cuda.empty_cache()
+
+    guarded("fuser cross_entropy", fuser.losses.cross_entropy)
+    if hasattr(F, "linear_cross_entropy"):
+        guarded("torch linear_cross_entropy", lambda x, w, y: F.linear_cross_entropy(x, w, y))
+    if sweep:
+        for chunk in (1024, 2048, 4096):
+            for block, warps in ((4096, 8), (4096, 16), (8192, 16), (16384, 32)):
+                f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=min(chunk, t), block=block,
+                                  num_warps=warps)
+                guarded(f"fuser chunk={chunk} block={block} warps={warps}", f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("configs", nargs="*", default=["gist", "llama8b"])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args(argv)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                fuser=fuser.__version__, bf16_gemm_TFLOPs=round(gemm_tflops(), 1))
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for cfg in args.configs:
+        run(cfg, args.sweep, rows)
+    os.makedirs(args.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    with open(os.path.join(args.out, f"loss_{date}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# Linear + cross-entropy, forward + backward, bf16 ({meta['gpu']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, bf16 GEMM {meta['bf16_gemm_TFLOPs']} TFLOP/s. "
+             "Targets (H100): gist <= 32 ms / 1 GiB, llama8b <= 36 ms / 3.1 GiB.", "",
+             "| config | variant | fwd+bwd ms | GEMM floor ms | extra peak GiB | loss err | "
+             "grad_weight rel err | grad_hidden rel err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['cfg']} | {r['name']} | error: {r['error']} | | | | | |")
+            continue
+        ms_t, gib_t = TARGETS[r["cfg"]]
+        ok = "" if r["fwd_bwd_ms"] <= ms_t and r["extra_peak_GiB"] <= gib_t else " (misses target)"
+        lines.append(f"| {r['cfg']} | {r['name']}{ok} | {r['fwd_bwd_ms']} | {r['gemm_floor_ms']} | "
+                     f"{r['extra_peak_GiB']} | {r['loss_abs_err']:.2e} | {r['grad_weight_rel_err']:.2e} | "
+                     f"{r['grad_hidden_rel_err']:.2e} |")
+    with open(os.path.join(args.out, f"loss_{date}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Ahead-of-time compilation: a generated module's kernel -> cubin + Triton metadata.
+
+``compile_spec`` is the one place that turns a ``KernelSource`` into what Triton's
+compiler and launcher take (signature, constexprs, attrs, options); precompilation on a
+CPU machine and compile-on-miss on a GPU both go through it, and so does the loader that
+builds a ``CompiledKernel`` from stored files, so the binary and its launcher can never
+disagree about the arguments.
+
+No ``tt.divisibility`` attributes are passed: the binary assumes nothing about the
+alignment of pointers or the value of integers, so it is launchable with any arguments.
+(Triton's JIT would specialize 16-byte-aligned pointers and integers equal to 1, which
+makes its binaries valid only for arguments like the ones it first saw.) fuser's kernels
+read tensor addresses from device tables, which no attribute could describe anyway.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuser.cache.keys import gpu_target
+from fuser.codegen.source import KernelSource
+
+
+class CompileError(RuntimeError):
+    """A generated kernel that Triton's compiler rejects."""
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """Arguments of ``ASTSource`` and ``triton.compile`` for one kernel."""
+
+    signature: dict[str, str]  # every parameter in order; constexprs typed "constexpr"
+    constexprs: dict[str, object]
+    attrs: dict
+    options: dict
+
+    def ast_source(self, fn):
+        from triton.compiler import ASTSource
+
+        return ASTSource(fn, dict(self.signature), dict(self.constexprs), dict(self.attrs))
+
+
+def compile_spec(source: KernelSource, arg_names: list[str]) -> CompileSpec:
+    """The signature in parameter order (``arg_names`` from the ``JITFunction``)."""
+    types = dict(source.signature)
+    constexprs = dict(source.constexprs)
+    runtime = [n for n in arg_names if n not in constexprs]
+    if runtime != [n for n, _ in source.signature] or set(constexprs) - set(arg_names):
+        raise CompileError(
+            f"kernel {source.entry}: parameters {arg_names} do not match the declared signature "
+            f"{[n for n, _ in source.signature]} + constexprs {list(constexprs)}"
+        )
+    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in arg_names}
+    options = {"num_warps": source.num_warps, "num_stages": source.num_stages}
+    return CompileSpec(signature, constexprs, {}, options)
+
+
+_imported: dict[tuple, object] = {}
+
+
+def import_kernel(source: KernelSource, path: Path, *, interpret: bool):
+    """Import the module at ``path`` and return its entry function: a ``JITFunction``, or
+    with ``interpret`` the interpreter's function, whatever ``TRITON_INTERPRET`` says."""
+    from triton import knobs
+
+    memo = (str(path), source.entry, interpret)
+    if memo in _imported:
+        return _imported[memo]
+    name = f"fuser_kernels.{path.parent.name[:16]}_{source.entry}{'_interpret' if interpret else ''}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = interpret
+        spec.loader.exec_module(module)
+    # Triton resolves helper functions through the module's globals; keep it reachable.
+    sys.modules[name] = module
+    _imported[memo] = fn = getattr(module, source.entry)
+    return fn
+
+
+def triton_is_interpreted() -> bool:
+    """Whether Triton was imported with ``TRITON_INTERPRET=1``: its own library functions
+    (``tl.sum``, ``tl.cdiv`` ...) are then interpreter objects that its compiler rejects."""
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(standard.sum, JITFunction)
+
+
+def compile_binary(source: KernelSource, path: Path, target: str) -> tuple[bytes, bytes]:
+    """Compile the kernel whose source file is ``path`` for ``target``: (cubin, metadata
+    JSON). In a process whose Triton runs in interpreter mode, a helper process compiles."""
+    if triton_is_interpreted():
+        from fuser.cache.worker import compile_in_worker
+
+        return compile_in_worker(source, path, target)
+    return compile_function(source, import_kernel(source, path, interpret=False), target)
+
+
+def compile_function(source: KernelSource, fn, target: str) -> tuple[bytes, bytes]:
+    """Compile ``fn`` (a ``JITFunction``) for ``target``: (cubin, metadata JSON).
+
+    Triton's own file cache is pointed at a temporary folder for the call, so the result
+    never comes from, or depends on, files outside fuser's store.
+    """
+    import triton
+    from triton import knobs
+
+    spec = compile_spec(source, fn.arg_names)
+    with tempfile.TemporaryDirectory(prefix="fuser-triton-") as tmp, knobs.cache.scope():
+        knobs.cache.dir = tmp
+        try:
+            compiled = triton.compile(spec.ast_source(fn), target=gpu_target(target), options=spec.options)
+        except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean the same here
+            raise CompileError(f"kernel {source.entry} does not compile for {target}: {_one_line(e)}") from e
+        metadata = Path(compiled.metadata_group[f"{compiled.name}.json"]).read_bytes()
+        binary = compiled.asm["cubin"]
+    json.loads(metadata)  # a metadata file that does not parse must not reach the store
+    return binary, metadata
+
+
+def _one_line(e: BaseException) -> str:
+    """The most telling line of a compiler error (Triton's carry the source excerpt first)."""
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    last = lines[-1]
+    head = lines[0]
+    return f"{type(e).__name__}: {head}" + (f" ... {last}" if last != head else "")

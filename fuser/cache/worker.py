@@ -1,0 +1,120 @@
+"""A helper process that compiles kernels for a process whose Triton was imported with
+``TRITON_INTERPRET=1`` (as test suites on CPU do): Triton's compiler cannot run there,
+because its own library functions were built as interpreter objects.
+
+One worker starts on first need and serves the process's compiles one at a time over
+its stdin and stdout (one JSON line each way); it exits when its parent does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from fuser.codegen.source import KernelSource
+
+MARK = "fuser-worker:"
+
+_proc: subprocess.Popen | None = None
+_stderr = None
+_lock = threading.Lock()
+
+
+def _start() -> subprocess.Popen:
+    global _proc, _stderr
+    if _proc is not None and _proc.poll() is None:
+        return _proc
+    import fuser
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    package_root = str(Path(fuser.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    _stderr = tempfile.TemporaryFile()
+    _proc = subprocess.Popen([sys.executable, "-m", "fuser.cache.worker"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=_stderr, text=True)  # fmt: skip
+    atexit.register(_stop)
+    return _proc
+
+
+def _stop() -> None:
+    if _proc is not None and _proc.poll() is None:
+        _proc.stdin.close()
+        try:
+            _proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _proc.kill()
+
+
+def _died() -> str:
+    _stderr.seek(0)
+    tail = _stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+    return " | ".join(tail) or "no message"
+
+
+def compile_in_worker(source: KernelSource, path: Path, target: str) -> tuple[bytes, bytes]:
+    """(cubin, metadata JSON) of the kernel at ``path``, compiled by the helper process."""
+    from fuser.cache.aot import CompileError
+
+    request = {
+        "path": str(path),
+        "entry": source.entry,
+        "signature": source.signature,
+        "constexprs": source.constexprs,
+        "num_warps": source.num_warps,
+        "num_stages": source.num_stages,
+        "target": target,
+    }
+    with _lock:
+        proc = _start()
+        try:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            while line and not line.startswith(MARK):
+                line = proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            raise CompileError(f"the compile helper process stopped: {_died()}")
+    reply = json.loads(line[len(MARK) :])
+    if not reply["ok"]:
+        raise CompileError(reply["error"])
+    return base64.b64decode(reply["cubin"]), reply["metadata"].encode()
+
+
+def main() -> None:
+    from fuser.cache.aot import CompileError, compile_binary
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything else printed must not reach the protocol
+    for line in sys.stdin:
+        req = json.loads(line)
+        path = Path(req["path"])
+        source = KernelSource(
+            text=path.read_text(),
+            entry=req["entry"],
+            signature=tuple(tuple(x) for x in req["signature"]),
+            constexprs=tuple(tuple(x) for x in req["constexprs"]),
+            num_warps=req["num_warps"],
+            num_stages=req["num_stages"],
+        )
+        try:
+            binary, metadata = compile_binary(source, path, req["target"])
+            reply = {"ok": True, "cubin": base64.b64encode(binary).decode(), "metadata": metadata.decode()}
+        except CompileError as e:
+            reply = {"ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+            reply = {"ok": False, "error": f"kernel {source.entry}: {type(e).__name__}: {e}"}
+        out.write(MARK + json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""What the ``fuser`` command needs besides argument parsing: finding the rules in a file
+or module, turning rules into kernel sources, and plain-text progress and tables."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuser.codegen.source import KernelSource
+from fuser.errors import RuleError
+from fuser.rules import Rule
+
+BUILTIN_MODULES = ("fuser.optim.builtins", "fuser.losses.builtins")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class TargetError(Exception):
+    """A file or module that cannot be loaded, or that holds no rules; one line.
+    ``missing``: there is no such file or module (a usage error)."""
+
+    def __init__(self, message: str, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class Found:
+    """A module-level rule and where it came from."""
+
+    origin: str  # the file or module it was found in
+    attr: str  # its name in that module
+    rule: Rule
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: the first line of its message (RuleError carries the source
+    line and a caret after it), with its type unless it is a RuleError."""
+    from fuser.cache.aot import CompileError
+
+    text = str(e).strip().splitlines()
+    head = text[0] if text else ""
+    if isinstance(e, (RuleError, CompileError)):
+        return head
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} (line {e.lineno})"
+    return f"{type(e).__name__}: {head}" if head else type(e).__name__
+
+
+def load_module(target: str):
+    """Import a ``.py`` file (run as a module of its own) or a module by name."""
+    is_file = target.endswith(".py") or os.sep in target or Path(target).is_file()
+    if is_file:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise TargetError(f"{target}: no such file", missing=True)
+        name = f"fuser_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent))  # the file may import its neighbours
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure of a user's file is reported, not raised
+            raise TargetError(f"{target}: {one_line(e)}") from None
+        finally:
+            sys.path.remove(str(path.parent))
+        return module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and target.startswith(e.name):
+            raise TargetError(f"{target}: no such file or module", missing=True) from None
+        raise TargetError(f"{target}: {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"{target}: {one_line(e)}") from None
+
+
+def rules_in(module, origin: str) -> list[Found]:
+    """Every ``fuser.Rule`` bound at module level, once each, in definition order."""
+    seen, found = set(), []
+    for attr, value in vars(module).items():
+        if isinstance(value, Rule) and id(value) not in seen:
+            seen.add(id(value))
+            found.append(Found(origin, attr, value))
+    return found
+
+
+def collect(targets: list[str], builtins: bool, note) -> tuple[list[Found], list[TargetError]]:
+    """Rules of every target, and the error of each target that fails to load."""
+    found, errors = [], []
+    if builtins:
+        for name in BUILTIN_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as e:
+                if e.name and name.startswith(e.name):
+                    note(f"note: {name} is not part of this installation; its rules are skipped")
+                    continue
+                raise
+            found += rules_in(module, name)
+    for target in targets:
+        try:
+            rules = rules_in(load_module(target), target)
+        except TargetError as e:
+            errors.append(e)
+            continue
+        if not rules:
+            errors.append(TargetError(f"{target}: no fuser.Rule at module level (fuser.rule or fuser.loss)"))
+        found += rules
+    return found, errors
+
+
+def kernel_sources(rule: Rule, dtype: str) -> list[KernelSource]:
+    """Every kernel the front-end of ``rule.kind`` launches for tensors stored in ``dtype``."""
+    if rule.kind == "optim":
+        from fuser.optim.factory import kernel_sources as sources
+    elif rule.kind == "loss":
+        try:
+            from fuser.losses import kernel_sources as sources
+        except ImportError:
+            raise RuleError("loss rules cannot be compiled ahead of time by this installation "
+                            "(fuser.losses.kernel_sources is missing)", rule=rule.name) from None  # fmt: skip
+    else:
+        raise RuleError(f"unknown rule kind {rule.kind!r}", rule=rule.name)
+    return list(sources(rule, dtype))
+
+
+# ---------------------------------------------------------------------------- terminal --
+class Progress:
+    """A one-line bar on a terminal; one line per step in a log (CI)."""
+
+    def __init__(self, total: int, stream=None):
+        self.total = total
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.tty:
+            width = 24
+            filled = width * self.done // max(self.total, 1)
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[:60]:<60}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[{self.done}/{self.total}] {label}\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty and self.done < self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row):
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]  # fmt: skip
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([fmt(header), *(fmt(r) for r in rows)])
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"

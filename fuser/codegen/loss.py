@@ -1,0 +1,175 @@
+"""``LossPlan`` -> ``KernelSource``: the row kernel of a loss epilogue.
+
+The template (``templates/loss_rows.py.jinja``) carries the structure: one program per row,
+a ``while`` sweep per reduction pass, the per-token loss, the gradient sweep. Every
+expression comes from ``TritonPrinter``; this module only names variables and writes the
+accumulator updates of each reduction kind.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from fuser.codegen.printer import TritonPrinter
+from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
+from fuser.codegen.source import KernelSource
+from fuser.ir.loss import IS_Y, VOCAB, Z_Y, Accumulator, LossPlan, Pass, Z
+from fuser.rules.parse import symbol
+
+TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+
+# Columns of one row handled per loop step, and warps per program. A row of V = 128256
+# bf16 logits is 31 steps of 4096; 4096 fp32 values over 8 warps are 16 registers per
+# live temporary per thread.
+DEFAULT_BLOCK = 4096
+DEFAULT_WARPS = 8
+
+SIGNATURE_TAIL = (("target", "*i64"), ("loss", "*fp32"), ("scale", "*fp32"), ("scale_stride", "i32"),
+                  ("hyper", "*fp32"), ("n_cols", "i32"), ("ignore_index", "i64"), ("compute_grad", "i32"))
+
+
+def _kernel_name(sym: sympy.Symbol) -> str:
+    return sym.name.replace("$", "")
+
+
+class _Names(dict):
+    """Symbol -> kernel variable: rule inputs by fixed names, hyperparameters as ``h_<name>``,
+    fuser's own symbols (which carry a ``$``) by their name without it."""
+
+    def __init__(self, hyper: tuple[str, ...]):
+        super().__init__({Z: "z", Z_Y: "z_y", VOCAB: "vocab", IS_Y: "is_y"})
+        self.update({symbol(h): f"h_{h}" for h in hyper})
+
+    def __missing__(self, sym):
+        if isinstance(sym, sympy.Symbol) and "$" in sym.name:
+            return _kernel_name(sym)
+        raise KeyError(sym)
+
+
+class _Printer(TritonPrinter):
+    def __init__(self, names: _Names):
+        super().__init__()
+        self.names = names  # keeps _Names.__missing__ (the base class copies into a dict)
+
+    def _print_Symbol(self, expr):
+        return self.names[expr]
+
+
+def _indicators(exprs, printer) -> list[str]:
+    """`is_max<i>` lines for the argmax indicators read by ``exprs``."""
+    used = set()
+    for e in exprs:
+        used |= {s for s in e.free_symbols if s.name.startswith("is_max$")}
+    lines = []
+    for s in sorted(used, key=lambda s: s.name):
+        i = s.name.split("$")[1]
+        lines.append(f"{printer.names[s]} = (cols == am{i}).to(tl.float32)")
+    return lines
+
+
+ARGMAX_COMBINE = "tl.standard._argmax_combine_tie_break_left"
+
+
+def _sum(x: str) -> str:
+    return f"{SUM}({x}, 0, {SUM_COMBINE})"
+
+
+def _max(x: str) -> str:
+    return f"{SUM}({x}, 0, {MAX_COMBINE})"
+
+
+def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str], list[str]]:
+    """(init, update, finish) lines of one reduction. Rows that are not ``live`` (ignored)
+    sweep nothing and finish at 0, so what follows stays finite.
+
+    Reductions call ``tl.reduce`` with Triton's own combiners, as the optimizer kernels do
+    (see ``fuser.codegen.render``): ``tl.sum``/``tl.max``/``tl.argmax`` are jitted library
+    functions that the interpreter only runs when it was on at import.
+    """
+    i = acc.index
+    if acc.op == "logsumexp":
+        # Online logsumexp: a running max and the sum of exp(a - max), rescaled when the
+        # max grows, so one sweep suffices and nothing overflows.
+        return ([f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.full((), 0.0, tl.float32)"],
+                [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                 f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
+                 f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
+                 f"lm{i} = nm{i}"],
+                [f"r{i} = tl.where(live, lm{i}, 0.0) + tl.log(tl.where(live, ls{i}, 1.0))"])
+    if acc.op == "sum":
+        # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
+        # reductions, and rounding grows with V / BLOCK rather than V.
+        return ([f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
+                [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
+                [f"r{i} = {_sum(f'acc{i}')}"])
+    if acc.op == "max":
+        # The first column holding the maximum: its indicator carries the gradient. The
+        # indices reduced are positions in the block (the interpreter returns those
+        # whatever index values it is given).
+        return ([f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
+                [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                 f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
+                 f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
+                 f"mx{i} = tl.maximum(mx{i}, tm{i})"],
+                [f"r{i} = tl.where(live, mx{i}, 0.0)"])
+    raise ValueError(f"unknown reduction {acc.op!r}")
+
+
+def _pass_context(p: Pass, printer) -> dict:
+    init, update, finish = [], [], []
+    for acc in p.accumulators:
+        a, b, c = _accumulator_lines(acc, printer.doprint_expr(acc.arg))
+        init += a
+        update += b
+        finish += c
+    exprs = [e for _, e in p.body] + [a.arg for a in p.accumulators]
+    body = _indicators(exprs, printer)
+    body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
+    return dict(
+        summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
+        prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
+        init=init, body=body, accumulate=update, finish=finish,
+    )
+
+
+def _comment(expr: sympy.Expr) -> str:
+    return str(expr).replace("$", "")
+
+
+def loss_entry(plan: LossPlan) -> str:
+    return f"{plan.name}_loss_rows"
+
+
+def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK,
+                num_warps: int = DEFAULT_WARPS) -> KernelSource:
+    """Render the row kernel of a loss plan."""
+    if block & (block - 1) or block < 16:
+        raise ValueError(f"block must be a power of two >= 16, not {block}")
+    printer = _Printer(_Names(plan.hyper))
+    grad_exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
+    grad_body = (["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs)
+                 else [])
+    grad_body += _indicators(grad_exprs, printer)
+    grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
+    entry = loss_entry(plan)
+    text = environment().get_template("loss_rows.py.jinja").render(
+        name=plan.name,
+        dtype=plan.dtype,
+        rule_lines=plan.rule_text.splitlines(),
+        derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
+        helpers=helpers_source(),
+        entry=entry,
+        hyper=plan.hyper,
+        hyper_names=", ".join(plan.hyper) or "(none)",
+        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+        passes=[_pass_context(p, printer) for p in plan.passes],
+        epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
+        loss=printer.doprint_expr(plan.loss),
+        grad=dict(body=grad_body),
+        grad_value=printer.doprint_expr(plan.grad_value),
+        store=store_cast("dz", plan.dtype),
+    )
+    signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
+    return KernelSource(text=text, entry=entry, signature=signature, constexprs=(("BLOCK", block),),
+                        num_warps=num_warps, num_stages=1,
+                        meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")))

@@ -1,0 +1,34 @@
+"""Loss epilogues compiled into fused ``linear + loss`` with forward and backward.
+
+    ce = fuser.loss('''
+        z = cap * tanh(z / cap)
+        lse = logsumexp(z)
+        loss = lse - z[y] + z_loss * lse**2
+    ''', name="softcap_ce_zloss", hyper=dict(cap=30.0, z_loss=1e-4))
+    f = fuser.compile(ce)
+    loss = f(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean")
+
+Loss functions may also be written in Python and traced: they take ``z`` and ``y`` (and
+hyperparameters as keyword-only arguments), use ``z[y]``, fuser's elementwise functions and
+the vocabulary reductions below, and return the per-token loss.
+"""
+
+from fuser.losses.api import CompiledLoss, kernel_sources, make_loss
+from fuser.losses.builtins import (
+    CROSS_ENTROPY,
+    CROSS_ENTROPY_FULL,
+    ENTROPY_REGULARIZED_CROSS_ENTROPY,
+    SOFTCAP_CROSS_ENTROPY,
+    cross_entropy,
+    entropy_regularized_cross_entropy,
+)
+from fuser.losses.rules import logsumexp
+from fuser.losses.rules import vocab_max as max  # noqa: A004 - the rule language's names
+from fuser.losses.rules import vocab_mean as mean
+from fuser.losses.rules import vocab_sum as sum  # noqa: A004
+
+__all__ = [
+    "CROSS_ENTROPY", "CROSS_ENTROPY_FULL", "CompiledLoss", "ENTROPY_REGULARIZED_CROSS_ENTROPY",
+    "SOFTCAP_CROSS_ENTROPY", "cross_entropy", "entropy_regularized_cross_entropy", "kernel_sources",
+    "logsumexp", "make_loss", "max", "mean", "sum",
+]

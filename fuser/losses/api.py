@@ -1,0 +1,141 @@
+"""The callable a compiled loss rule becomes: argument checks, then ``ops.LinearLoss``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss
+from fuser.codegen.source import KernelSource
+from fuser.ir.loss import lower_loss
+from fuser.losses.ops import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.rules.rule import Rule
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class CompiledLoss:
+    """A fused ``linear + loss`` with autograd, compiled from a loss rule.
+
+        loss = f(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                 accumulate_into=None, **hyper_overrides)
+
+    ``hidden`` is ``[T, H]`` or ``[B, S, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]``, all of
+    one dtype (fp32, bf16 or fp16); ``target`` holds class indices in ``hidden``'s leading
+    shape. ``reduction``: ``"mean"`` over targets other than ``ignore_index`` (0 when all are
+    ignored), ``"sum"``, or ``"none"`` (one loss per token, 0 where ignored). With
+    ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
+    (fp32) instead of being returned (Megatron's contract). The loss has ``hidden``'s dtype.
+    """
+
+    def __init__(self, rule: Rule, *, chunk_size: int | None = None, block: int = DEFAULT_BLOCK,
+                 num_warps: int = DEFAULT_WARPS):
+        if rule.kind != "loss":
+            raise TypeError(f"a loss needs a loss rule (fuser.loss), not a {rule.kind} rule")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int, not {chunk_size!r}")
+        self.rule = rule
+        self.hyper_defaults = dict(rule.hyper)
+        self.chunk_size = chunk_size
+        self.block = block
+        self.num_warps = num_warps
+        self._sources: dict[str, KernelSource] = {}
+        self._hyper_rows: dict[tuple, torch.Tensor] = {}
+        self.__name__ = rule.name
+        self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
+
+    def kernel_source(self, dtype: str = "bf16") -> KernelSource:
+        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
+        if dtype not in self._sources:
+            self._sources[dtype] = render_loss(lower_loss(self.rule, dtype), block=self.block,
+                                               num_warps=self.num_warps)
+        return self._sources[dtype]
+
+    @property
+    def source(self) -> str:
+        """The generated Triton source for bf16 inputs, as text."""
+        return self.kernel_source("bf16").text
+
+    def _hyper_row(self, overrides: dict, device: torch.device) -> torch.Tensor:
+        unknown = set(overrides) - set(self.hyper_defaults)
+        if unknown:
+            known = ", ".join(self.hyper_defaults) or "none"
+            raise TypeError(f"{self.rule.name}() got unexpected keyword argument(s) {sorted(unknown)} "
+                            f"(its hyperparameters: {known})")
+        values = []
+        for name, default in self.hyper_defaults.items():
+            v = float(overrides.get(name, default))
+            if not math.isfinite(v):
+                raise ValueError(f"hyperparameter {name!r} must be finite, not {v}")
+            values.append(v)
+        key = (str(device), tuple(values))
+        row = self._hyper_rows.get(key)
+        if row is None:
+            # One fp32 row per distinct setting, kept on the device: no copy per call.
+            row = torch.tensor(values or [0.0], dtype=torch.float32, device=device)
+            if len(self._hyper_rows) > 64:
+                self._hyper_rows.clear()
+            self._hyper_rows[key] = row
+        return row
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                 bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
+                 accumulate_into: str | None = None, **hyper_overrides) -> torch.Tensor:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+        if accumulate_into not in (None, "main_grad"):
+            raise ValueError(f"accumulate_into must be None or 'main_grad', not {accumulate_into!r}")
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"hidden must be [T, H] or [B, S, H], not {list(hidden.shape)}")
+        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+            raise ValueError(f"weight must be [V, {hidden.shape[-1]}], not {list(weight.shape)}")
+        if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+            raise TypeError(f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
+                            + (f", {bias.dtype}" if bias is not None else ""))
+        dtype = dtype_name(hidden.dtype)
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
+        lead = hidden.shape[:-1]
+        if target.shape != lead:
+            raise ValueError(f"target must have hidden's leading shape {list(lead)}, "
+                             f"not {list(target.shape)}")
+        if target.dtype.is_floating_point or target.dtype == torch.bool:
+            raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
+        devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
+        if len(devices) != 1:
+            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+        device = hidden.device
+        main_grad = accumulate_into == "main_grad"
+        if main_grad and weight.requires_grad:
+            mg = getattr(weight, "main_grad", None)
+            if not isinstance(mg, torch.Tensor) or mg.shape != weight.shape or mg.dtype != torch.float32:
+                raise ValueError("accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of "
+                                 "weight's shape")
+
+        x = hidden.reshape(-1, hidden.shape[-1])
+        y = target.reshape(-1).to(torch.int64).contiguous()
+        n_tokens, hid, vocab = x.shape[0], x.shape[1], weight.shape[0]
+        chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, hidden.element_size())
+        run = Chunked(self.kernel_source(dtype), device, self._hyper_row(hyper_overrides, device),
+                      ignore_index, chunk)
+        want_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias))
+        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
+        if reduction == "none":
+            out = out.reshape(lead)
+        return out.to(hidden.dtype)
+
+    def __repr__(self) -> str:
+        return f"<fuser compiled loss {self.rule.name!r}>"
+
+
+def make_loss(rule: Rule, **options) -> CompiledLoss:
+    """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
+    chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``."""
+    return CompiledLoss(rule, **options)
+
+
+def kernel_sources(rule: Rule, dtype: str = "bf16", **options) -> list[KernelSource]:
+    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``."""
+    return [CompiledLoss(rule, **options).kernel_source(dtype)]

@@ -1,0 +1,286 @@
+"""Loss epilogues: rule text or a traced function -> a checked ``Rule`` of kind ``"loss"``.
+
+A loss rule reads ``z`` (one raw logit), ``z[y]`` (the logit at the target), its
+hyperparameters and vocabulary reductions, and assigns ``loss``, the per-token loss.
+``z`` may be reassigned by elementwise transforms; every later ``z`` and ``z[y]`` means
+the transformed value. In the sympy form, the symbol ``z`` always stands for the *raw*
+logit and ``z_y`` for the raw logit at the target, so derivatives with respect to them are
+derivatives with respect to the logits the matmul produced.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import sympy
+
+from fuser.errors import RuleError
+from fuser.rules.functions import LOSS_REDUCTIONS, Reduction
+from fuser.rules.parse import Language, Statement, parse_text, symbol
+from fuser.rules.rule import ZY, Rule
+
+Z = symbol("z")
+Z_Y = symbol(ZY)
+Y = symbol("y")
+
+
+def at_target(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` (a function of the logit ``z``) evaluated at the target: every ``z``
+    outside a vocabulary reduction becomes ``z_y``; reductions are per-token values and
+    stay as they are."""
+    if isinstance(expr, Reduction):
+        return expr
+    if expr == Z:
+        return Z_Y
+    if not expr.args:
+        return expr
+    return expr.func(*[at_target(a) for a in expr.args])
+
+
+def outer_symbols(expr: sympy.Basic) -> set[sympy.Symbol]:
+    """Free symbols of ``expr`` that are not inside a reduction."""
+    if isinstance(expr, Reduction):
+        return set()
+    if isinstance(expr, sympy.Symbol):
+        return {expr}
+    out: set[sympy.Symbol] = set()
+    for a in expr.args:
+        out |= outer_symbols(a)
+    return out
+
+
+def loss_language(hyper: dict) -> Language:
+    return Language(
+        readable=frozenset({"z", "y", *hyper}),
+        frozen=frozenset({"y", *hyper}),
+        reductions=LOSS_REDUCTIONS,
+        subscripts={("z", "y"): at_target},
+    )
+
+
+def build_loss_rule(source, name: str, hyper: dict) -> Rule:
+    """Parse (text) or trace (function) a loss epilogue and check it."""
+    if callable(source):
+        text, statements = _trace_loss(source, hyper)
+        lines = text.splitlines()
+    else:
+        statements, _, lines = parse_text(source, loss_language(hyper))
+        text = "\n".join(lines)
+    loss = _check(statements, lines, hyper)
+    return Rule("loss", name, text, tuple(hyper.items()), (), tuple(statements), (("loss", loss),))
+
+
+def _error(message: str, st: Statement | None, lines: list[str]) -> RuleError:
+    if st is None:
+        return RuleError(message)
+    src = lines[st.line - 1] if lines and 0 < st.line <= len(lines) else None
+    return RuleError(message, line=st.line, col=st.col, source_line=src)
+
+
+def _check(statements: list[Statement], lines: list[str], hyper: dict) -> sympy.Expr:
+    """Validate the statements; return the final per-token loss."""
+    allowed = {Z, Z_Y} | {symbol(h) for h in hyper}
+    last_loss = None
+    for st in statements:
+        expr = st.expr
+        if Y in expr.free_symbols:
+            raise _error("'y' is the target index: use it only as z[y], the logit at the target", st, lines)
+        unknown = {s.name for s in expr.free_symbols} - {s.name for s in allowed}
+        if unknown:
+            raise _error(f"unknown symbols {sorted(unknown)}", st, lines)
+        for red in sorted(expr.atoms(Reduction), key=sympy.default_sort_key):
+            if Z not in outer_symbols(red.args[0]):
+                raise _error(f"{red.op}(...) must reduce an expression of z over the vocabulary, "
+                             f"but its argument {red.args[0]} does not depend on z", st, lines)
+        if st.target == "loss":
+            last_loss = st
+    if last_loss is None:
+        raise RuleError("the rule never assigns loss (the per-token loss)",
+                        line=statements[-1].line if statements else None)
+    loss = last_loss.expr
+    if Z in outer_symbols(loss):
+        raise _error("loss uses z outside a reduction: the per-token loss may read z[y] and "
+                     "reductions such as logsumexp(z), not z itself", last_loss, lines)
+    return loss
+
+
+# ---- the traced-function form ----------------------------------------------------------------
+
+class _Target:
+    """The target index ``y`` handed to a traced loss function: it may only index ``z``."""
+
+    def __repr__(self) -> str:
+        return "y"
+
+    def __index__(self):
+        raise TypeError("y is the target index: use it only as z[y]")
+
+
+_TARGET = _Target()
+
+
+def _unwrap(value):
+    return value.expr if isinstance(value, Logits) else value
+
+
+class Logits:
+    """The logit ``z`` as seen by a traced loss function: arithmetic like a sympy expression
+    (sympy defers to it through ``_op_priority``), plus ``z[y]``.
+
+    fuser's elementwise functions keep the wrapper (``_fuser_rewrap``), so ``z[y]`` works
+    after ``z = cap * fuser.tanh(z / cap)``.
+    """
+
+    _op_priority = 100.0
+    __slots__ = ("expr",)
+
+    def __init__(self, expr):
+        self.expr = sympy.sympify(expr)
+
+    def _sympy_(self):
+        return self.expr
+
+    def _fuser_rewrap(self, value):
+        return Logits(value)
+
+    def __getitem__(self, key):
+        if key is not _TARGET:
+            raise TypeError("the logits may only be indexed by the target: z[y]")
+        return at_target(self.expr)
+
+    def __bool__(self):
+        raise TypeError("a logit has no truth value while tracing: use fuser.where(cond, a, b)")
+
+    def __repr__(self) -> str:
+        return f"Logits({self.expr})"
+
+    def __add__(self, o):
+        return Logits(self.expr + _unwrap(o))
+
+    def __radd__(self, o):
+        return Logits(_unwrap(o) + self.expr)
+
+    def __sub__(self, o):
+        return Logits(self.expr - _unwrap(o))
+
+    def __rsub__(self, o):
+        return Logits(_unwrap(o) - self.expr)
+
+    def __mul__(self, o):
+        return Logits(self.expr * _unwrap(o))
+
+    def __rmul__(self, o):
+        return Logits(_unwrap(o) * self.expr)
+
+    def __truediv__(self, o):
+        return Logits(self.expr / _unwrap(o))
+
+    def __rtruediv__(self, o):
+        return Logits(_unwrap(o) / self.expr)
+
+    def __pow__(self, o):
+        return Logits(self.expr ** _unwrap(o))
+
+    def __rpow__(self, o):
+        return Logits(_unwrap(o) ** self.expr)
+
+    def __neg__(self):
+        return Logits(-self.expr)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return Logits(sympy.Abs(self.expr))
+
+    def __lt__(self, o):
+        return sympy.Lt(self.expr, _unwrap(o))
+
+    def __le__(self, o):
+        return sympy.Le(self.expr, _unwrap(o))
+
+    def __gt__(self, o):
+        return sympy.Gt(self.expr, _unwrap(o))
+
+    def __ge__(self, o):
+        return sympy.Ge(self.expr, _unwrap(o))
+
+    __hash__ = None
+
+
+def _reduction(name: str):
+    cls = LOSS_REDUCTIONS[name]
+
+    def reduce(e):
+        value = sympy.sympify(_unwrap(e))
+        return cls(value)
+
+    reduce.__name__ = name
+    reduce.__doc__ = (f"The vocabulary reduction ``{name}(e)`` for loss functions traced by fuser.loss; "
+                      "``e`` is an expression of the logit z.")
+    return reduce
+
+
+logsumexp = _reduction("logsumexp")
+vocab_sum = _reduction("sum")
+vocab_mean = _reduction("mean")
+vocab_max = _reduction("max")
+
+
+def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
+    try:
+        src = textwrap.dedent(inspect.getsource(fn)).strip("\n")
+    except (OSError, TypeError):
+        src = f"<function {getattr(fn, '__name__', '?')}>"
+    sig = inspect.signature(fn)
+    args, kwargs = [], {}
+    for pname, param in sig.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise RuleError(f"the loss function may not take *{pname} or **{pname}; name each input", line=1)
+        if param.kind == param.KEYWORD_ONLY:
+            if pname not in hyper:
+                raise RuleError(f"keyword-only parameter {pname!r} is not a hyperparameter", line=1)
+            kwargs[pname] = symbol(pname)
+        elif pname == "z":
+            args.append(Logits(Z))
+        elif pname == "y":
+            args.append(_TARGET)
+        else:
+            hint = " (make it keyword-only, after *)" if pname in hyper else ""
+            raise RuleError(f"parameter {pname!r} is neither z nor y{hint}", line=1)
+    try:
+        result = fn(*args, **kwargs)
+    except RuleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
+        raise RuleError(f"tracing failed: {type(e).__name__}: {e} (loss functions use arithmetic, fuser's "
+                        "functions, fuser.losses reductions and z[y], with no `if` on values)",
+                        line=_traceback_line(e, fn)) from None
+    if isinstance(result, dict):
+        if set(result) != {"loss"}:
+            raise RuleError(f"a loss function returns the loss or dict(loss=...), not keys {sorted(result)}",
+                            line=1)
+        result = result["loss"]
+    if isinstance(result, Logits):
+        raise RuleError("the loss function returns z itself: the per-token loss may read z[y] and "
+                        "reductions such as logsumexp(z)", line=1)
+    try:
+        value = sympy.sympify(result)
+    except (sympy.SympifyError, TypeError):
+        raise RuleError(f"the loss function returned {type(result).__name__}, not an expression",
+                        line=1) from None
+    if not isinstance(value, sympy.Expr) or value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
+        raise RuleError("the loss function returned a non-finite or non-numeric value", line=1)
+    return src, [Statement("loss", value, 1, 1)]
+
+
+def _traceback_line(exc: BaseException, fn) -> int | None:
+    code = getattr(fn, "__code__", None)
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno - code.co_firstlineno + 1
+        tb = tb.tb_next
+    return line

@@ -1,0 +1,53 @@
+"""Every built-in rule precompiles for sm_80 and sm_90 through the real pipeline, and a
+second run is all hits."""
+
+import importlib
+import re
+
+import pytest
+from cache_helpers import files_state
+
+import fuser
+from fuser import cli
+from fuser.clitools import BUILTIN_MODULES
+
+
+def _builtin_rules():
+    rules = []
+    for name in BUILTIN_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        rules += [v for v in vars(module).values() if isinstance(v, fuser.Rule)]
+    return rules
+
+
+def _rows(out: str) -> list[list[str]]:
+    lines = out.strip().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("rule "))
+    return [re.split(r"\s{2,}", ln.strip()) for ln in lines[start + 1 : -1]]
+
+
+@pytest.mark.slow
+def test_builtins_precompile_for_sm80_and_sm90(cache_root, capsys):
+    rules = _builtin_rules()
+    assert rules, "no built-in rules found"
+    args = ["precompile", "--builtins", "--target", "cuda:80", "--target", "cuda:90"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    rows = _rows(capsys.readouterr().out)
+    assert {r[0] for r in rows} == {r.name for r in rules}
+    assert {r[4] for r in rows} == {"compiled"}
+    for rule in rules:
+        # each dtype plan of each kernel, for both targets
+        mine = [r for r in rows if r[0] == rule.name]
+        assert {r[2] for r in mine} == {"cuda:80", "cuda:90"}
+        assert len({r[3] for r in mine}) == 3  # fp32, bf16, fp16 parameters
+    for cubin in cache_root.rglob("*.cubin"):
+        assert cubin.read_bytes()[:4] == b"\x7fELF"
+
+    before = files_state(cache_root)
+    assert cli.main(args) == 0
+    again = _rows(capsys.readouterr().out)
+    assert len(again) == len(rows) and {r[4] for r in again} == {"hit"}
+    assert files_state(cache_root) == before

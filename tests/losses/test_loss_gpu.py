@@ -1,0 +1,63 @@
+"""On a GPU: compiled kernels, the addmm out_dtype accumulation, and the memory contract."""
+
+import pytest
+import torch
+
+import fuser
+import fuser.losses
+from fuser.losses.ops import accumulate_weight_grad
+
+from .reference import assert_close, cross_entropy, make_inputs, reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_on_gpu_against_float64(dtype, reduction):
+    hidden, weight, b, target = make_inputs(dtype, shape=(4, 301), v=5003, h=96)
+    x, w, bb = (t.cuda().requires_grad_() for t in (hidden, weight, b))
+    grad_out = torch.rand(4, 301) + 0.5 if reduction == "none" else torch.tensor(1.0)
+    out = fuser.losses.cross_entropy(x, w, target.cuda(), bb, reduction=reduction)
+    (out * grad_out.cuda().to(out.dtype)).sum().backward()
+    ref = reference(cross_entropy, hidden, weight, b, target, reduction=reduction,
+                    grad_out=grad_out.to(dtype).float(), round_logits_to=dtype)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for a, e, n in ((out, ref[0], "loss"), (x.grad, ref[1], "hidden"), (w.grad, ref[2], "weight"),
+                    (bb.grad, ref[3], "bias")):
+        assert_close(a.cpu(), e, tol, n)
+
+
+def test_weight_grad_accumulates_in_fp32_without_a_vocab_by_hidden_temporary():
+    v, h, c = 32768, 1024, 512
+    gw = torch.randn(v, h, device="cuda")
+    start = gw.clone()
+    dz = torch.randn(c, v, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(c, h, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    accumulate_weight_grad(gw, dz, x)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < v * h * 2 // 4, f"{extra} bytes of temporaries"
+    ref = start.double() + dz.double().T @ x.double()
+    assert (gw.double() - ref).abs().max() < 1e-2 * ref.abs().max()
+
+
+def test_extra_peak_memory_is_one_chunk_and_the_fp32_weight_grad():
+    t, h, v = 4096, 512, 32768
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    y = torch.randint(0, v, (t,), device="cuda")
+    x.grad, w.grad = torch.zeros_like(x), torch.zeros_like(w)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=1024)
+    f(x, w, y).backward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    f(x, w, y).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = v * h * 4 + v * h * 2 + 1024 * v * 2 + t * h * 2 + (64 << 20)
+    assert extra < budget, f"extra peak {extra >> 20} MiB over {budget >> 20} MiB"

@@ -1,0 +1,370 @@
+"""Fused linear + loss against float64 autograd on materialised logits, on the CPU interpreter.
+
+Shapes are small and odd (T=37, H=24, V=211). ``chunk_size`` and ``block`` are set small in
+some cases so that several token chunks and several vocabulary blocks per row are crossed.
+"""
+
+import pytest
+import torch
+
+import fuser
+import fuser.losses
+
+from .reference import IGNORE, T, V, assert_close, cross_entropy, make_inputs, reference
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def run(f, hidden, weight, bias, target, *, reduction="mean", grad_out=None, **kw):
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_() if bias is not None else None
+    out = f(x, w, target, b, reduction=reduction, **kw)
+    go = torch.ones_like(out) if grad_out is None else grad_out.to(out.dtype)
+    (out * go).sum().backward()
+    return out, x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def check(got, ref, tol, dtype):
+    loss, gx, gw, gb = got
+    rloss, rgx, rgw, rgb = ref
+    assert loss.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
+    assert_close(loss, rloss, tol, "loss")
+    assert_close(gx, rgx, tol, "grad hidden")
+    assert_close(gw, rgw, tol, "grad weight")
+    if rgb is not None:
+        assert gb.dtype == dtype
+        assert_close(gb, rgb, tol, "grad bias")
+
+
+# --- built-in cross-entropy against torch's own linear_cross_entropy ------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", ["none", "some"])
+def test_cross_entropy_matches_torch_linear_cross_entropy(reduction, ignore):
+    bias = reduction != "sum"
+    hidden, weight, b, target = make_inputs(bias=bias, ignore=ignore)
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(1.7)
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, reduction=reduction, grad_out=grad_out)
+
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_() if b is not None else None
+    ref = torch.nn.functional.linear_cross_entropy(x, w, target, linear_bias=bb, reduction=reduction,
+                                                   ignore_index=IGNORE)
+    (ref * grad_out).sum().backward()
+    assert_close(got[0], ref.detach().double(), 1e-5, "loss")
+    assert_close(got[1], x.grad.double(), 1e-5, "grad hidden")
+    assert_close(got[2], w.grad.double(), 1e-5, "grad weight")
+    if b is not None:
+        assert_close(got[3], bb.grad.double(), 1e-5, "grad bias")
+
+
+def test_cross_entropy_label_smoothing_and_batched_input_match_torch():
+    hidden, weight, b, target = make_inputs(shape=(3, 11))
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, label_smoothing=0.1)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_()
+    ref = torch.nn.functional.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, target.reshape(-1),
+                                                   linear_bias=bb, label_smoothing=0.1, ignore_index=IGNORE)
+    ref.backward()
+    assert got[1].shape == hidden.shape
+    assert_close(got[0], ref.detach().double(), 1e-5, "loss")
+    for a, e, n in ((got[1], x.grad, "hidden"), (got[2], w.grad, "weight"), (got[3], bb.grad, "bias")):
+        assert_close(a, e.double(), 1e-5, f"grad {n}")
+
+
+def test_cross_entropy_all_options_against_float64():
+    hidden, weight, b, target = make_inputs(scale=3.0)
+    cap, temp, ls, zl = 4.0, 0.7, 0.05, 1e-3
+
+    def per_token(z, y):
+        z = cap * torch.tanh(z / cap) / temp
+        lse = torch.logsumexp(z, 1)
+        return (lse - (1 - ls) * z.gather(1, y[:, None])[:, 0] - ls * z.mean(1)) + zl * lse**2
+
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, softcap=cap, temperature=temp,
+              label_smoothing=ls, z_loss=zl)
+    check(got, reference(per_token, hidden, weight, b, target), 2e-5, torch.float32)
+
+
+# --- user rules, including ones no built-in covers ------------------------------------------------
+
+def _softcap_zloss(z, y):
+    z = 3.0 * torch.tanh(z / 3.0)
+    lse = torch.logsumexp(z, 1)
+    return lse - z.gather(1, y[:, None])[:, 0] + 1e-2 * lse**2
+
+
+def _entropy_regularized(z, y):
+    z = z / 1.3
+    logp = torch.log_softmax(z, 1)
+    entropy = -(logp.exp() * logp).sum(1)
+    return -logp.gather(1, y[:, None])[:, 0] - 0.2 * entropy
+
+
+def _max_margin(z, y):
+    # max with its argmax gradient, a mean, and where()
+    m = z.max(1).values
+    return m - z.gather(1, y[:, None])[:, 0] + 0.1 * torch.where(z > 0, z, 0.5 * z).mean(1)
+
+
+def _relative_to_target(z, y):
+    # reductions reading z[y]: log(sum(exp(z - z[y]))) is cross-entropy, via the target adjoint
+    zy = z.gather(1, y[:, None])
+    return torch.log(torch.exp(z - zy).sum(1)) + 0.1 * torch.sigmoid(zy[:, 0])
+
+
+def _nested(z, y):
+    # a logsumexp whose argument reads an earlier reduction that is not a closed form away
+    m = z.mean(1, keepdim=True)
+    z2 = z * z / (1 + m * m) + torch.log1p(torch.exp(-z.abs()))
+    return torch.logsumexp(z2, 1) - z2.gather(1, y[:, None])[:, 0]
+
+
+def _max_of_scaled(z, y):
+    # a max whose argument reads an earlier reduction: the argmax's own derivative
+    s = z.mean(1, keepdim=True)
+    return (z * (1 + s * s)).max(1).values - z.gather(1, y[:, None])[:, 0]
+
+
+def _lse_of_lse(z, y):
+    # the derivative of a logsumexp with respect to an earlier reduction is not closed-form:
+    # it becomes a softmax-weighted sum in one more sweep
+    a = torch.logsumexp(z, 1, keepdim=True)
+    return torch.logsumexp(z * a / 10, 1) - z.gather(1, y[:, None])[:, 0] * a[:, 0] / 10
+
+
+def _shift_clamp(z, y):
+    z = (z - z.gather(1, y[:, None])).clamp(-4, 4)
+    return torch.logsumexp(torch.where(z > 0, 2 * z, z), 1) + torch.log1p(torch.exp(-z.abs())).sum(1) / 50
+
+
+USER_RULES = {
+    "softcap_zloss": ("""
+        z = cap * tanh(z / cap)
+        lse = logsumexp(z)
+        loss = lse - z[y] + z_loss * lse**2
+    """, dict(cap=3.0, z_loss=1e-2), _softcap_zloss),
+    "max_margin": ("""
+        m = max(z)
+        loss = m - z[y] + 0.1 * mean(where(z > 0, z, 0.5 * z))
+    """, {}, _max_margin),
+    "relative_to_target": ("""
+        loss = log(sum(exp(z - z[y]))) + 0.1 * sigmoid(z[y])
+    """, {}, _relative_to_target),
+    "nested": ("""
+        m = mean(z)
+        z = z * z / (1 + m * m) + log1p(exp(-abs(z)))
+        loss = logsumexp(z) - z[y]
+    """, {}, _nested),
+    "lse_of_lse": ("""
+        a = logsumexp(z)
+        loss = logsumexp(z * a / 10) - z[y] * a / 10
+    """, {}, _lse_of_lse),
+    "shift_clamp": ("""
+        z = clamp(z - z[y], -4, 4)
+        loss = logsumexp(where(z > 0, 2 * z, z)) + sum(log1p(exp(-abs(z)))) / 50
+    """, {}, _shift_clamp),
+    "max_of_scaled": ("""
+        s = mean(z)
+        loss = max(z * (1 + s**2)) - z[y]
+    """, {}, _max_of_scaled),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USER_RULES))
+def test_user_rule_against_float64(name):
+    text, hyper, per_token = USER_RULES[name]
+    f = fuser.compile(fuser.loss(text, name=name, hyper=hyper))
+    hidden, weight, b, target = make_inputs(bias=name != "nested")
+    got = run(f, hidden, weight, b, target)
+    check(got, reference(per_token, hidden, weight, b, target), 5e-5, torch.float32)
+
+
+def test_entropy_regularized_builtin_across_chunks_and_blocks():
+    # 3 token chunks (16 + 16 + 5), 4 vocabulary blocks per row (64 * 4 > 211)
+    hidden, weight, b, target = make_inputs()
+    rule = fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY
+    f = fuser.compile(rule, chunk_size=16, block=64)
+    grad_out = torch.rand(T) + 0.5
+    got = run(f, hidden, weight, b, target, reduction="none", grad_out=grad_out, entropy_coef=0.2,
+              temperature=1.3)
+    ref = reference(_entropy_regularized, hidden, weight, b, target, reduction="none", grad_out=grad_out)
+    check(got, ref, 5e-5, torch.float32)
+    # the user-facing function is the same rule
+    got2 = run(fuser.losses.entropy_regularized_cross_entropy, hidden, weight, b, target, reduction="none",
+               grad_out=grad_out, entropy_coef=0.2, temperature=1.3)
+    check(got2, ref, 5e-5, torch.float32)
+
+
+def test_traced_function_rule_equals_text_rule():
+    @fuser.loss(hyper=dict(cap=3.0, z_loss=1e-2))
+    def softcap_zloss(z, y, *, cap, z_loss):
+        z = cap * fuser.tanh(z / cap)
+        lse = fuser.losses.logsumexp(z)
+        return lse - z[y] + z_loss * lse**2
+
+    hidden, weight, b, target = make_inputs(bias=False)
+    f = fuser.compile(softcap_zloss, chunk_size=10)
+    got = run(f, hidden, weight, b, target, reduction="sum", cap=2.0)
+
+    def per_token(z, y):
+        z = 2.0 * torch.tanh(z / 2.0)
+        lse = torch.logsumexp(z, 1)
+        return lse - z.gather(1, y[:, None])[:, 0] + 1e-2 * lse**2
+
+    check(got, reference(per_token, hidden, weight, b, target, reduction="sum"), 2e-5, torch.float32)
+
+
+# --- reductions, ignore patterns, low precision -----------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
+    hidden, weight, b, target = make_inputs(ignore="all")
+    loss, gx, gw, gb = run(fuser.losses.cross_entropy, hidden, weight, b, target, reduction=reduction)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for g in (gx, gw, gb):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_precision_inputs(dtype, reduction):
+    hidden, weight, b, target = make_inputs(dtype)
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else None
+    text, hyper, per_token = USER_RULES["softcap_zloss"]
+    f = fuser.compile(fuser.loss(text, name="softcap_zloss", hyper=hyper), chunk_size=20)
+    got = run(f, hidden, weight, b, target, reduction=reduction, grad_out=grad_out)
+    ref = reference(per_token, hidden, weight, b, target, reduction=reduction, grad_out=grad_out,
+                    round_logits_to=dtype)
+    check(got, ref, TOL[dtype], dtype)
+
+
+def test_bf16_target_gradient_is_rounded_once():
+    # A confident prediction: p_y ~ 0.999, so d loss / d z_y = p_y - 1 ~ -1e-3. Rounding p_y
+    # to bf16 first (steps of 2**-8 near 1) and subtracting 1 afterwards would lose it all.
+    # With one token, grad_bias is the stored logit gradient itself.
+    hidden, weight, b, target = make_inputs(torch.bfloat16, ignore="none", shape=(1,))
+    y = target[0]
+    z = hidden.double() @ weight.double().T + b.double()
+    others = torch.logsumexp(torch.cat([z[0, :y], z[0, y + 1:]]), 0)
+    b = b.double()
+    b[y] += others + 6.5 - z[0, y]  # 1 - p_y = about exp(-6.5) = 1.5e-3
+    b = b.to(torch.bfloat16)
+    loss, gx, gw, gb = run(fuser.losses.cross_entropy, hidden, weight, b, target)
+    ref = reference(cross_entropy, hidden, weight, b, target, round_logits_to=torch.bfloat16)
+    assert -5e-3 < ref[3][y] < -1e-5
+    assert abs(gb[y].double() - ref[3][y]) <= 1e-2 * abs(ref[3][y])
+    assert_close(gb, ref[3], 1e-2, "grad bias")
+
+
+def test_no_grad_call_and_hyper_overrides():
+    hidden, weight, b, target = make_inputs()
+    text, hyper, per_token = USER_RULES["softcap_zloss"]
+    f = fuser.compile(fuser.loss(text, name="softcap_zloss", hyper=hyper))
+    with torch.no_grad():
+        loss = f(hidden.requires_grad_(), weight, target, b)
+    assert loss.grad_fn is None
+    assert_close(loss, reference(per_token, hidden, weight, b, target)[0], 2e-5, "loss")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        f(hidden, weight, target, b, capp=2.0)
+    with pytest.raises(ValueError, match="reduction"):
+        f(hidden, weight, target, b, reduction="avg")
+
+
+def test_launches_one_kernel_per_chunk():
+    hidden, weight, b, target = make_inputs()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16)
+    f(hidden, weight, target, b)  # load once
+    before = fuser.stats()["launches"]
+    run(f, hidden, weight, b, target)
+    assert fuser.stats()["launches"] - before == 3
+
+
+# --- Megatron's main_grad ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_main_grad_accumulation(flag, reduction):
+    hidden, weight, b, target = make_inputs(torch.bfloat16, bias=False)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    start = torch.randn(V, hidden.shape[-1], dtype=torch.float32)
+    w.main_grad = start.clone()
+    if flag:
+        w.grad_added_to_main_grad = False
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(2.5)
+    out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
+    (out * grad_out.to(out.dtype)).sum().backward()
+    ref = reference(cross_entropy, hidden, weight, None, target, reduction=reduction,
+                    grad_out=grad_out.to(torch.bfloat16).float(), round_logits_to=torch.bfloat16)
+    assert_close(w.main_grad - start, ref[2], 2e-2, "main_grad increment")
+    assert_close(x.grad, ref[1], 2e-2, "grad hidden")
+    if flag:
+        assert w.grad_added_to_main_grad is True
+        assert w.grad is not None and torch.count_nonzero(w.grad) == 0
+    else:
+        assert w.grad is None
+    # a second step adds again, once
+    out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
+    (out * grad_out.to(out.dtype)).sum().backward()
+    assert_close(w.main_grad - start, 2 * ref[2], 2e-2, "main_grad after two steps")
+
+
+def test_main_grad_requires_fp32_main_grad():
+    hidden, weight, b, target = make_inputs(bias=False)
+    w = weight.clone().requires_grad_()
+    with pytest.raises(ValueError, match="main_grad"):
+        fuser.losses.cross_entropy(hidden, w, target, accumulate_into="main_grad")
+
+
+def test_out_of_range_target_poisons_the_loss():
+    hidden, weight, b, target = make_inputs(ignore="none")
+    target[3] = V + 5
+    loss = fuser.losses.cross_entropy(hidden, weight, target, b, reduction="none")
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(T) != 3]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cross_entropy_matches_torch(dtype):
+    hidden, weight, b, target = make_inputs(dtype, shape=(3, 13))
+    grad_out = torch.rand(3, 13) + 0.5
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, reduction="none", grad_out=grad_out)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_()
+    ref = torch.nn.functional.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, target.reshape(-1),
+                                                   linear_bias=bb, reduction="none", ignore_index=IGNORE)
+    ref = ref.reshape(3, 13)
+    (ref * grad_out.to(dtype)).sum().backward()
+    assert got[0].shape == (3, 13) and got[0].dtype == dtype
+    assert_close(got[0], ref.detach().double(), TOL[dtype], "loss")
+    for a, e, n in ((got[1], x.grad, "hidden"), (got[2], w.grad, "weight"), (got[3], bb.grad, "bias")):
+        assert a.dtype == e.dtype
+        assert_close(a, e.double(), TOL[dtype], f"grad {n}")
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_only_the_inputs_that_need_grad_get_one(frozen):
+    hidden, weight, b, target = make_inputs(bias=False)
+    x = hidden.clone().requires_grad_(frozen != "hidden")
+    w = weight.clone().requires_grad_(frozen != "weight")
+    fuser.losses.cross_entropy(x, w, target).backward()
+    ref = reference(cross_entropy, hidden, weight, None, target)
+    if frozen == "weight":
+        assert w.grad is None
+        assert_close(x.grad, ref[1], 2e-5, "grad hidden")
+    else:
+        assert x.grad is None
+        assert_close(w.grad, ref[2], 2e-5, "grad weight")
+
+
+def test_second_backward_through_the_eager_schedule_says_why():
+    hidden, weight, b, target = make_inputs(bias=False)
+    w = weight.clone().requires_grad_()
+    loss = fuser.losses.cross_entropy(hidden, w, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
