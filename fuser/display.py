@@ -29,9 +29,19 @@ _GREEK = {
 
 
 def symbol_latex(name: str) -> str:
-    """LaTeX for a rule name: ``beta1`` is β₁, ``m`` is m, ``weight_decay`` is *weight_decay*."""
+    """LaTeX for a rule name: ``beta1`` is β₁, ``m`` is m, ``weight_decay`` is *weight_decay*;
+    and for the loss derivation's own symbols (their names hold a ``$``): ``r$0`` is the
+    reduction r₀, ``vocab$`` the vocabulary size V, ``is_y$`` the indicator [z is the target]."""
     if name == "z_y":
         return "z_{y}"
+    if "$" in name:
+        base, _, index = name.partition("$")
+        special = {"vocab": "V", "is_y": "[z{=}z_{y}]"}
+        if base in special:
+            return special[base]
+        if base == "is_max":
+            return f"[z{{=}}\\max_{{{index}}}]"
+        return f"{base}_{{{index}}}"
     m = re.fullmatch(r"([A-Za-z]+)(\d*)", name)
     if m and (len(m.group(1)) == 1 or m.group(1) in _GREEK):
         base = "\\epsilon" if m.group(1) == "eps" else (
@@ -42,6 +52,13 @@ def symbol_latex(name: str) -> str:
 
 class RuleLatexPrinter(LatexPrinter):
     """sympy's LaTeX printer with fuser's names and functions."""
+
+    def _print(self, expr, **kwargs):
+        # Reductions first: fuser's Sum and Max share their names with sympy classes whose
+        # printers would otherwise be picked.
+        if isinstance(expr, Reduction):
+            return self._print_Reduction(expr, kwargs.get("exp"))
+        return super()._print(expr, **kwargs)
 
     def _print_Symbol(self, expr, style="plain"):
         return symbol_latex(expr.name)
@@ -85,6 +102,11 @@ class RuleStrPrinter(StrPrinter):
     def __init__(self):
         super().__init__({"order": "none"})
 
+    def _print(self, expr, **kwargs):
+        if isinstance(expr, Reduction):  # before sympy's Sum and Max printers
+            return self._call(expr.op, expr)
+        return super()._print(expr, **kwargs)
+
     def _print_Piecewise(self, expr):
         *pairs, (last, _) = expr.args
         text = self._print(last)
@@ -92,13 +114,17 @@ class RuleStrPrinter(StrPrinter):
             text = f"where({self._print(cond)}, {self._print(value)}, {text})"
         return text
 
+    def _print_Symbol(self, expr):
+        # The loss derivation's own symbols hold a `$` (r$0, vocab$): print them bare.
+        if expr.name == "z_y":
+            return "z[y]"
+        return expr.name.replace("$", "")
+
     def _call(self, name, expr):
         return f"{name}({', '.join(self._print(a) for a in expr.args)})"
 
     def _print_Function(self, expr):
         # sympy skips _print_<Base> for subclasses of functions: dispatch here.
-        if isinstance(expr, Reduction):
-            return self._call(expr.op, expr)
         if isinstance(expr, Sigmoid):
             return self._call("sigmoid", expr)
         return super()._print_Function(expr)
@@ -166,7 +192,8 @@ def _is_text(rule) -> bool:
 
 def rule_latex(rule) -> str:
     """The rule as display math: one ``target ← expression`` row per statement, then, for a
-    loss rule with derived gradients, the gradient with respect to each logit.
+    loss rule, the gradient fuser derived with respect to one logit and the reductions it
+    reads.
 
     A traced function gives each output as a function of the values before the step, so
     its rows name the new values with a prime: ``p' = ...``, ``m' = ...``.
@@ -176,18 +203,28 @@ def rule_latex(rule) -> str:
                 for s in written_statements(rule)]
     else:
         rows = [f"{symbol_latex(s.target)}' &= {expr_latex(s.expr)}" for s in rule.statements]
-    for label, expr in _gradients(rule):
-        rows.append(f"{label} &= {expr_latex(expr)}")
+    rows += _gradient_rows(rule)
     return "$$\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}$$"
 
 
-def _gradients(rule) -> list[tuple[str, sympy.Expr]]:
-    """Derived gradients a loss rule carries, as (LaTeX label, expression)."""
-    grads = getattr(rule, "gradients", None) or ()
-    if isinstance(grads, dict):
-        grads = tuple(grads.items())
-    return [(f"\\frac{{\\partial\\,\\mathit{{loss}}}}{{\\partial {symbol_latex(str(name))}}}", expr)
-            for name, expr in grads]
+def _gradient_rows(rule) -> list[str]:
+    """For a loss rule, the derivative of the per-token loss with respect to one logit as
+    fuser derived it, then the vocabulary reductions it reads: rows of an aligned block."""
+    if rule.kind != "loss":
+        return []
+    try:
+        from fuser.ir.loss import lower_loss
+
+        derivation = dict(lower_loss(rule).derivation)
+    except Exception:  # noqa: BLE001 - a display must never raise; show the statements alone
+        return []
+    rows = [f"\\frac{{\\partial\\,\\mathit{{loss}}}}{{\\partial z}} &= {expr_latex(derivation['dloss/dz'])}"]
+    for label, expr in derivation.items():
+        if " = " in label:  # "r0 = logsumexp": a reduction over the vocabulary
+            name, op = label.split(" = ")
+            body = expr_latex(expr)
+            rows.append(f"{name[0]}_{{{name[1:]}}} &= \\operatorname{{{op}}}_z\\left({body}\\right)")
+    return rows
 
 
 def source_html(text: str, title: str = "") -> str:
@@ -227,6 +264,18 @@ def optimizer_html(obj) -> str:
                                             for s, v in rule.state))
     for title, text in _kernel_texts(obj):
         parts.append(source_html(text, title))
+    return "<div>" + "<br>\n".join(parts) + "</div>"
+
+
+def loss_html(compiled) -> str:
+    """HTML for a compiled loss: its rule's hyperparameters and the Triton row kernel (for
+    bf16 inputs, as ``.source``), whose header quotes the derived gradient."""
+    rule = compiled.rule
+    parts = [f"<b>{html.escape(rule.name)}</b>: fuser fused linear + loss"]
+    if rule.hyper:
+        parts.append(_table(["hyperparameter", "default"], [[k, v] for k, v in rule.hyper]))
+    src = compiled.kernel_source("bf16")
+    parts.append(source_html(src.text, f"Triton kernel {src.entry} for bf16 inputs"))
     return "<div>" + "<br>\n".join(parts) + "</div>"
 
 

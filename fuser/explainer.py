@@ -36,20 +36,25 @@ def _resolve(obj) -> tuple[Rule, dict]:
     raise TypeError(f"fuser.explain takes a fuser.Rule or a compiled optimizer, not {type(obj).__name__}")
 
 
-def explain(obj, dtype: str = "fp32", *, file: TextIO | None = None, **options) -> None:
-    """Print each stage of compiling ``obj`` (a rule, or a class or instance from
-    ``fuser.compile``) for parameters and gradients stored in ``dtype`` ("fp32", "bf16" or
-    "fp16"); ``options`` are ``fuser.compile``'s, e.g. ``state_dtype=torch.bfloat16``."""
+def explain(obj, dtype: str | None = None, *, file: TextIO | None = None, **options) -> None:
+    """Print each stage of compiling ``obj``: a rule, a class or instance from
+    ``fuser.compile(optimizer_rule)``, or a compiled loss. ``dtype`` ("fp32", "bf16" or
+    "fp16") is the storage dtype of the parameters and gradients (default fp32) or of the
+    loss's inputs and logits (default bf16, as ``.source`` shows); ``options`` are
+    ``fuser.compile``'s, e.g. ``state_dtype=torch.bfloat16``."""
     rule, compiled_with = _resolve(obj)
-    text = explanation(rule, dtype, **{**compiled_with, **options})
+    if rule.kind == "loss":
+        text = _explain_loss(rule, dtype or "bf16", obj if hasattr(obj, "kernel_source") else None)
+    else:
+        text = _explain_optim(rule, dtype or "fp32", **{**compiled_with, **options})
     print(text, file=file if file is not None else sys.stdout)
 
 
-def explanation(rule: Rule, dtype: str = "fp32", **options) -> str:
-    """The text ``explain`` prints."""
-    if rule.kind == "optim":
-        return _explain_optim(rule, dtype, **options)
-    raise TypeError(f"fuser.explain does not know {rule.kind} rules yet")
+def explanation(rule: Rule, dtype: str | None = None, **options) -> str:
+    """The text ``explain`` prints for a rule."""
+    if rule.kind == "loss":
+        return _explain_loss(rule, dtype or "bf16", None)
+    return _explain_optim(rule, dtype or "fp32", **options)
 
 
 def _statements(rule: Rule) -> list[str]:
@@ -62,7 +67,10 @@ def _statements(rule: Rule) -> list[str]:
     else:
         lines.append("traced from a Python function:")
         lines += ["  " + ln for ln in rule.text.splitlines()]
-    lines.append("outputs, each from the values before the step:")
+    if rule.kind == "loss":
+        lines.append("the per-token loss, from the raw logits:")
+    else:
+        lines.append("outputs, each from the values before the step:")
     lines += [f"  {name} <- {_s(expr)}" for name, expr in rule.outputs]
     return lines
 
@@ -143,5 +151,71 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
         out.append(f"   {src.entry}({', '.join(n for n, _ in src.signature)})")
         out.append(f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
                    f"{len(src.text.splitlines())} lines of Triton")
-        out.append(f"     source digest (cache key): {src.digest}")
+        out += _cache_key(src)
+    return "\n".join(out)
+
+
+def _cache_key(src) -> list[str]:
+    """The kernel's cache entry key and the hash of each field it is made of."""
+    from fuser.cache import entry_key
+
+    key = entry_key(src)
+    lines = [f"     cache key {key.digest}  (once stored: fuser cache explain {key.digest[:12]})"]
+    lines += [f"       {ln}" for ln in key.explain()]
+    return lines
+
+
+def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
+    from fuser.codegen.loss import render_loss
+    from fuser.ir.loss import DTYPES, lower_loss
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    plan = lower_loss(rule, dtype)
+    source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
+    hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
+    out = [f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
+           f"hyperparameters (defaults): {hyper}",
+           "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
+           "column; r<i> are reductions over the row, vocab its length", ""]
+
+    out.append("1. parsed statements")
+    out += ["   " + ln for ln in _statements(rule)]
+    out.append("")
+
+    out.append("2. reductions over the vocabulary, by pass (one sweep over a row of logits each)")
+    for i, ps in enumerate(plan.passes):
+        out.append(f"   pass {i}:")
+        out += [f"     {_s(sym)} = {_s(e)}   (per token, hoisted)" for sym, e in ps.prologue]
+        out += [f"     {_s(sym)} = {_s(e)}" for sym, e in ps.body]
+        out += [f"     r{a.index} = {a.op}({_s(a.arg)})" for a in ps.accumulators]
+    if not plan.passes:
+        out.append("   none")
+    out.append("")
+
+    out.append("3. derived gradient (symbolic, before CSE; adj(x) is d loss / d x)")
+    out += [f"   {label}: {_s(e)}" for label, e in plan.derivation if " = " not in label]
+    out.append("")
+
+    out.append("4. plan after the reductions, after CSE")
+    out.append("   per token (fp32):")
+    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.epilogue]
+    out.append(f"     loss = {_s(plan.loss)}")
+    out.append("   gradient sweep, per logit (fp32), written over the logits:")
+    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.grad.body]
+    out.append(f"     dloss/dz = {_s(plan.grad_value)}")
+    out.append("")
+
+    out.append("5. dtype plan")
+    out.append(f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32")
+    out.append(f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32")
+    out.append(f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})")
+    out.append("")
+
+    out.append("6. kernel and cache key")
+    constexprs = ", ".join(f"{k}={v}" for k, v in source.constexprs)
+    out.append(f"   {source.entry}({', '.join(n for n, _ in source.signature)})")
+    out.append(f"     {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
+               f"{len(source.text.splitlines())} lines of Triton")
+    out += _cache_key(source)
     return "\n".join(out)

@@ -3,22 +3,30 @@ kernel source (found by IPython's own formatter, for classes and instances), Rul
 shown as one message with a caret."""
 
 import io
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import sympy
 import torch
 from IPython.core.formatters import DisplayFormatter
 
 import fuser
+from fuser.cache import entry_key
+from fuser.losses import CROSS_ENTROPY, SOFTCAP_CROSS_ENTROPY
 from fuser.optim import kernel_sources
 from fuser.optim.builtins import adamw as builtin_adamw
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ADAMW = fuser.rule("""
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g**2
     p = p - lr * weight_decay * p - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
-""", name="adamw", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+""", name="adamw_rule", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
     state=dict(m=0.0, v=0.0))
 
 
@@ -40,7 +48,7 @@ def test_explain_prints_every_stage_in_order():
              "4. phases and reductions", "5. dtype plan", "6. kernels and cache keys"]
     positions = [text.index(h) for h in heads]
     assert positions == sorted(positions)
-    assert text.startswith("fuser.explain: optimizer rule 'adamw', fp32")
+    assert text.startswith("fuser.explain: optimizer rule 'adamw_rule', fp32")
 
 
 def test_explain_statements_are_as_written_and_outputs_substituted():
@@ -73,8 +81,8 @@ def test_explain_dtype_plan_and_cache_key_match_what_runs():
     assert re.search(r"^\s+m\s+state\s+bf16\s+read/write$", plan, re.M)
     assert "lr, beta1, beta2, eps, weight_decay" in plan
     (source,) = kernel_sources(ADAMW, "bf16", state_dtype=torch.bfloat16)
-    assert f"source digest (cache key): {source.digest}" in text
-    assert kernel_sources(ADAMW, "fp32")[0].digest not in text
+    assert f"cache key {entry_key(source).digest}" in text
+    assert entry_key(kernel_sources(ADAMW, "fp32")[0]).digest not in text
 
 
 def test_explain_shows_phases_and_reductions():
@@ -95,7 +103,7 @@ def test_explain_shows_phases_and_reductions():
     sources = kernel_sources(lamb)
     assert len(sources) == 2
     for src in sources:
-        assert f"{src.entry}(" in text and src.digest in text
+        assert f"{src.entry}(" in text and f"cache key {entry_key(src).digest}" in text
 
 
 def test_explain_takes_compiled_optimizers_with_their_options():
@@ -104,6 +112,23 @@ def test_explain_takes_compiled_optimizers_with_their_options():
     opt = cls([torch.nn.Parameter(torch.randn(3))])
     assert explained(opt) == explained(ADAMW, state_dtype="param")
     assert "state  fp16" in explained(cls, "fp16")
+
+
+def test_cache_key_is_the_one_the_cache_stores(tmp_path):
+    """After one step the kernel is in the cache under the key explain printed, and
+    `fuser cache explain KEY` finds it."""
+    cls = fuser.compile(ADAMW)
+    key = re.search(r"cache key ([0-9a-f]{64})", explained(cls)).group(1)
+    env = dict(os.environ, FUSER_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    step = ("import torch, fuser; from tests.test_explain import ADAMW; "
+            "p = torch.nn.Parameter(torch.randn(9)); p.grad = torch.randn(9); "
+            "fuser.compile(ADAMW)([p]).step()")
+    subprocess.run([sys.executable, "-c", step], env=env, cwd=ROOT, check=True, timeout=300)
+    shown = subprocess.run([sys.executable, "-m", "fuser", "cache", "explain", key[:12]], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert f"entry {key}" in shown.stdout and "rule adamw_rule" in shown.stdout
 
 
 def test_explain_rejects_other_objects():
@@ -178,7 +203,7 @@ def html_of(obj) -> str:
 def test_compiled_class_shows_highlighted_source():
     cls = fuser.compile(ADAMW)
     page = html_of(cls)
-    assert "Adamw" in page and "adamw" in page
+    assert "AdamwRule" in page and "adamw_rule_step" in page
     assert "<td>weight_decay</td><td>0.01</td>" in page
     assert "style=\"color:" in page  # pygments with inline styles
     text = re.sub(r"<[^>]+>", "", page)
@@ -198,7 +223,7 @@ def test_instance_shows_groups_and_launched_kernels():
     before = html_of(opt)
     assert "<tr><td>0</td><td>1</td><td>0.01</td>" in before
     assert "<tr><td>1</td><td>1</td><td>0.003</td>" in before
-    assert "Triton kernel adamw_step for p:fp32-g:fp32-m:fp32-v:fp32" in before
+    assert "Triton kernel adamw_rule_step for p:fp32-g:fp32-m:fp32-v:fp32" in before
     w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
     opt.step()
     after = html_of(opt)
@@ -229,3 +254,47 @@ def test_rule_error_renders_as_one_message_with_a_caret():
     assert lines[0].startswith("RuleError: rule 'typo', line 2, column 32: unknown name 'epsilon'")
     assert len(lines) == 3
     assert lines[2].index("^") == lines[1].index("epsilon")
+
+
+# Loss rules -------------------------------------------------------------------------------
+def test_loss_rule_latex_shows_statements_and_the_derived_gradient():
+    rows = latex_rows(SOFTCAP_CROSS_ENTROPY)
+    heads = [r.split("&")[0].strip() for r in rows]
+    assert heads[:4] == ["z", "z", "\\mathit{lse}", "\\mathit{loss}"]
+    assert "z_{y}" in rows[3] and "\\operatorname{mean}\\left(z\\right)" in rows[3]
+    grad = rows[4]
+    assert grad.startswith("\\frac{\\partial\\,\\mathit{loss}}{\\partial z} &= ")
+    assert "[z{=}z_{y}]" in grad and "r_{0}" in grad and "\\tanh" in grad
+    assert rows[5].startswith("r_{0} &= \\operatorname{logsumexp}_z")
+    assert rows[6].startswith("r_{1} &= \\operatorname{sum}_z")
+
+
+def test_explain_loss_shows_the_real_derivative():
+    text = explained(CROSS_ENTROPY)
+    for head in ("1. parsed statements", "2. reductions over the vocabulary", "3. derived gradient",
+                 "4. plan after the reductions", "5. dtype plan", "6. kernel and cache key"):
+        assert head in text
+    written = re.search(r"line 1: loss = (.*)$", text, re.M).group(1)
+    assert sorted(written.replace(" ", "").replace("+", " ").split()) == ["-z[y]", "logsumexp(z)"]
+    assert re.search(r"r0 = logsumexp\(z\)$", text, re.M)
+    # Read the printed derivative back: softmax minus the target's indicator.
+    line = re.search(r"^   dloss/dz: (.*)$", text, re.M).group(1)
+    z, r0, is_y = sympy.symbols("z r0 is_y")
+    printed = sympy.sympify(line, locals={"z": z, "r0": r0, "is_y": is_y})
+    assert sympy.simplify(printed - (sympy.exp(z - r0) - is_y)) == 0
+    assert "bf16 hidden states" in text
+
+
+def test_explain_compiled_loss_uses_its_kernel():
+    compiled = fuser.compile(SOFTCAP_CROSS_ENTROPY, block=256)
+    text = explained(compiled, "fp32")
+    src = compiled.kernel_source("fp32")
+    assert dict(src.constexprs)["BLOCK"] == 256 and "BLOCK=256" in text
+    assert f"cache key {entry_key(src).digest}" in text
+
+
+def test_compiled_loss_shows_its_kernel():
+    compiled = fuser.compile(SOFTCAP_CROSS_ENTROPY)
+    page = html_of(compiled)
+    assert "<td>softcap</td><td>30.0</td>" in page
+    assert compiled.kernel_source("bf16").entry in page and "style=\"color:" in page
