@@ -1,9 +1,11 @@
-"""A Hugging Face Trainer with a fuser optimizer.
+"""A Hugging Face Trainer with a fuser optimizer and a fused loss.
 
 Trains a small randomly initialised Llama (built from a config: nothing is downloaded) on
-sequences that count up, for a few steps. The optimizer is a new rule compiled by fuser and handed to
-the Trainer with the scheduler ``TrainingArguments`` asks for, so the Trainer's
-warmup, decay, gradient clipping, logging and checkpoints all apply.
+sequences that count up, for a few steps. The optimizer is a new rule compiled by fuser and
+handed to the Trainer with the scheduler ``TrainingArguments`` asks for, so the Trainer's
+warmup, decay, gradient clipping, logging and checkpoints all apply. The model computes its
+loss with fuser's fused linear + cross-entropy from its last hidden states and LM head
+weight, so the ``[tokens, vocab]`` logits are never made.
 
     python examples/hf_trainer.py [--steps N]
 
@@ -18,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import fuser
-from fuser.integrations.transformers import trainer_optimizers
+from fuser.integrations.transformers import trainer_optimizers, use_fused_loss
 
 
 def counting(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -53,6 +55,8 @@ def main(steps: int = 12, output_dir: str | None = None) -> list[dict]:
     # The Trainer's own parameter groups (no decay on biases and norms), learning rate,
     # betas and epsilon from `args`, and the scheduler it names.
     opt, sched = trainer_optimizers(model, adabelief, args)
+    # Training loss from the last hidden states and the LM head weight: no logits.
+    model = use_fused_loss(model, fuser.losses.cross_entropy)
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
     trainer.train()
     # --8<-- [end:trainer]

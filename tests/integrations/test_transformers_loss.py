@@ -1,6 +1,7 @@
 """use_fused_loss: a causal LM's training loss from its last hidden states and LM head weight,
 with the model's own label shift, ignore_index, num_items_in_batch and shift_labels, and no
-logits. Compared with the model's own loss on a tiny Llama built from a config."""
+logits. Compared with the model's own loss on a tiny Llama built from a config: the wiring
+through a recording stand-in, the numbers through fuser's fused cross-entropy."""
 
 import pytest
 import torch
@@ -84,6 +85,51 @@ def test_loss_and_gradients_match_the_models_own(extra):
     assert call["reduction"] == ("sum" if extra else "mean")
 
 
+@pytest.mark.parametrize("extra", [{}, {"num_items_in_batch": torch.tensor(9)}], ids=["mean", "num_items"])
+@pytest.mark.parametrize("loss", [None, fuser.losses.CROSS_ENTROPY], ids=["default", "rule"])
+def test_fuser_loss_matches_the_models_own(loss, extra):
+    ref, fused = tiny_llama(), tiny_llama()
+    use_fused_loss(fused, loss)
+    want = ref(**batch(), **extra)
+    want.loss.backward()
+    handle = no_logits(fused)
+    got = fused(**batch(), **extra)
+    got.loss.backward()
+    handle.remove()
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-6, atol=2e-6)
+    gw, gf = grads(ref), grads(fused)
+    for name in gw:
+        torch.testing.assert_close(gf[name], gw[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fuser_loss_in_bf16():
+    ref, fused = tiny_llama().to(torch.bfloat16), tiny_llama().to(torch.bfloat16)
+    use_fused_loss(fused)
+    want, got = ref(**batch()), fused(**batch())
+    assert got.loss.dtype == torch.bfloat16 and got.logits is None
+    torch.testing.assert_close(got.loss.float(), want.loss.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_custom_loss_rule_with_its_hyperparameters():
+    """A new loss from fuser.loss, with a hyperparameter override, against the same math on
+    the model's own logits."""
+    rule = fuser.loss("""
+        lse = logsumexp(z)
+        loss = lse - z[y] + z_loss * lse**2
+    """, name="ce_zloss", hyper=dict(z_loss=1e-4))
+    model = use_fused_loss(tiny_llama(), rule, z_loss=0.05)
+    got = model(**batch()).loss
+    ref = tiny_llama()
+    logits = ref(input_ids=batch()["input_ids"], attention_mask=batch()["attention_mask"]).logits
+    labels = torch.nn.functional.pad(batch()["labels"], (0, 1), value=-100)[:, 1:].reshape(-1)
+    logits = logits.reshape(-1, VOCAB)
+    lse = torch.logsumexp(logits, -1)
+    keep = labels != -100
+    per_token = lse - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0] + 0.05 * lse**2
+    torch.testing.assert_close(got, per_token[keep].mean(), rtol=1e-5, atol=1e-6)
+
+
 def test_shift_labels_and_hyperparameters_pass_through():
     model = tiny_llama()
     loss_fn = RecordingLoss()
@@ -148,8 +194,12 @@ def test_trainer_with_gradient_accumulation(tmp_path):
 
     loss_fn = RecordingLoss()
     ref, ref_losses = run(tiny_llama(), tmp_path / "ref")
-    fused, losses = run(use_fused_loss(tiny_llama(), loss_fn), tmp_path / "fused")
+    wired, losses = run(use_fused_loss(tiny_llama(), loss_fn), tmp_path / "wired")
     assert len(loss_fn.calls) == 6 and all(c["reduction"] == "sum" for c in loss_fn.calls)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for (name, p), q in zip(fused.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    # fuser's own loss and optimizer together: the same run to fp32 rounding.
+    fused, fused_losses = run(use_fused_loss(tiny_llama()), tmp_path / "fused")
+    assert fused_losses == pytest.approx(ref_losses, rel=1e-5)
+    for model in (wired, fused):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
