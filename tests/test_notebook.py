@@ -98,5 +98,27 @@ def test_training_compares_with_torch(executed):
 
 
 def test_instance_cell_shows_groups(executed):
-    page = output_data(cell_with(executed, "opt = AdaBelief(["), "text/html")
+    page = output_data(cell_with(executed, "opt = AdaBelief([{"), "text/html")
     assert "<th>group</th>" in page and "<td>0.003</td>" in page
+
+
+def test_loss_rule_cell_shows_math_and_derived_gradient(executed):
+    tex = output_data(cell_with(executed, 'name="softcap_ce_zloss"'), "text/latex")
+    assert "\\frac{\\partial\\,\\mathit{loss}}{\\partial z} &= " in tex
+    assert "r_{0} &= \\operatorname{logsumexp}_z" in tex
+
+
+def test_loss_explain_and_kernel(executed):
+    text = stdout(cell_with(executed, "fuser.explain(softcap_ce)"))
+    assert "loss rule 'softcap_ce_zloss'" in text and "dloss/dz:" in text and "cache key" in text
+    page = output_data(cell_with(executed, "head_loss = fuser.compile(softcap_ce)"), "text/html")
+    assert "softcap_ce_zloss" in page and "style=\"color:" in page
+
+
+def test_fused_loss_matches_torch_and_trains(executed):
+    text = stdout(cell_with(executed, "torch_softcap_ce(h, w, target)"))
+    fused, ref = map(float, re.search(r"loss: fuser ([\d.]+)\s+torch ([\d.]+)", text).groups())
+    assert abs(fused - ref) < 1e-5 * ref
+    printed = stdout(cell_with(executed, "lm_head"))
+    steps = [float(v) for v in re.findall(r"step\s+\d+\s+loss ([\d.]+)", printed)]
+    assert len(steps) == 5 and steps[-1] < steps[0] / 10
