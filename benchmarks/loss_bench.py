@@ -140,6 +140,19 @@ def run(cfg, sweep, rows_out):
     guarded("fuser cross_entropy", fuser.losses.cross_entropy)
     if hasattr(F, "linear_cross_entropy"):
         guarded("torch linear_cross_entropy", lambda x, w, y: F.linear_cross_entropy(x, w, y))
+    # Anchors of ANCHORS.md, when their (pure-Python) packages are installed.
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+    except ImportError:
+        liger = None
+    if liger is not None:
+        guarded("Liger FLCE", lambda x, w, y: liger(x, w, y))
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except ImportError:
+        cce = None
+    if cce is not None:
+        guarded("CCE (cce)", lambda x, w, y: cce(x, w, y, impl="cce"))
     if sweep:
         for chunk in (1024, 2048, 4096):
             for block, warps in ((4096, 8), (4096, 16), (8192, 16), (16384, 32)):
