@@ -8,6 +8,7 @@
 """
 
 from fuser.errors import RuleError
+from fuser.explainer import explain
 from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import Rule, loss, rule
@@ -57,7 +58,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Rule", "RuleError", "compile", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
+    "Rule", "RuleError", "compile", "explain", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
     "log1p", "expm1", "abs", "sign", "tanh", "sigmoid", "minimum", "maximum", "where", "clamp",
     "optim", "losses",
 ]

@@ -37,3 +37,8 @@ class RuleError(ValueError):
     def with_rule(self, name: str) -> RuleError:
         return RuleError(self.message, line=self.line, col=self.col,
                          source_line=self.source_line, rule=name)
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of a traceback through fuser's parser: the
+        # message already names the rule, line and column, with a caret under the column.
+        return f"RuleError: {self}".splitlines()

@@ -129,6 +129,12 @@ class CompiledLoss:
     def __repr__(self) -> str:
         return f"<fuser compiled loss {self.rule.name!r}>"
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows a compiled loss as its generated Triton source."""
+        from fuser.display import loss_html
+
+        return loss_html(self)
+
 
 def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default

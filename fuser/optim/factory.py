@@ -21,6 +21,7 @@ import torch
 from fuser.cache import load_kernel, rendered
 from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
+from fuser.display import NotebookDisplay
 from fuser.ir.optim import DTYPES, Slot, lower_optim, scalar_state_names
 from fuser.log import logger
 from fuser.rules.rule import Rule
@@ -156,7 +157,7 @@ class _Source:
         return "\n\n".join(src.text for src in sources)
 
 
-class FuserOptimizer(torch.optim.Optimizer):
+class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     """Base of every compiled optimizer. Subclasses set ``rule`` and ``options``.
 
     Built-ins whose constructors take torch.optim's keywords call ``_init_fuser`` with

@@ -55,6 +55,12 @@ class Rule:
         return f"<fuser.Rule {self.kind} {self.name!r}: " + "; ".join(
             f"{s.target} = {s.expr}" for s in self.statements) + ">"
 
+    def _repr_latex_(self) -> str:
+        """Jupyter shows a rule as math, statement by statement."""
+        from fuser.display import rule_latex
+
+        return rule_latex(self)
+
 
 def _identifier(name: str) -> str:
     clean = re.sub(r"\W", "_", name)
