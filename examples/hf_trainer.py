@@ -35,23 +35,43 @@ def counting(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
 
 def main(steps: int = 12, output_dir: str | None = None) -> list[dict]:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     data = counting(64, 32, config.vocab_size)
 
     # --8<-- [start:trainer]
-    adabelief = fuser.rule("""
+    adabelief = fuser.rule(
+        """
         m = beta1 * m + (1 - beta1) * g
         s = beta2 * s + (1 - beta2) * (g - m)**2 + eps
         p = p * (1 - lr * weight_decay) - lr * (m / (1 - beta1**step)) / (sqrt(s / (1 - beta2**step)) + eps)
-    """, name="adabelief", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-16, weight_decay=0.0),
-        state=dict(m=0.0, s=0.0))
+    """,
+        name="adabelief",
+        hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-16, weight_decay=0.0),
+        state=dict(m=0.0, s=0.0),
+    )
 
-    args = TrainingArguments(output_dir=output_dir, max_steps=steps, learning_rate=1e-2, weight_decay=0.01,
-                             warmup_steps=2, lr_scheduler_type="cosine", per_device_train_batch_size=4,
-                             logging_steps=1, save_strategy="no", report_to="none",
-                             use_cpu=not torch.cuda.is_available())
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+    )
     # The Trainer's own parameter groups (no decay on biases and norms), learning rate,
     # betas and epsilon from `args`, and the scheduler it names.
     opt, sched = trainer_optimizers(model, adabelief, args)

@@ -43,9 +43,12 @@ class Regressor(L.LightningModule):
         opt = Lion(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         # Warmup then cosine decay. (The rule's betas are hyperparameters beta1 and beta2,
         # not torch's `betas` pair that cycle_momentum would cycle.)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.hparams.lr, cycle_momentum=False,
-                                                    total_steps=self.trainer.max_steps)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=self.hparams.lr, cycle_momentum=False, total_steps=self.trainer.max_steps
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
 # --8<-- [end:lightning]
 
 
@@ -69,9 +72,16 @@ def main(steps: int = 30) -> list[tuple[int, float, float]]:
     y = torch.tanh(0.5 * x @ torch.linspace(-1, 1, 13)[:, None])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
     record = Record()
-    trainer = L.Trainer(max_steps=steps, accelerator="auto", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[record])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
     trainer.fit(Regressor(), loader)
     assert isinstance(trainer.optimizers[0], Lion)
     for step, loss, lr in record.rows:

@@ -22,9 +22,31 @@ from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, 
 from fuser.rules.parse import Language, Statement, _Walker, symbol
 
 _GREEK = {
-    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
-    "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi",
-    "psi", "omega", "eps",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "chi",
+    "psi",
+    "omega",
+    "eps",
 }
 
 
@@ -44,8 +66,11 @@ def symbol_latex(name: str) -> str:
         return f"{base}_{{{index}}}"
     m = re.fullmatch(r"([A-Za-z]+)(\d*)", name)
     if m and (len(m.group(1)) == 1 or m.group(1) in _GREEK):
-        base = "\\epsilon" if m.group(1) == "eps" else (
-            f"\\{m.group(1)}" if m.group(1) in _GREEK else m.group(1))
+        base = (
+            "\\epsilon"
+            if m.group(1) == "eps"
+            else (f"\\{m.group(1)}" if m.group(1) in _GREEK else m.group(1))
+        )
         return base + (f"_{{{m.group(2)}}}" if m.group(2) else "")
     return "\\mathit{" + name.replace("_", "\\_") + "}"
 
@@ -174,8 +199,11 @@ def written_statements(rule) -> tuple[Statement, ...]:
     if not _is_text(rule):
         return tuple(rule.statements)
     reductions = OPTIM_REDUCTIONS if rule.kind == "optim" else LOSS_REDUCTIONS
-    readable = {*(n for n, _ in rule.hyper), *(n for n, _ in rule.state),
-                *(("p", "g", "step") if rule.kind == "optim" else ("z", "y"))}
+    readable = {
+        *(n for n, _ in rule.hyper),
+        *(n for n, _ in rule.state),
+        *(("p", "g", "step") if rule.kind == "optim" else ("z", "y")),
+    }
     lang = Language(readable=frozenset(readable), frozen=frozenset(), reductions=reductions, subscripts={})
     text = textwrap.dedent(rule.text).strip("\n")
     walker = _AsWritten(lang, text.splitlines())
@@ -199,8 +227,9 @@ def rule_latex(rule) -> str:
     its rows name the new values with a prime: ``p' = ...``, ``m' = ...``.
     """
     if _is_text(rule):
-        rows = [f"{symbol_latex(s.target)} &\\leftarrow {expr_latex(s.expr)}"
-                for s in written_statements(rule)]
+        rows = [
+            f"{symbol_latex(s.target)} &\\leftarrow {expr_latex(s.expr)}" for s in written_statements(rule)
+        ]
     else:
         rows = [f"{symbol_latex(s.target)}' &= {expr_latex(s.expr)}" for s in rule.statements]
     rows += _gradient_rows(rule)
@@ -248,8 +277,10 @@ def optimizer_html(obj) -> str:
     is_class = isinstance(obj, type)
     cls = obj if is_class else type(obj)
     rule = obj.rule
-    parts = [f"<b>{html.escape(cls.__name__)}</b>: fuser optimizer compiled from rule "
-             f"<code>{html.escape(rule.name)}</code>"]
+    parts = [
+        f"<b>{html.escape(cls.__name__)}</b>: fuser optimizer compiled from rule "
+        f"<code>{html.escape(rule.name)}</code>"
+    ]
     if is_class:
         parts.append(_table(["hyperparameter", "default"], [[k, v] for k, v in rule.hyper]))
     else:
@@ -260,8 +291,10 @@ def optimizer_html(obj) -> str:
             rows.append([i, len(group["params"]), *(hv[n] for n in names)])
         parts.append(_table(["group", "tensors", *names], rows))
     if rule.state:
-        parts.append("state: " + ", ".join(f"<code>{html.escape(s)}</code> = {html.escape(str(v))}"
-                                            for s, v in rule.state))
+        parts.append(
+            "state: "
+            + ", ".join(f"<code>{html.escape(s)}</code> = {html.escape(str(v))}" for s, v in rule.state)
+        )
     for title, text in _kernel_texts(obj):
         parts.append(source_html(text, title))
     return "<div>" + "<br>\n".join(parts) + "</div>"

@@ -75,8 +75,13 @@ def _statements(rule: Rule) -> list[str]:
     return lines
 
 
-_ACCUMULATE = {"sum": "sum", "mean": "sum, then / numel", "norm": "sum of squares, then sqrt",
-               "global_norm": "sum of squares over every tensor, then sqrt", "amax": "max"}
+_ACCUMULATE = {
+    "sum": "sum",
+    "mean": "sum, then / numel",
+    "norm": "sum of squares, then sqrt",
+    "global_norm": "sum of squares over every tensor, then sqrt",
+    "amax": "max",
+}
 
 
 def _explain_optim(rule: Rule, dtype: str, **options) -> str:
@@ -97,8 +102,12 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
     pad = "     " if many else "   "
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
     state = ", ".join(f"{k}={v!r}" for k, v in rule.state) or "none"
-    out = [f"fuser.explain: optimizer rule {rule.name!r}, {dtype} parameters and gradients",
-           f"hyperparameters (defaults): {hyper}", f"state (initial values): {state}", ""]
+    out = [
+        f"fuser.explain: optimizer rule {rule.name!r}, {dtype} parameters and gradients",
+        f"hyperparameters (defaults): {hyper}",
+        f"state (initial values): {state}",
+        "",
+    ]
 
     out.append("1. parsed statements")
     out += ["   " + ln for ln in _statements(rule)]
@@ -126,33 +135,40 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
     if plan.reductions:
         for r in plan.reductions:
             scope = "over every tensor" if r.global_column >= 0 else "per tensor"
-            out.append(f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
-                       f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}")
+            out.append(
+                f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
+                f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}"
+            )
     else:
         out.append("   reductions: none")
-    out.append(f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
-               "phase stores, and its last program advances step"
-               + (" and the scalar states" if plan.scalar_states else ""))
+    out.append(
+        f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
+        "phase stores, and its last program advances step"
+        + (" and the scalar states" if plan.scalar_states else "")
+    )
     out.append("")
 
     out.append("5. dtype plan (loads upcast to fp32, stores cast to each slot's dtype)")
     out.append(f"   {'slot':<14}{'role':<7}{'dtype':<7}access")
     for sl in plan.slots:
         out.append(f"   {sl.name:<14}{sl.role:<7}{sl.dtype:<7}{'read/write' if sl.written else 'read'}")
-    rounding = (f"stochastic (seed {opts.seed})" if plan.stochastic_rounding
-                else "to nearest even")
+    rounding = f"stochastic (seed {opts.seed})" if plan.stochastic_rounding else "to nearest even"
     out.append(f"   bf16/fp16 stores round {rounding}")
     out.append(f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}")
-    out.append(f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
-               + ", ".join(("step", *plan.scalar_states)))
+    out.append(
+        f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
+        + ", ".join(("step", *plan.scalar_states))
+    )
     out.append("")
 
     out.append("6. kernels and cache keys")
     for src in sources:
         constexprs = ", ".join(f"{k}={v}" for k, v in src.constexprs)
         out.append(f"   {src.entry}({', '.join(n for n, _ in src.signature)})")
-        out.append(f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
-                   f"{len(src.text.splitlines())} lines of Triton")
+        out.append(
+            f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
+            f"{len(src.text.splitlines())} lines of Triton"
+        )
         out += _cache_key(src)
     return "\n".join(out)
 
@@ -176,10 +192,13 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
     plan = lower_loss(rule, dtype)
     source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
-    out = [f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
-           f"hyperparameters (defaults): {hyper}",
-           "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
-           "column; r<i> are reductions over the row, vocab its length", ""]
+    out = [
+        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
+        f"hyperparameters (defaults): {hyper}",
+        "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
+        "column; r<i> are reductions over the row, vocab its length",
+        "",
+    ]
 
     out.append("1. parsed statements")
     out += ["   " + ln for ln in _statements(rule)]
@@ -217,7 +236,9 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
     out.append("6. kernel and cache key")
     constexprs = ", ".join(f"{k}={v}" for k, v in source.constexprs)
     out.append(f"   {source.entry}({', '.join(n for n, _ in source.signature)})")
-    out.append(f"     {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
-               f"{len(source.text.splitlines())} lines of Triton")
+    out.append(
+        f"     {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
+        f"{len(source.text.splitlines())} lines of Triton"
+    )
     out += _cache_key(source)
     return "\n".join(out)

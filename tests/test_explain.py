@@ -22,12 +22,16 @@ from fuser.optim.builtins import adamw as builtin_adamw
 
 ROOT = Path(__file__).resolve().parent.parent
 
-ADAMW = fuser.rule("""
+ADAMW = fuser.rule(
+    """
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g**2
     p = p - lr * weight_decay * p - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
-""", name="adamw_rule", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
-    state=dict(m=0.0, v=0.0))
+""",
+    name="adamw_rule",
+    hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+    state=dict(m=0.0, v=0.0),
+)
 
 
 def explained(obj, *args, **kw) -> str:
@@ -39,13 +43,19 @@ def explained(obj, *args, **kw) -> str:
 def section(text: str, number: int) -> str:
     start = text.index(f"\n{number}. ")
     end = text.find(f"\n{number + 1}. ", start)
-    return text[start:end if end >= 0 else None]
+    return text[start : end if end >= 0 else None]
 
 
 def test_explain_prints_every_stage_in_order():
     text = explained(ADAMW)
-    heads = ["1. parsed statements", "2. per-step scalars", "3. per-element plan after CSE",
-             "4. phases and reductions", "5. dtype plan", "6. kernels and cache keys"]
+    heads = [
+        "1. parsed statements",
+        "2. per-step scalars",
+        "3. per-element plan after CSE",
+        "4. phases and reductions",
+        "5. dtype plan",
+        "6. kernels and cache keys",
+    ]
     positions = [text.index(h) for h in heads]
     assert positions == sorted(positions)
     assert text.startswith("fuser.explain: optimizer rule 'adamw_rule', fp32")
@@ -56,7 +66,7 @@ def test_explain_statements_are_as_written_and_outputs_substituted():
     parsed = section(text, 1)
     # The second line reads `d`, as written; the output for exp_avg has `d` substituted.
     assert "line 2: exp_avg = beta1*exp_avg + d*(1 - beta1)" in parsed
-    outputs = parsed[parsed.index("outputs"):]
+    outputs = parsed[parsed.index("outputs") :]
     assert re.search(r"exp_avg <- .*maximize", outputs)
     assert not re.search(r"\bd\b", outputs)
 
@@ -121,12 +131,20 @@ def test_cache_key_is_the_one_the_cache_stores(tmp_path):
     key = re.search(r"cache key ([0-9a-f]{64})", explained(cls)).group(1)
     env = dict(os.environ, FUSER_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    step = ("import torch, fuser; from tests.test_explain import ADAMW; "
-            "p = torch.nn.Parameter(torch.randn(9)); p.grad = torch.randn(9); "
-            "fuser.compile(ADAMW)([p]).step()")
+    step = (
+        "import torch, fuser; from tests.test_explain import ADAMW; "
+        "p = torch.nn.Parameter(torch.randn(9)); p.grad = torch.randn(9); "
+        "fuser.compile(ADAMW)([p]).step()"
+    )
     subprocess.run([sys.executable, "-c", step], env=env, cwd=ROOT, check=True, timeout=300)
-    shown = subprocess.run([sys.executable, "-m", "fuser", "cache", "explain", key[:12]], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
+    shown = subprocess.run(
+        [sys.executable, "-m", "fuser", "cache", "explain", key[:12]],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == 0, shown.stderr
     assert f"entry {key}" in shown.stdout and "rule adamw_rule" in shown.stdout
 
@@ -155,14 +173,19 @@ def latex_rows(rule) -> list[str]:
     tex = DisplayFormatter().format(rule)[0]["text/latex"]
     assert tex.startswith("$$\\begin{aligned}") and tex.endswith("\\end{aligned}$$")
     assert tex.count("{") == tex.count("}")
-    body = tex[len("$$\\begin{aligned}"):-len("\\end{aligned}$$")]
+    body = tex[len("$$\\begin{aligned}") : -len("\\end{aligned}$$")]
     return [r.strip() for r in body.split("\\\\\n")]
 
 
 def test_rule_latex_is_statement_by_statement_as_written():
     rows = latex_rows(builtin_adamw)
     assert [r.split("&")[0].strip() for r in rows] == [
-        "d", "\\mathit{exp\\_avg}", "\\mathit{exp\\_avg\\_sq}", "p", "p"]
+        "d",
+        "\\mathit{exp\\_avg}",
+        "\\mathit{exp\\_avg\\_sq}",
+        "p",
+        "p",
+    ]
     assert all("&\\leftarrow" in r for r in rows)
     # `exp_avg` reads d as written; `maximize` appears only where d is defined.
     assert "d" in rows[1] and "maximize" not in rows[1]
@@ -171,13 +194,23 @@ def test_rule_latex_is_statement_by_statement_as_written():
 
 
 def test_rule_latex_names_fuser_functions():
-    r = fuser.rule("""
+    r = fuser.rule(
+        """
         u = where(g > 0, sigmoid(g), log1p(g * g)) + expm1(g) + clamp(g, -1, 1) + sign(g)
         p = p - lr * u
-    """, hyper=dict(lr=0.1))
+    """,
+        hyper=dict(lr=0.1),
+    )
     row = latex_rows(r)[0]
-    for name in ("\\sigma", "\\operatorname{log1p}", "\\operatorname{expm1}", "\\operatorname{sign}",
-                 "\\begin{cases}", "\\min", "\\max"):
+    for name in (
+        "\\sigma",
+        "\\operatorname{log1p}",
+        "\\operatorname{expm1}",
+        "\\operatorname{sign}",
+        "\\begin{cases}",
+        "\\min",
+        "\\max",
+    ):
         assert name in row
 
 
@@ -205,7 +238,7 @@ def test_compiled_class_shows_highlighted_source():
     page = html_of(cls)
     assert "AdamwRule" in page and "adamw_rule_step" in page
     assert "<td>weight_decay</td><td>0.01</td>" in page
-    assert "style=\"color:" in page  # pygments with inline styles
+    assert 'style="color:' in page  # pygments with inline styles
     text = re.sub(r"<[^>]+>", "", page)
     import html as html_lib
 
@@ -239,17 +272,22 @@ def test_multi_phase_optimizer_shows_every_kernel():
 def test_html_falls_back_to_escaped_pre_without_pygments(monkeypatch):
     monkeypatch.setitem(sys.modules, "pygments", None)
     page = html_of(fuser.compile(ADAMW))
-    assert "<pre>" in page and "style=\"color:" not in page
+    assert "<pre>" in page and 'style="color:' not in page
     assert "offs &lt; n" in page and "offs < n" not in page
 
 
 # RuleError in a notebook -------------------------------------------------------------
 def test_rule_error_renders_as_one_message_with_a_caret():
     with pytest.raises(fuser.RuleError) as info:
-        fuser.rule("""
+        fuser.rule(
+            """
             m = beta1 * m + (1 - beta1) * g
             p = p - lr * m / (sqrt(m**2) + epsilon)
-        """, name="typo", hyper=dict(lr=1e-3, beta1=0.9, eps=1e-8), state=dict(m=0.0))
+        """,
+            name="typo",
+            hyper=dict(lr=1e-3, beta1=0.9, eps=1e-8),
+            state=dict(m=0.0),
+        )
     lines = info.value._render_traceback_()
     assert lines[0].startswith("RuleError: rule 'typo', line 2, column 32: unknown name 'epsilon'")
     assert len(lines) == 3
@@ -271,8 +309,14 @@ def test_loss_rule_latex_shows_statements_and_the_derived_gradient():
 
 def test_explain_loss_shows_the_real_derivative():
     text = explained(CROSS_ENTROPY)
-    for head in ("1. parsed statements", "2. reductions over the vocabulary", "3. derived gradient",
-                 "4. plan after the reductions", "5. dtype plan", "6. kernel and cache key"):
+    for head in (
+        "1. parsed statements",
+        "2. reductions over the vocabulary",
+        "3. derived gradient",
+        "4. plan after the reductions",
+        "5. dtype plan",
+        "6. kernel and cache key",
+    ):
         assert head in text
     written = re.search(r"line 1: loss = (.*)$", text, re.M).group(1)
     assert sorted(written.replace(" ", "").replace("+", " ").split()) == ["-z[y]", "logsumexp(z)"]
@@ -297,4 +341,4 @@ def test_compiled_loss_shows_its_kernel():
     compiled = fuser.compile(SOFTCAP_CROSS_ENTROPY)
     page = html_of(compiled)
     assert "<td>softcap</td><td>30.0</td>" in page
-    assert compiled.kernel_source("bf16").entry in page and "style=\"color:" in page
+    assert compiled.kernel_source("bf16").entry in page and 'style="color:' in page

@@ -8,11 +8,18 @@ import pytest
 
 
 def test_fuser_log_reports_table_rebuilds():
-    code = ("import torch, fuser\n"
-            "p = torch.randn(7); p.grad = torch.randn(7)\n"
-            "fuser.optim.SGD([p], lr=0.1).step()\n")
-    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "FUSER_LOG": "info"},
-                         capture_output=True, text=True, check=True)
+    code = (
+        "import torch, fuser\n"
+        "p = torch.randn(7); p.grad = torch.randn(7)\n"
+        "fuser.optim.SGD([p], lr=0.1).step()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**__import__("os").environ, "FUSER_LOG": "info"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "fuser INFO: SGD: tables rebuilt for 1 tensors" in out.stderr
 
 

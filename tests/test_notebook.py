@@ -28,8 +28,9 @@ def executed():
     # The kernel imports fuser from this checkout, as from an editable install.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client = NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
     # Any cell that raises, except the one tagged raises-exception, fails the fixture.
     client.execute(env=env)
     return [c for c in nb.cells if c.cell_type == "code"]
@@ -67,8 +68,14 @@ def test_rule_cell_shows_math(executed):
 
 def test_explain_cell_prints_each_stage(executed):
     text = stdout(cell_with(executed, "fuser.explain(adabelief)"))
-    for head in ("parsed statements", "per-step scalars", "per-element plan after CSE",
-                 "phases and reductions", "dtype plan", "cache key"):
+    for head in (
+        "parsed statements",
+        "per-step scalars",
+        "per-element plan after CSE",
+        "phases and reductions",
+        "dtype plan",
+        "cache key",
+    ):
         assert head in text
 
 
@@ -84,7 +91,7 @@ def test_error_cell_is_one_rule_error_with_a_caret(executed):
 
 def test_compiled_optimizer_shows_its_kernel(executed):
     page = output_data(cell_with(executed, "AdaBelief = fuser.compile(adabelief)"), "text/html")
-    assert "adabelief_step" in page and "style=\"color:" in page
+    assert "adabelief_step" in page and 'style="color:' in page
 
 
 def test_training_compares_with_torch(executed):
@@ -112,7 +119,7 @@ def test_loss_explain_and_kernel(executed):
     text = stdout(cell_with(executed, "fuser.explain(softcap_ce)"))
     assert "loss rule 'softcap_ce_zloss'" in text and "dloss/dz:" in text and "cache key" in text
     page = output_data(cell_with(executed, "head_loss = fuser.compile(softcap_ce)"), "text/html")
-    assert "softcap_ce_zloss" in page and "style=\"color:" in page
+    assert "softcap_ce_zloss" in page and 'style="color:' in page
 
 
 def test_fused_loss_matches_torch_and_trains(executed):

@@ -28,8 +28,8 @@ def region(path: Path, name: str) -> str:
 
 
 def test_every_section_on_where_you_work_has_a_tested_snippet():
-    part = README[README.index("## Where you already work"):]
-    part = part[:part.index("\n## ", 1)]
+    part = README[README.index("## Where you already work") :]
+    part = part[: part.index("\n## ", 1)]
     sections = re.split(r"\n### ", part)[1:]
     assert len(sections) >= 5
     for sec in sections:
@@ -42,8 +42,9 @@ def test_snippet_is_the_example_region(target, code):
     assert region(ROOT / path, name) == code
 
 
-@pytest.mark.parametrize("code", [b[1] for b in BLOCKS if b[0] == "exec"],
-                         ids=lambda c: c.splitlines()[2][:30])
+@pytest.mark.parametrize(
+    "code", [b[1] for b in BLOCKS if b[0] == "exec"], ids=lambda c: c.splitlines()[2][:30]
+)
 def test_snippet_runs(code, tmp_path, capsys):
     cwd = os.getcwd()
     os.chdir(tmp_path)
@@ -63,8 +64,14 @@ def test_shell_snippet_runs(code, tmp_path):
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("FUSER_CACHE_DIR", None)
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     if "fuser precompile" in code:
         # The precompiled kernel is the one the training job loads: it compiles nothing.

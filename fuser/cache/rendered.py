@@ -26,8 +26,12 @@ def code_fingerprint() -> str:
     from fuser.codegen.render import template_dir
 
     h = hashlib.sha256()
-    files = [*sorted((_PACKAGE / "rules").glob("*.py")), *sorted((_PACKAGE / "ir").glob("*.py")),
-             *sorted((_PACKAGE / "codegen").glob("*.py")), *sorted(template_dir().glob("*.jinja"))]
+    files = [
+        *sorted((_PACKAGE / "rules").glob("*.py")),
+        *sorted((_PACKAGE / "ir").glob("*.py")),
+        *sorted((_PACKAGE / "codegen").glob("*.py")),
+        *sorted(template_dir().glob("*.jinja")),
+    ]
     for path in files:
         h.update(path.name.encode())
         h.update(path.read_bytes())

@@ -40,8 +40,13 @@ def trainer_hyper(cls, args) -> dict:
     ``betas=``/``eps=`` (torch's names, taken by the built-ins) or as ``beta1``, ``beta2``,
     ``eps`` (the names rules usually give them), for the keywords the class takes."""
     accepted = _accepted_keywords(cls)
-    candidates = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                  "beta1": args.adam_beta1, "beta2": args.adam_beta2, "eps": args.adam_epsilon}
+    candidates = {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "beta1": args.adam_beta1,
+        "beta2": args.adam_beta2,
+        "eps": args.adam_epsilon,
+    }
     return {k: v for k, v in candidates.items() if k in accepted}
 
 
@@ -52,12 +57,15 @@ def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[
 
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
 
 
-def trainer_optimizers(model: torch.nn.Module, optimizer, args, num_training_steps: int | None = None,
-                       **hyper) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def trainer_optimizers(
+    model: torch.nn.Module, optimizer, args, num_training_steps: int | None = None, **hyper
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``, built as the Trainer builds
     its default: the same parameter groups (no weight decay on biases and norms), the
     hyperparameters ``args`` sets (see ``trainer_hyper``), and the scheduler
@@ -78,8 +86,10 @@ def trainer_optimizers(model: torch.nn.Module, optimizer, args, num_training_ste
         raise TypeError(f"trainer_optimizers takes an optimizer class or a fuser rule, not {optimizer!r}")
     if num_training_steps is None:
         if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError("pass num_training_steps= (or set max_steps in TrainingArguments): "
-                             "the scheduler needs the length of training")
+            raise ValueError(
+                "pass num_training_steps= (or set max_steps in TrainingArguments): "
+                "the scheduler needs the length of training"
+            )
         num_training_steps = args.max_steps
     kwargs = {**trainer_hyper(cls, args), **hyper}
     if "weight_decay" in _accepted_keywords(cls):
@@ -87,10 +97,13 @@ def trainer_optimizers(model: torch.nn.Module, optimizer, args, num_training_ste
     else:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     opt = cls(groups, **kwargs)
-    sched = get_scheduler(args.lr_scheduler_type, optimizer=opt,
-                          num_warmup_steps=args.get_warmup_steps(num_training_steps),
-                          num_training_steps=num_training_steps,
-                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    sched = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=opt,
+        num_warmup_steps=args.get_warmup_steps(num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )
     return opt, sched
 
 
@@ -110,8 +123,10 @@ def _fused_loss_fn(loss):
 
         return fuser.compile(loss)
     if not callable(loss):
-        raise TypeError(f"loss must be a fuser loss rule or a callable like fuser.losses.cross_entropy, "
-                        f"not {type(loss).__name__}")
+        raise TypeError(
+            f"loss must be a fuser loss rule or a callable like fuser.losses.cross_entropy, "
+            f"not {type(loss).__name__}"
+        )
     return loss
 
 
@@ -135,46 +150,88 @@ def use_fused_loss(model: torch.nn.Module, loss=None, *, skip_logits: bool | Non
     config = getattr(model, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale"):
         if getattr(config, attr, None) not in (None, 1.0):
-            raise ValueError(f"this model's logits use {attr}={getattr(config, attr)}; the fused loss "
-                             "reads the LM head's weight directly, so write that transform into the loss "
-                             "rule (e.g. z = cap * tanh(z / cap)) and pass it as loss=")
+            raise ValueError(
+                f"this model's logits use {attr}={getattr(config, attr)}; the fused loss "
+                "reads the LM head's weight directly, so write that transform into the loss "
+                "rule (e.g. z = cap * tanh(z / cap)) and pass it as loss="
+            )
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"use_fused_loss needs a model whose output embeddings are a torch.nn.Linear, "
-                        f"not {type(head).__name__}")
+        raise TypeError(
+            f"use_fused_loss needs a model whose output embeddings are a torch.nn.Linear, "
+            f"not {type(head).__name__}"
+        )
     decoder = getattr(model, model.base_model_prefix, None)
     if decoder is None or decoder is model:
         raise TypeError(f"{type(model).__name__} has no decoder under {model.base_model_prefix!r}")
     original = type(model).forward
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         shift_labels = kwargs.get("shift_labels")
         fused = skip_logits if skip_logits is not None else self.training
         if not fused or (labels is None and shift_labels is None):
-            return original(self, input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, past_key_values=past_key_values,
-                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                            logits_to_keep=logits_to_keep, **kwargs)
+            return original(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         loss_kw = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
         outputs = getattr(self, self.base_model_prefix)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        value = causal_lm_loss(fn, outputs.last_hidden_state, self.get_output_embeddings(), labels,
-                               **loss_kw, **hyper)
-        return CausalLMOutputWithPast(loss=value, logits=None, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        value = causal_lm_loss(
+            fn, outputs.last_hidden_state, self.get_output_embeddings(), labels, **loss_kw, **hyper
+        )
+        return CausalLMOutputWithPast(
+            loss=value,
+            logits=None,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
     forward.__doc__ = original.__doc__
     model.forward = types.MethodType(forward, model)
     return model
 
 
-def causal_lm_loss(fn, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor | None,
-                   *, shift_labels: torch.Tensor | None = None, num_items_in_batch=None,
-                   ignore_index: int = -100, **hyper) -> torch.Tensor:
+def causal_lm_loss(
+    fn,
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor | None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    **hyper,
+) -> torch.Tensor:
     """A causal LM's loss from its last hidden states ``[batch, seq, hidden]`` and LM head,
     computed by the fused loss ``fn``: position ``i`` predicts label ``i + 1`` (or
     ``shift_labels[i]``), ``ignore_index`` is skipped; the mean over counted tokens, or the
@@ -184,8 +241,9 @@ def causal_lm_loss(fn, hidden: torch.Tensor, head: torch.nn.Linear, labels: torc
     target = shift_labels.reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if num_items_in_batch is None:
-        return fn(flat, head.weight, target, bias=head.bias, ignore_index=ignore_index, reduction="mean",
-                  **hyper)
+        return fn(
+            flat, head.weight, target, bias=head.bias, ignore_index=ignore_index, reduction="mean", **hyper
+        )
     total = fn(flat, head.weight, target, bias=head.bias, ignore_index=ignore_index, reduction="sum", **hyper)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)

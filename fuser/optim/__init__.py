@@ -17,5 +17,20 @@ from fuser.optim.builtins import (
 )
 from fuser.optim.factory import FuserOptimizer, kernel_sources, make_optimizer
 
-__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "AdamW", "AdEMAMix", "Adan", "Lion", "NAdam", "RAdam", "RMSprop",
-           "FuserOptimizer", "kernel_sources", "make_optimizer"]
+__all__ = [
+    "LAMB",
+    "LARS",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "AdEMAMix",
+    "Adan",
+    "Lion",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "FuserOptimizer",
+    "kernel_sources",
+    "make_optimizer",
+]

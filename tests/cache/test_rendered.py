@@ -16,8 +16,12 @@ def fresh_sources(rule, dtypes):
 
 def test_memo_returns_what_rendering_gives_and_survives_damage(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path / "cache"))
-    rule = fuser.rule("m = b * m + g\np = p - lr * m / norm(m)", name="memo_rule", hyper=dict(lr=0.1, b=0.9),
-                      state=dict(m=0.0))
+    rule = fuser.rule(
+        "m = b * m + g\np = p - lr * m / norm(m)",
+        name="memo_rule",
+        hyper=dict(lr=0.1, b=0.9),
+        state=dict(m=0.0),
+    )
     dtypes = factory._dtype_plan(rule, factory.Options(), "bf16", "fp32")
     factory._plan_and_sources.cache_clear()
     layout, first = factory._plan_and_sources(rule, dtypes)

@@ -18,16 +18,19 @@ EXAMPLE = ROOT / "examples" / "lightning_module.py"
 def run_example(*args) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 def test_example_script_trains():
     out = run_example("--steps", "24")
-    rows = [(int(s), float(loss), float(lr)) for s, loss, lr in
-            re.findall(r"step\s+(\d+)\s+loss ([\d.]+)\s+lr ([\d.e+-]+)", out)]
+    rows = [
+        (int(s), float(loss), float(lr))
+        for s, loss, lr in re.findall(r"step\s+(\d+)\s+loss ([\d.]+)\s+lr ([\d.e+-]+)", out)
+    ]
     assert [r[0] for r in rows] == list(range(1, 25))
     lrs = [r[2] for r in rows]
     peak = lrs.index(max(lrs))
@@ -71,8 +74,16 @@ def test_configure_optimizers_steps_with_the_schedulers_lr():
     y = torch.tanh(x[:, :1])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     check = StepCheck()
-    trainer = L.Trainer(max_steps=9, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[check])
+    trainer = L.Trainer(
+        max_steps=9,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[check],
+    )
     trainer.fit(example.Regressor(lr=3e-3, weight_decay=0.1), loader)
     (opt,) = trainer.optimizers
     assert isinstance(opt, example.Lion)

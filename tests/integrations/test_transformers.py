@@ -17,18 +17,29 @@ from fuser.integrations.transformers import trainer_optimizers
 VOCAB = 96
 STEPS = 4
 
-ADAMW_RULE = fuser.rule("""
+ADAMW_RULE = fuser.rule(
+    """
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g**2
     p = p - lr * weight_decay * p - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
-""", name="adamw_rule", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
-    state=dict(m=0.0, v=0.0))
+""",
+    name="adamw_rule",
+    hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+    state=dict(m=0.0, v=0.0),
+)
 
 
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -44,11 +55,26 @@ def dataset(n=12, length=11, seed=1):
 
 
 def training_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=3,
-                learning_rate=3e-2, weight_decay=0.1, warmup_steps=1, lr_scheduler_type="cosine",
-                adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, max_grad_norm=1.0,
-                report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, seed=0,
-                disable_tqdm=True, dataloader_num_workers=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=3,
+        learning_rate=3e-2,
+        weight_decay=0.1,
+        warmup_steps=1,
+        lr_scheduler_type="cosine",
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+        max_grad_norm=1.0,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -113,8 +139,9 @@ def test_groups_and_hyperparameters_follow_training_arguments(tmp_path):
     ref_groups = trainer.create_optimizer().param_groups
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     ours_names = {id(p): n for n, p in model.named_parameters()}
-    assert [sorted(ours_names[id(p)] for p in g["params"]) for g in opt.param_groups] == \
-        [sorted(names[id(p)] for p in g["params"]) for g in ref_groups]
+    assert [sorted(ours_names[id(p)] for p in g["params"]) for g in opt.param_groups] == [
+        sorted(names[id(p)] for p in g["params"]) for g in ref_groups
+    ]
     assert any("norm" in ours_names[id(p)] for p in opt.param_groups[1]["params"])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     group = opt.param_groups[0]
@@ -139,8 +166,12 @@ def test_checkpoint_resume_restores_fuser_state(tmp_path):
     straight, _, _ = train(tmp_path, args, optimizer_cls_and_kwargs=(fuser.optim.AdamW, dict(lr=3e-2)))
     resumed = tiny_llama(seed=5)  # different weights: the checkpoint must bring them back
     args = training_args(tmp_path / "b")
-    trainer = Trainer(model=resumed, args=args, train_dataset=dataset(),
-                      optimizer_cls_and_kwargs=(fuser.optim.AdamW, dict(lr=3e-2)))
+    trainer = Trainer(
+        model=resumed,
+        args=args,
+        train_dataset=dataset(),
+        optimizer_cls_and_kwargs=(fuser.optim.AdamW, dict(lr=3e-2)),
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert trainer.optimizer.optimizer.state_dict()["state"][0]["step"].item() == STEPS
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
@@ -152,11 +183,19 @@ def test_example_script(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(root / "examples" / "hf_trainer.py"), "--steps", "10"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "hf_trainer.py"), "--steps", "10"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [(float(loss), float(lr)) for loss, lr in
-            re.findall(r"step\s+\d+\s+loss ([\d.]+)\s+lr ([\d.e+-]+)", done.stdout)]
+    rows = [
+        (float(loss), float(lr))
+        for loss, lr in re.findall(r"step\s+\d+\s+loss ([\d.]+)\s+lr ([\d.e+-]+)", done.stdout)
+    ]
     assert len(rows) == 10
     assert rows[0][1] == 0.0 and max(r[1] for r in rows) == pytest.approx(1e-2)  # warmup, cosine
     assert sum(r[0] for r in rows[-3:]) < 0.85 * sum(r[0] for r in rows[:3])

@@ -21,18 +21,35 @@ class RecordingLoss:
         self.calls = []
 
     def __call__(self, hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean", **hyper):
-        self.calls.append(dict(shape=tuple(hidden.shape), target=target.clone(), bias=bias,
-                               ignore_index=ignore_index, reduction=reduction, hyper=hyper))
+        self.calls.append(
+            dict(
+                shape=tuple(hidden.shape),
+                target=target.clone(),
+                bias=bias,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                hyper=hyper,
+            )
+        )
         logits = torch.nn.functional.linear(hidden, weight, bias).float() * hyper.get("scale", 1.0)
-        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
-                                                 reduction=reduction)
+        return torch.nn.functional.cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction=reduction
+        )
 
 
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def batch(seed=3):
@@ -48,8 +65,10 @@ def batch(seed=3):
 
 def no_logits(model):
     """Fail if the LM head's forward runs: the fused path reads its weight only."""
+
     def hook(*_):
         raise AssertionError("the LM head made logits")
+
     return model.lm_head.register_forward_hook(hook)
 
 
@@ -114,10 +133,14 @@ def test_fuser_loss_in_bf16():
 def test_a_custom_loss_rule_with_its_hyperparameters():
     """A new loss from fuser.loss, with a hyperparameter override, against the same math on
     the model's own logits."""
-    rule = fuser.loss("""
+    rule = fuser.loss(
+        """
         lse = logsumexp(z)
         loss = lse - z[y] + z_loss * lse**2
-    """, name="ce_zloss", hyper=dict(z_loss=1e-4))
+    """,
+        name="ce_zloss",
+        hyper=dict(z_loss=1e-4),
+    )
     model = use_fused_loss(tiny_llama(), rule, z_loss=0.05)
     got = model(**batch()).loss
     ref = tiny_llama()
@@ -184,11 +207,25 @@ def test_trainer_with_gradient_accumulation(tmp_path):
         data.append({"input_ids": ids, "labels": labels})
 
     def run(model, out):
-        args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
-                                 gradient_accumulation_steps=2, learning_rate=1e-2, report_to="none",
-                                 use_cpu=True, save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=data,
-                          optimizer_cls_and_kwargs=(fuser.optim.AdamW, dict(lr=1e-2)))
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            optimizer_cls_and_kwargs=(fuser.optim.AdamW, dict(lr=1e-2)),
+        )
         trainer.train()
         return model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

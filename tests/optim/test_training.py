@@ -115,7 +115,9 @@ def test_main_grad_is_read_instead_of_grad(device):
     for p, s in zip(params, start):
         want = (s - 0.1 * p.main_grad.double()).bfloat16().double()
         assert torch.equal(p.double(), want)
-    user = fuser.compile(fuser.rule("p = p - lr * g", name="plain", hyper=dict(lr=1.0)), grad_attr="main_grad")
+    user = fuser.compile(
+        fuser.rule("p = p - lr * g", name="plain", hyper=dict(lr=1.0)), grad_attr="main_grad"
+    )
     q = torch.randn(5, device=device)
     q.main_grad = torch.randn(5, device=device)
     before = q.clone()
