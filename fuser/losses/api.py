@@ -167,9 +167,9 @@ class CompiledLoss:
             sizes = self._shard_sizes_of(process_group, vocab, device)
             rank = dist.get_rank(process_group)
             total = sum(sizes)
-            # The chunk length follows the whole vocabulary: every rank must run as many
-            # chunks (each chunk's collectives), whatever its slice's length.
-            chunk = self.chunk_size or chunk_rows(n_tokens, hid, total, hidden.element_size())
+            # Every rank must run as many chunks (each has its collectives): size them by
+            # the largest slice, the same on every rank.
+            chunk = self.chunk_size or chunk_rows(n_tokens, hid, max(sizes), hidden.element_size())
             sources, layout, zy_first = self.sharded_kernel_sources(dtype)
             run = ShardedChunked(sources, layout, zy_first, device, hyper, ignore_index, chunk,
                                  process_group, sum(sizes[:rank]), total)

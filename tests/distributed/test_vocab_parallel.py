@@ -56,6 +56,8 @@ def _cases():
         ("ce-mean", fuser.losses.cross_entropy, dict(reduction="mean"), True),
         ("ce-smooth-zloss-sum", fuser.losses.cross_entropy,
          dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3), True),
+        ("ce-main-grad", fuser.losses.cross_entropy,
+         dict(reduction="mean", accumulate_into="main_grad"), True),
         ("ce-smooth-temp-none", ce_full, dict(reduction="none", label_smoothing=0.2, temperature=1.5), False),
         ("entropy-mean", entropy, dict(reduction="mean", entropy_coef=0.05), True),
         ("max-sum-mean", max_sum, dict(reduction="mean"), True),
@@ -68,12 +70,15 @@ def _cases():
 def _run(f, hidden, weight, bias, target, kw, group=None):
     x = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
+    if kw.get("accumulate_into") == "main_grad":
+        w.main_grad = torch.full(w.shape, 0.25)
     b = bias.clone().requires_grad_() if bias is not None else None
     extra = {} if group is None else dict(process_group=group)
     out = f(x, w, target, b, **kw, **extra)
     go = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)
     (out * go).sum().backward()
-    return out.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+    gw = w.main_grad - 0.25 if kw.get("accumulate_into") == "main_grad" else w.grad
+    return out.detach(), x.grad, gw, (b.grad if b is not None else None)
 
 
 def _close(a, b, what, tol=2e-5):
