@@ -67,12 +67,12 @@ def reference(x, w, y, rows, tokens, chunk=1024):
     gw = torch.zeros(len(rows), w.shape[1], dtype=torch.float64, device=x.device)
     gx = torch.zeros(len(tokens), w.shape[1], dtype=torch.float64, device=x.device)
     for s in range(0, n, chunk):
-        xc = x.detach()[s:s + chunk].double()
+        xc = x.detach()[s : s + chunk].double()
         z = xc @ w64.T
         lse = torch.logsumexp(z, 1)
-        loss += (lse - z.gather(1, y[s:s + chunk, None])[:, 0]).sum()
+        loss += (lse - z.gather(1, y[s : s + chunk, None])[:, 0]).sum()
         dz = torch.exp(z - lse[:, None])
-        dz.scatter_add_(1, y[s:s + chunk, None], -torch.ones_like(dz[:, :1]))
+        dz.scatter_add_(1, y[s : s + chunk, None], -torch.ones_like(dz[:, :1]))
         dz /= n
         gw += dz[:, rows].T @ xc
         here = (tokens >= s) & (tokens < s + chunk)
@@ -107,10 +107,18 @@ def measure(name, fn, x, w, y, ref, cfg):
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
     ms = event_ms(step)
     t, h, v = CONFIGS[cfg]
-    row = dict(cfg=cfg, name=name, fwd_bwd_ms=round(ms, 2), extra_peak_GiB=round(peak, 3),
-               loss_abs_err=err_loss, grad_weight_rel_err=err_w[0], grad_weight_max_err=err_w[1],
-               grad_hidden_rel_err=err_x[0], grad_hidden_max_err=err_x[1],
-               gemm_floor_ms=round(6 * t * h * v / (783e12) * 1e3, 2))
+    row = dict(
+        cfg=cfg,
+        name=name,
+        fwd_bwd_ms=round(ms, 2),
+        extra_peak_GiB=round(peak, 3),
+        loss_abs_err=err_loss,
+        grad_weight_rel_err=err_w[0],
+        grad_weight_max_err=err_w[1],
+        grad_hidden_rel_err=err_x[0],
+        grad_hidden_max_err=err_x[1],
+        gemm_floor_ms=round(6 * t * h * v / (783e12) * 1e3, 2),
+    )
     print(json.dumps(row), flush=True)
     torch.cuda.empty_cache()
     return row
@@ -156,8 +164,9 @@ def run(cfg, sweep, rows_out):
     if sweep:
         for chunk in (1024, 2048, 4096):
             for block, warps in ((4096, 8), (4096, 16), (8192, 16), (16384, 32)):
-                f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=min(chunk, t), block=block,
-                                  num_warps=warps)
+                f = fuser.compile(
+                    fuser.losses.CROSS_ENTROPY, chunk_size=min(chunk, t), block=block, num_warps=warps
+                )
                 guarded(f"fuser chunk={chunk} block={block} warps={warps}", f)
 
 
@@ -167,8 +176,13 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args(argv)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                fuser=fuser.__version__, bf16_gemm_TFLOPs=round(gemm_tflops(), 1))
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        fuser=fuser.__version__,
+        bf16_gemm_TFLOPs=round(gemm_tflops(), 1),
+    )
     print(json.dumps(meta), flush=True)
     rows = []
     for cfg in args.configs:
@@ -177,21 +191,27 @@ def main(argv=None):
     date = datetime.date.today().isoformat()
     with open(os.path.join(args.out, f"loss_{date}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# Linear + cross-entropy, forward + backward, bf16 ({meta['gpu']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, bf16 GEMM {meta['bf16_gemm_TFLOPs']} TFLOP/s. "
-             "Targets (H100): gist <= 32 ms / 1 GiB, llama8b <= 36 ms / 3.1 GiB.", "",
-             "| config | variant | fwd+bwd ms | GEMM floor ms | extra peak GiB | loss err | "
-             "grad_weight rel err | grad_hidden rel err |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Linear + cross-entropy, forward + backward, bf16 ({meta['gpu']})",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, bf16 GEMM {meta['bf16_gemm_TFLOPs']} TFLOP/s. "
+        "Targets (H100): gist <= 32 ms / 1 GiB, llama8b <= 36 ms / 3.1 GiB.",
+        "",
+        "| config | variant | fwd+bwd ms | GEMM floor ms | extra peak GiB | loss err | "
+        "grad_weight rel err | grad_hidden rel err |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['cfg']} | {r['name']} | error: {r['error']} | | | | | |")
             continue
         ms_t, gib_t = TARGETS[r["cfg"]]
         ok = "" if r["fwd_bwd_ms"] <= ms_t and r["extra_peak_GiB"] <= gib_t else " (misses target)"
-        lines.append(f"| {r['cfg']} | {r['name']}{ok} | {r['fwd_bwd_ms']} | {r['gemm_floor_ms']} | "
-                     f"{r['extra_peak_GiB']} | {r['loss_abs_err']:.2e} | {r['grad_weight_rel_err']:.2e} | "
-                     f"{r['grad_hidden_rel_err']:.2e} |")
+        lines.append(
+            f"| {r['cfg']} | {r['name']}{ok} | {r['fwd_bwd_ms']} | {r['gemm_floor_ms']} | "
+            f"{r['extra_peak_GiB']} | {r['loss_abs_err']:.2e} | {r['grad_weight_rel_err']:.2e} | "
+            f"{r['grad_hidden_rel_err']:.2e} |"
+        )
     with open(os.path.join(args.out, f"loss_{date}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

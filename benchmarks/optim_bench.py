@@ -30,8 +30,17 @@ def llama1b_shapes():
     vocab, hidden, inter, layers, kv = 32000, 2048, 5632, 22, 256
     shapes = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden),
-                   (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+        shapes += [
+            (hidden, hidden),
+            (kv, hidden),
+            (kv, hidden),
+            (hidden, hidden),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+            (hidden,),
+            (hidden,),
+        ]
     return shapes + [(hidden,), (vocab, hidden)]
 
 
@@ -63,11 +72,11 @@ def wall_ms(fn, steps=50):
 
 
 def copy_bandwidth():
-    a = torch.empty(1 << 28, device="cuda")
-    a.normal_()
-    b = torch.empty_like(a)
-    ms = event_ms(lambda: b.copy_(a))
-    del a, b
+    src = torch.empty(1 << 28, device="cuda")
+    src.normal_()
+    dst = torch.empty_like(src)
+    ms = event_ms(lambda: dst.copy_(src))
+    src = dst = None
     torch.cuda.empty_cache()
     return 2 * (1 << 28) * 4 / (ms * 1e-3) / 1e12
 
@@ -82,7 +91,8 @@ def make(shapes, dtype, seed):
 
 IMPLS = {
     "fuser.optim.AdamW": lambda ps, bf16: fuser.optim.AdamW(
-        ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None),
+        ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None
+    ),
     "torch.AdamW foreach": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     "torch.AdamW fused": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
 }
@@ -106,8 +116,11 @@ def run(workload, shapes, dtype, bw, rows):
     n = sum(torch.Size(s).numel() for s in shapes)
     floor_ms = n * (14 if bf16 else 28) / (bw * 1e12) * 1e3
     err = check(shapes, dtype, bf16)
-    print(f"{workload}: {len(shapes)} tensors, {n / 1e6:.1f} M params, floor {floor_ms:.3f} ms, "
-          f"fuser vs torch fused rel err {err:.2e}", flush=True)
+    print(
+        f"{workload}: {len(shapes)} tensors, {n / 1e6:.1f} M params, floor {floor_ms:.3f} ms, "
+        f"fuser vs torch fused rel err {err:.2e}",
+        flush=True,
+    )
     for name, build in IMPLS.items():
         ps = make(shapes, dtype, 0)
         opt = build(ps, bf16)
@@ -117,11 +130,19 @@ def run(workload, shapes, dtype, bw, rows):
         first_s = time.perf_counter() - t0
         ms = event_ms(opt.step)
         wall = wall_ms(opt.step)
-        row = dict(workload=workload, impl=name, ms=round(ms, 4), wall_ms=round(wall, 4),
-                   floor_ms=round(floor_ms, 4), pct_of_floor=round(100 * floor_ms / ms, 1),
-                   first_step_s=round(first_s, 3), tensors=len(shapes), params=n,
-                   rel_err_vs_torch_fused=err if name.startswith("fuser") else None,
-                   device=torch.cuda.get_device_name())
+        row = dict(
+            workload=workload,
+            impl=name,
+            ms=round(ms, 4),
+            wall_ms=round(wall, 4),
+            floor_ms=round(floor_ms, 4),
+            pct_of_floor=round(100 * floor_ms / ms, 1),
+            first_step_s=round(first_s, 3),
+            tensors=len(shapes),
+            params=n,
+            rel_err_vs_torch_fused=err if name.startswith("fuser") else None,
+            device=torch.cuda.get_device_name(),
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
         del ps, opt
@@ -141,19 +162,31 @@ def main(argv=None):
     if "small1000" in args.workloads:
         run("adamw_fp32_small1000", [(4096,)] * 1000, torch.float32, bw, rows)
     date = datetime.date.today().isoformat()
-    meta = dict(date=date, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, copy_TBps=round(bw, 3),
-                command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])))
+    meta = dict(
+        date=date,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        copy_TBps=round(bw, 3),
+        command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"optim_{date}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# AdamW step, {meta['device']}, {date}", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, copy bandwidth {meta['copy_TBps']} TB/s. "
-             f"Command: `{meta['command']}`", "",
-             "| workload | impl | median ms (events) | wall ms/step | % of floor | first step s |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['impl']} | {r['ms']} | {r['wall_ms']} | {r['pct_of_floor']} | "
-              f"{r['first_step_s']} |" for r in rows]
+    lines = [
+        f"# AdamW step, {meta['device']}, {date}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, copy bandwidth {meta['copy_TBps']} TB/s. "
+        f"Command: `{meta['command']}`",
+        "",
+        "| workload | impl | median ms (events) | wall ms/step | % of floor | first step s |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['workload']} | {r['impl']} | {r['ms']} | {r['wall_ms']} | {r['pct_of_floor']} | "
+        f"{r['first_step_s']} |"
+        for r in rows
+    ]
     with open(os.path.join(args.out, f"optim_{date}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

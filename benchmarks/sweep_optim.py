@@ -40,8 +40,12 @@ def main(argv=None):
     for cfg in args.configs.split(","):
         block, warps = cfg.split(":")
         env = {**os.environ, "FUSER_OPTIM_BLOCK": block, "FUSER_OPTIM_WARPS": warps}
-        out = subprocess.run([sys.executable, "-c", CHILD.format(root=os.path.dirname(here), bench=here)],
-                             env=env, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD.format(root=os.path.dirname(here), bench=here)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if out.returncode:
             print(cfg, "failed:", out.stderr[-2000:], flush=True)
             continue

@@ -10,14 +10,18 @@ import fuser
 
 # A new optimizer: Adam's moments, a Lion-style sign update blended with the Adam
 # direction, and decoupled weight decay. Written once, as math.
-lionadam = fuser.rule("""
+lionadam = fuser.rule(
+    """
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g**2
     adam = (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
     u = mix * sign(m) + (1 - mix) * adam
     p = p * (1 - lr * weight_decay) - lr * u
-""", name="lionadam", hyper=dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, mix=0.3, weight_decay=0.01),
-    state=dict(m=0.0, v=0.0))
+""",
+    name="lionadam",
+    hyper=dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, mix=0.3, weight_decay=0.01),
+    state=dict(m=0.0, v=0.0),
+)
 
 LionAdam = fuser.compile(lionadam)
 print("Generated Triton kernel (one launch per step for every parameter):")

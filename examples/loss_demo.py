@@ -9,12 +9,16 @@ import torch
 
 import fuser
 
-loss_rule = fuser.loss("""
+loss_rule = fuser.loss(
+    """
     z = cap * tanh(z / cap)
     lse = logsumexp(z)
     entropy = lse - sum(exp(z - lse) * z)
     loss = lse - z[y] + z_loss * lse**2 - beta * entropy
-""", name="softcap_ce_zloss_entropy", hyper=dict(cap=15.0, z_loss=1e-4, beta=0.01))
+""",
+    name="softcap_ce_zloss_entropy",
+    hyper=dict(cap=15.0, z_loss=1e-4, beta=0.01),
+)
 
 head_loss = fuser.compile(loss_rule, chunk_size=64)
 print("Generated Triton kernel (the derived gradient is quoted at its top):")
@@ -48,8 +52,10 @@ w64 = weight.detach().double().requires_grad_()
 ref = reference(h64, w64, target)
 ref.backward()
 print(f"loss {loss.item():.6f} (float64 on materialised logits: {ref.item():.6f})")
-print(f"max |grad_hidden error| {(hidden.grad.double() - h64.grad).abs().max():.2e}, "
-      f"max |grad_weight error| {(weight.grad.double() - w64.grad).abs().max():.2e}")
+print(
+    f"max |grad_hidden error| {(hidden.grad.double() - h64.grad).abs().max():.2e}, "
+    f"max |grad_weight error| {(weight.grad.double() - w64.grad).abs().max():.2e}"
+)
 
 opt = torch.optim.SGD([weight], lr=0.5)
 for step in range(8):

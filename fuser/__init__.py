@@ -1,18 +1,21 @@
 """fuser: optimizer rules and loss epilogues compiled into fused multi-tensor Triton kernels.
 
-    adamw = fuser.rule('''
-        m = beta1 * m + (1 - beta1) * g
-        ...
-    ''', hyper=dict(lr=1e-3, ...), state=dict(m=0.0, v=0.0))
-    AdamW = fuser.compile(adamw)      # a torch.optim.Optimizer subclass
+adamw = fuser.rule('''
+    m = beta1 * m + (1 - beta1) * g
+    ...
+''', hyper=dict(lr=1e-3, ...), state=dict(m=0.0, v=0.0))
+AdamW = fuser.compile(adamw)      # a torch.optim.Optimizer subclass
 """
 
 from fuser.errors import RuleError
+from fuser.explainer import explain
+from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import Rule, loss, rule
 from fuser.runtime.stats import stats
 
 __version__ = "0.1.0"
+_configure_logging()
 
 sqrt = _FUNCTIONS["sqrt"]
 rsqrt = _FUNCTIONS["rsqrt"]
@@ -34,8 +37,9 @@ def compile(rule: Rule, **options):  # noqa: A001 - the public name
     """Compile a rule: an optimizer rule gives a ``torch.optim.Optimizer`` subclass, a loss
     rule a callable fused ``linear + loss`` with autograd."""
     if not isinstance(rule, Rule):
-        raise TypeError(f"fuser.compile takes a fuser.Rule (from fuser.rule or fuser.loss), "
-                        f"not {type(rule).__name__}")
+        raise TypeError(
+            f"fuser.compile takes a fuser.Rule (from fuser.rule or fuser.loss), not {type(rule).__name__}"
+        )
     if rule.kind == "optim":
         from fuser.optim.factory import make_optimizer
 
@@ -55,7 +59,27 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Rule", "RuleError", "compile", "loss", "rule", "stats", "sqrt", "rsqrt", "exp", "log",
-    "log1p", "expm1", "abs", "sign", "tanh", "sigmoid", "minimum", "maximum", "where", "clamp",
-    "optim", "losses",
+    "Rule",
+    "RuleError",
+    "compile",
+    "explain",
+    "loss",
+    "rule",
+    "stats",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "abs",
+    "sign",
+    "tanh",
+    "sigmoid",
+    "minimum",
+    "maximum",
+    "where",
+    "clamp",
+    "optim",
+    "losses",
 ]

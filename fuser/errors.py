@@ -11,8 +11,15 @@ class RuleError(ValueError):
     exactly what to fix.
     """
 
-    def __init__(self, message: str, *, line: int | None = None, col: int | None = None,
-                 source_line: str | None = None, rule: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        line: int | None = None,
+        col: int | None = None,
+        source_line: str | None = None,
+        rule: str | None = None,
+    ):
         self.message = message
         self.line = line
         self.col = col
@@ -35,5 +42,9 @@ class RuleError(ValueError):
         return f"{head}\n    {self.source_line}\n    {caret}"
 
     def with_rule(self, name: str) -> RuleError:
-        return RuleError(self.message, line=self.line, col=self.col,
-                         source_line=self.source_line, rule=name)
+        return RuleError(self.message, line=self.line, col=self.col, source_line=self.source_line, rule=name)
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of a traceback through fuser's parser: the
+        # message already names the rule, line and column, with a caret under the column.
+        return f"RuleError: {self}".splitlines()

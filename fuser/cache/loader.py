@@ -19,6 +19,7 @@ import threading
 from fuser.cache.aot import compile_spec, import_kernel
 from fuser.cache.entries import ensure_binary, ensure_source
 from fuser.codegen.source import KernelSource
+from fuser.log import logger
 from fuser.runtime import stats
 
 _loaded: dict[tuple, object] = {}
@@ -163,6 +164,7 @@ def _load(source: KernelSource, device, interpret: bool):
         return JitKernel(source, import_kernel(source, path, interpret=interpret))
     binary, hit = ensure_binary(source, target, path)
     _count(hit)
+    logger.info("%s for %s: %s", source.entry, target, "cache hit" if hit else "compiled")
     return BinaryKernel(source, import_kernel(source, path, interpret=False), binary, device.index)
 
 

@@ -8,6 +8,8 @@ accumulator updates of each reduction kind.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy
 
 from fuser.codegen.printer import TritonPrinter
@@ -140,18 +142,92 @@ def loss_entry(plan: LossPlan) -> str:
     return f"{plan.name}_loss_rows"
 
 
-def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK,
-                num_warps: int = DEFAULT_WARPS) -> KernelSource:
-    """Render the row kernel of a loss plan."""
+SHARDED_SIGNATURE_TAIL = (("red", "*fp32"), ("part", "*fp32"), ("col_offset", "i64"), ("vocab_total", "i64"))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a vocabulary-parallel launch sequence keeps its per-token values.
+
+    Stage ``s < len(plan.passes)`` runs sweep ``s`` over this rank's columns and writes its
+    partials to ``part`` (``part_cols[s]``: ``(reduction index, op, column)``; a ``max`` also
+    writes its argmax column, local, at ``column + 1``; stage 0's last column is the
+    driver's). The driver combines them across the group into ``red``: column 0 holds
+    ``z_y``, ``red_cols[i]`` reduction ``i`` and, for a ``max``, ``red_cols[i] + 1`` the argmax
+    column in this shard (-1 where another rank holds it). The last stage reads ``red`` and
+    writes the loss and the gradient.
+    """
+
+    part_cols: tuple[tuple[tuple[int, str, int], ...], ...]
+    part_widths: tuple[int, ...]
+    red_cols: dict
+    red_width: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.part_cols) + 1
+
+
+def shard_layout(plan: LossPlan) -> ShardLayout:
+    red_cols, width = {}, 1
+    for acc in plan.reductions:
+        red_cols[acc.index] = width
+        width += 2 if acc.op == "max" else 1
+    part_cols, part_widths = [], []
+    for p in plan.passes:
+        cols, w = [], 0
+        for acc in p.accumulators:
+            cols.append((acc.index, acc.op, w))
+            w += 2 if acc.op == "max" else 1
+        part_cols.append(tuple(cols))
+        # Stage 0 keeps a last column for the driver's z[y] partial, combined in the same
+        # collective when no sweep reads z[y] before it.
+        part_widths.append(w + 1 if not part_widths else max(w, 1))
+    return ShardLayout(tuple(part_cols), tuple(part_widths), red_cols, width)
+
+
+def _shard_lines(plan: LossPlan, layout: ShardLayout, stage: int) -> tuple[list[str], list[str]]:
+    """(loads, stores) of one stage: combined values read from ``red``, partials written."""
+    at = f"red + row * {layout.red_width}"
+    loads = [f"z_y = tl.load({at})"]
+    for p in plan.passes[:stage]:
+        for acc in p.accumulators:
+            c = layout.red_cols[acc.index]
+            loads.append(f"r{acc.index} = tl.load({at} + {c})")
+            if acc.op == "max":
+                loads.append(f"am{acc.index} = tl.load({at} + {c + 1}).to(tl.int32)")
+    stores = []
+    if stage < len(plan.passes):
+        w = layout.part_widths[stage]
+        for i, op, c in layout.part_cols[stage]:
+            stores.append(f"tl.store(part + row * {w} + {c}, r{i})")
+            if op == "max":
+                stores.append(f"tl.store(part + row * {w} + {c + 1}, am{i}.to(tl.float32))")
+    return loads, stores
+
+
+def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS,
+                stage: int | None = None) -> KernelSource:
+    """Render the row kernel of a loss plan.
+
+    With ``stage`` (``0 .. len(plan.passes)``), render one kernel of the vocabulary-parallel
+    sequence instead (see ``ShardLayout``): the sweep of that pass, or the loss and gradient.
+    """
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, not {block}")
+    sharded = stage is not None
+    if sharded and not 0 <= stage <= len(plan.passes):
+        raise ValueError(f"stage must be in [0, {len(plan.passes)}], not {stage}")
+    layout = shard_layout(plan) if sharded else None
+    loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
     printer = _Printer(_Names(plan.hyper))
     grad_exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
     grad_body = (["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs)
                  else [])
     grad_body += _indicators(grad_exprs, printer)
     grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
-    entry = loss_entry(plan)
+    entry = loss_entry(plan) + (f"_vp{stage}" if sharded else "")
+    passes = plan.passes[stage:stage + 1] if sharded else plan.passes
     text = environment().get_template("loss_rows.py.jinja").render(
         name=plan.name,
         dtype=plan.dtype,
@@ -162,7 +238,13 @@ def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK,
         hyper=plan.hyper,
         hyper_names=", ".join(plan.hyper) or "(none)",
         hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
-        passes=[_pass_context(p, printer) for p in plan.passes],
+        passes=[_pass_context(p, printer) for p in passes],
+        sharded=sharded,
+        final=not sharded or stage == len(plan.passes),
+        loads=loads,
+        stores=stores,
+        red_width=layout.red_width if sharded else 0,
+        part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
         epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
         loss=printer.doprint_expr(plan.loss),
         grad=dict(body=grad_body),
@@ -170,6 +252,8 @@ def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK,
         store=store_cast("dz", plan.dtype),
     )
     signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
+    if sharded:
+        signature += SHARDED_SIGNATURE_TAIL
     return KernelSource(text=text, entry=entry, signature=signature, constexprs=(("BLOCK", block),),
                         num_warps=num_warps, num_stages=1,
                         meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")))

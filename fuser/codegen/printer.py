@@ -43,8 +43,14 @@ class TritonPrinter(PythonCodePrinter):
     printmethod = "_tritoncode"
 
     def __init__(self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False):
-        super().__init__({"fully_qualified_modules": False, "inline": True,
-                          "allow_unknown_functions": False, "standard": "python3"})
+        super().__init__(
+            {
+                "fully_qualified_modules": False,
+                "inline": True,
+                "allow_unknown_functions": False,
+                "standard": "python3",
+            }
+        )
         self.names = dict(names or {})
         # tl.sqrt_rn is fp32-only; fp64 square roots are correctly rounded anyway.
         self.sqrt = "tl.sqrt" if fp64 else "tl.sqrt_rn"

@@ -22,11 +22,26 @@ TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
 
 # Every phase kernel of an optimizer takes these runtime arguments, in this order.
 OPTIM_SIGNATURE = (
-    ("ptrs", "*i64"), ("numels", "*i64"), ("groups", "*i32"), ("block_tensor", "*i32"),
-    ("block_start", "*i64"), ("tensor_first_block", "*i32"), ("tensor_blocks", "*i32"),
-    ("hyper", "*fp64"), ("scalars", "*fp32"), ("red", "*fp32"), ("partials", "*fp32"),
-    ("counters", "*i32"), ("glob", "*fp32"), ("grad_scale", "*fp32"), ("found_inf", "*fp32"),
-    ("n_tensors", "i32"), ("n_blocks", "i32"), ("part", "i32"), ("n_parts", "i32"), ("seed", "i64"),
+    ("ptrs", "*i64"),
+    ("numels", "*i64"),
+    ("groups", "*i32"),
+    ("block_tensor", "*i32"),
+    ("block_start", "*i64"),
+    ("tensor_first_block", "*i32"),
+    ("tensor_blocks", "*i32"),
+    ("hyper", "*fp64"),
+    ("scalars", "*fp32"),
+    ("red", "*fp32"),
+    ("partials", "*fp32"),
+    ("counters", "*i32"),
+    ("glob", "*fp32"),
+    ("grad_scale", "*fp32"),
+    ("found_inf", "*fp32"),
+    ("n_tensors", "i32"),
+    ("n_blocks", "i32"),
+    ("part", "i32"),
+    ("n_parts", "i32"),
+    ("seed", "i64"),
 )
 REDUCE_BLOCK = 128
 # Reductions call tl.reduce with Triton's own combine functions rather than tl.sum/tl.max:
@@ -48,9 +63,12 @@ def template_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              autoescape=False)
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
 
 
 def helpers_source() -> str:
@@ -117,12 +135,15 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
 
     def scalar_loads(names: dict, row: str, group: str, mask: str = "") -> list[str]:
         m = f", mask={mask}, other=0.0" if mask else ""
-        lines = [f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})"
-                 for j, h in enumerate(plan.hyper)]
+        lines = [
+            f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})" for j, h in enumerate(plan.hyper)
+        ]
         lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
         lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
-        lines += [f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
-                  for j, s in enumerate(plan.scalar_states)]
+        lines += [
+            f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
+            for j, s in enumerate(plan.scalar_states)
+        ]
         for r in known:
             if r.global_column >= 0:
                 continue
@@ -133,11 +154,14 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     loads = scalar_loads(scalar_names, "t", "grp")
     for r in known:
         if r.global_column >= 0:
-            loads += [f"{r.symbol.name} = tl.full((), 0.0, tl.float64)", "q = 0",
-                      "while q < n_parts:",
-                      f"    {r.symbol.name} += tl.load(glob + q * {nglob} + {r.global_column}).to(tl.float64)",
-                      "    q += 1",
-                      f"{r.symbol.name} = tl.sqrt({r.symbol.name})"]
+            loads += [
+                f"{r.symbol.name} = tl.full((), 0.0, tl.float64)",
+                "q = 0",
+                "while q < n_parts:",
+                f"    {r.symbol.name} += tl.load(glob + q * {nglob} + {r.global_column}).to(tl.float64)",
+                "    q += 1",
+                f"{r.symbol.name} = tl.sqrt({r.symbol.name})",
+            ]
     prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in phase.prologue]
     casts = [f"f_{scalar_names[s]} = {scalar_names[s]}.to(tl.float32)" for s in scalars_in_body]
 
@@ -183,8 +207,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             value = store_cast(p32.doprint_expr(e), dtype, rnd)
             fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
             masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
-        fast_lines[len(fast_lines) - len(phase.stores):len(fast_lines) - len(phase.stores)] = sr_lines
-        masked_lines[len(masked_lines) - len(phase.stores):len(masked_lines) - len(phase.stores)] = sr_lines
+        fast_lines[len(fast_lines) - len(phase.stores) : len(fast_lines) - len(phase.stores)] = sr_lines
+        masked_lines[len(masked_lines) - len(phase.stores) : len(masked_lines) - len(phase.stores)] = sr_lines
         # The last program advances step and scalar states for RBLOCK tensors at a time.
         # Its variables are vectors, so they get names of their own (`u_...`): Triton
         # requires a loop-carried name to keep one type.
@@ -193,18 +217,25 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         defs = dict(phase.prologue)
         needed = _closure(defs, [e for _, e in phase.scalar_updates])
         update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in phase.prologue if s in needed]
-        update_stores = [f"tl.store(scalars + u_t * {ns}, (u_step - 1.0 + advance).to(tl.float32), mask=u_mask)"]
+        update_stores = [
+            f"tl.store(scalars + u_t * {ns}, (u_step - 1.0 + advance).to(tl.float32), mask=u_mask)"
+        ]
         for j, (name, e) in enumerate(phase.scalar_updates):
             old = f"u_c_{name}"
-            update_stores.append(f"tl.store(scalars + u_t * {ns} + {j + 1}, tl.where(advance > 0, "
-                                 f"{pu.doprint_expr(e)}, {old}).to(tl.float32), mask=u_mask)")
+            update_stores.append(
+                f"tl.store(scalars + u_t * {ns} + {j + 1}, tl.where(advance > 0, "
+                f"{pu.doprint_expr(e)}, {old}).to(tl.float32), mask=u_mask)"
+            )
         used = {STEP} | {symbol(s) for s in plan.scalar_states}
         for _, e in phase.scalar_updates:
             used |= e.free_symbols
         for s in needed:
             used |= defs[s].free_symbols
-        update_loads = [ln for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
-                        if any(ln.startswith(unames[s] + " ") for s in used if s in unames)]
+        update_loads = [
+            ln
+            for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
+            if any(ln.startswith(unames[s] + " ") for s in used if s in unames)
+        ]
     else:
         for col, e in phase.reduce:
             op = plan.reductions[col].op
@@ -212,45 +243,92 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             value = p32.doprint_expr(e)
             comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
             # A scalar-only value (sum(1), say) still counts once per element.
-            fast_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                              f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))")
-            masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, "
-                                f"{SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))")
+            fast_lines.append(
+                f"tl.store(partials + pid * {nred} + {col}, "
+                f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
+            )
+            masked_lines.append(
+                f"tl.store(partials + pid * {nred} + {col}, "
+                f"{SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))"
+            )
             if combine == "sum":
                 combine_init.append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
-                combine_step.append(f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)")
+                combine_step.append(
+                    f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)"
+                )
             else:
                 combine_init.append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
-                combine_step.append(f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
-                                    f"{col}, mask=m, other=float('-inf')))")
+                combine_step.append(
+                    f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
+                    f"{col}, mask=m, other=float('-inf')))"
+                )
             combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {comb}))")
             r = plan.reductions[col]
             if r.global_column >= 0:
                 g = r.global_column
                 global_init.append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")
                 global_step.append(f"gacc{g} += tl.load(red + tidx * {nred} + {col}, mask=tm, other=0.0)")
-                global_store.append(f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))")
+                global_store.append(
+                    f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))"
+                )
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
     block, warps = optim_launch_config(plan)
-    text = environment().get_template("optim_step.py.jinja").render(
-        name=plan.name, phase=phase.index + 1, n_phases=len(plan.phases), last=last,
-        dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
-        rule_lines=plan.rule_text.splitlines(), helpers=helpers_source(), entry=entry,
-        slots=plan.slots, slot_names=", ".join(s.name for s in plan.slots), hyper=plan.hyper,
-        hyper_names=", ".join(plan.hyper) or "(none)", scalar_states=plan.scalar_states, nscalar=ns,
-        nred=nred, nglob=nglob, scalar_loads=loads, prologue=prologue, casts=casts, pointers=pointers,
-        aligned=aligned, fast_lines=fast_lines, masked_lines=masked_lines, update_loads=update_loads,
-        update_prologue=update_prologue, update_stores=update_stores, combine_init=combine_init,
-        combine_step=combine_step, combine_store=combine_store,
-        global_columns=[r.global_column for r in plan.reductions if r.global_column >= 0 and r.phase == phase.index],
-        global_init=global_init, global_step=global_step, global_store=global_store,
+    text = (
+        environment()
+        .get_template("optim_step.py.jinja")
+        .render(
+            name=plan.name,
+            phase=phase.index + 1,
+            n_phases=len(plan.phases),
+            last=last,
+            dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
+            rule_lines=plan.rule_text.splitlines(),
+            helpers=helpers_source(),
+            entry=entry,
+            slots=plan.slots,
+            slot_names=", ".join(s.name for s in plan.slots),
+            hyper=plan.hyper,
+            hyper_names=", ".join(plan.hyper) or "(none)",
+            scalar_states=plan.scalar_states,
+            nscalar=ns,
+            nred=nred,
+            nglob=nglob,
+            scalar_loads=loads,
+            prologue=prologue,
+            casts=casts,
+            pointers=pointers,
+            aligned=aligned,
+            fast_lines=fast_lines,
+            masked_lines=masked_lines,
+            update_loads=update_loads,
+            update_prologue=update_prologue,
+            update_stores=update_stores,
+            combine_init=combine_init,
+            combine_step=combine_step,
+            combine_store=combine_store,
+            global_columns=[
+                r.global_column for r in plan.reductions if r.global_column >= 0 and r.phase == phase.index
+            ],
+            global_init=global_init,
+            global_step=global_step,
+            global_store=global_store,
+        )
     )
-    return KernelSource(text=text, entry=entry, signature=OPTIM_SIGNATURE,
-                        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK)), num_warps=warps,
-                        num_stages=1,
-                        meta=(("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key),
-                              ("phase", f"{phase.index + 1}/{len(plan.phases)}")))
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=OPTIM_SIGNATURE,
+        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK)),
+        num_warps=warps,
+        num_stages=1,
+        meta=(
+            ("rule", plan.name),
+            ("kind", "optim"),
+            ("dtypes", plan.dtype_key),
+            ("phase", f"{phase.index + 1}/{len(plan.phases)}"),
+        ),
+    )
 
 
 def _slot(plan: OptimPlan, name: str):

@@ -29,6 +29,7 @@ class KernelSource:
     def digest(self) -> str:
         """Hash of the text and the launch options: the identity of this kernel."""
         h = hashlib.sha256(self.text.encode())
-        h.update(repr((self.entry, self.signature, self.constexprs, self.num_warps,
-                       self.num_stages)).encode())
+        h.update(
+            repr((self.entry, self.signature, self.constexprs, self.num_warps, self.num_stages)).encode()
+        )
         return h.hexdigest()

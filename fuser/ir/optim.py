@@ -179,8 +179,9 @@ def _extract_reductions(outputs: dict[str, sympy.Expr]):
     return replaced, list(found.values())
 
 
-def lower_optim(rule: Rule, dtypes: dict[str, str] | None = None, *,
-                stochastic_rounding: bool = False) -> OptimPlan:
+def lower_optim(
+    rule: Rule, dtypes: dict[str, str] | None = None, *, stochastic_rounding: bool = False
+) -> OptimPlan:
     """Lower an optimizer rule for one dtype plan.
 
     ``dtypes`` gives the storage dtype of ``p``, ``g`` and each state by name (missing
@@ -195,8 +196,9 @@ def lower_optim(rule: Rule, dtypes: dict[str, str] | None = None, *,
     outputs, reds = _extract_reductions(dict(rule.outputs))
     scalar_states = scalar_state_names(rule)
     red_syms = {r[0] for r in reds}
-    scalar = ({symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL} | {symbol(s) for s in scalar_states}
-              | red_syms)
+    scalar = (
+        {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL} | {symbol(s) for s in scalar_states} | red_syms
+    )
     element_states = [s for s, _ in rule.state if s not in scalar_states]
     element = {symbol(n) for n in ("p", "g", *element_states)}
     n_phases = 1 + max((r[3] for r in reds), default=-1) + 1
@@ -219,8 +221,9 @@ def lower_optim(rule: Rule, dtypes: dict[str, str] | None = None, *,
                     targets.append((name, expr))
             updates = [(s, outputs[s]) for s in scalar_states]
         else:
-            targets = [(i, ACCUMULATE[op][0](arg)) for i, (_, op, arg, phase) in enumerate(reds)
-                       if phase == k]
+            targets = [
+                (i, ACCUMULATE[op][0](arg)) for i, (_, op, arg, phase) in enumerate(reds) if phase == k
+            ]
             updates = []
         for _, e in targets + updates:
             bad = e.free_symbols & unknown
@@ -233,8 +236,10 @@ def lower_optim(rule: Rule, dtypes: dict[str, str] | None = None, *,
         for _, e in (*ph.body, *ph.stores, *ph.reduce):
             used |= {s.name for s in e.free_symbols}
     written = {n for n, _ in phases[-1].stores}
-    slots = [Slot("p", "param", dtypes.get("p", "fp32"), True),
-             Slot("g", "grad", dtypes.get("g", "fp32"), False)]
+    slots = [
+        Slot("p", "param", dtypes.get("p", "fp32"), True),
+        Slot("g", "grad", dtypes.get("g", "fp32"), False),
+    ]
     for s in element_states:
         if s in used or s in written:
             slots.append(Slot(s, "state", dtypes.get(s, "fp32"), s in written))
@@ -257,15 +262,17 @@ def _lower_phase(index, targets, updates, scalar, last) -> Phase:
     # Per-step scalars: CSE over everything hoisted plus the scalar-state updates.
     hoisted_items = list(hoist.found.items())
     scalar_exprs = [e for e, _ in hoisted_items] + [e for _, e in updates]
-    pro_repl, pro_reduced = sympy.cse(scalar_exprs, symbols=sympy.numbered_symbols("__c"),
-                                      optimizations="basic")
+    pro_repl, pro_reduced = sympy.cse(
+        scalar_exprs, symbols=sympy.numbered_symbols("__c"), optimizations="basic"
+    )
     prologue = list(pro_repl)
     for (_, sym), e in zip(hoisted_items, pro_reduced[: len(hoisted_items)]):
         prologue.append((sym, e))
-    scalar_updates = list(zip([n for n, _ in updates], pro_reduced[len(hoisted_items):]))
+    scalar_updates = list(zip([n for n, _ in updates], pro_reduced[len(hoisted_items) :]))
 
-    body_repl, body_reduced = sympy.cse([e for _, e in hoisted_targets],
-                                        symbols=sympy.numbered_symbols("__t"), optimizations="basic")
+    body_repl, body_reduced = sympy.cse(
+        [e for _, e in hoisted_targets], symbols=sympy.numbered_symbols("__t"), optimizations="basic"
+    )
     results = list(zip([n for n, _ in hoisted_targets], body_reduced))
 
     # Readable names: s0, s1 ... for scalars, t0, t1 ... for per-element temporaries.

@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss
+from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
 from fuser.codegen.source import KernelSource
-from fuser.ir.loss import lower_loss
-from fuser.losses.ops import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.ir.loss import Z_Y, lower_loss
+from fuser.losses.ops import Chunked, LinearLoss, ShardedChunked, chunk_rows, dtype_name
 from fuser.rules.rule import Rule
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -19,7 +19,7 @@ class CompiledLoss:
     """A fused ``linear + loss`` with autograd, compiled from a loss rule.
 
         loss = f(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                 accumulate_into=None, **hyper_overrides)
+                 accumulate_into=None, process_group=None, **hyper_overrides)
 
     ``hidden`` is ``[T, H]`` or ``[B, S, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]``, all of
     one dtype (fp32, bf16 or fp16); ``target`` holds class indices in ``hidden``'s leading
@@ -27,6 +27,13 @@ class CompiledLoss:
     ignored), ``"sum"``, or ``"none"`` (one loss per token, 0 where ignored). With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
     (fp32) instead of being returned (Megatron's contract). The loss has ``hidden``'s dtype.
+
+    With ``process_group=pg`` the loss is vocabulary-parallel (Megatron's layout): ``weight``
+    (and ``bias``) are this rank's contiguous slice of the vocabulary, the ranks' slices in
+    rank order (sizes may differ), while ``hidden`` and ``target`` (global class indices) are
+    the same on every rank. Every vocabulary reduction of the rule is combined across the
+    group; each rank gets the full loss, the gradient of ``hidden`` summed over the group, and
+    the gradients of its own ``weight``/``bias`` slice.
     """
 
     def __init__(self, rule: Rule, *, chunk_size: int | None = None, block: int = DEFAULT_BLOCK,
@@ -41,6 +48,8 @@ class CompiledLoss:
         self.block = block
         self.num_warps = num_warps
         self._sources: dict[str, KernelSource] = {}
+        self._sharded: dict[str, tuple] = {}
+        self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
         self._hyper_rows: dict[tuple, torch.Tensor] = {}
         self.__name__ = rule.name
         self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
@@ -51,6 +60,35 @@ class CompiledLoss:
             self._sources[dtype] = render_loss(lower_loss(self.rule, dtype), block=self.block,
                                                num_warps=self.num_warps)
         return self._sources[dtype]
+
+    def sharded_kernel_sources(self, dtype: str = "bf16") -> tuple:
+        """(sources, layout, zy_first) of the vocabulary-parallel launch sequence for ``dtype``:
+        one kernel per reduction pass, then the loss and gradient kernel."""
+        if dtype not in self._sharded:
+            plan = lower_loss(self.rule, dtype)
+            sources = tuple(render_loss(plan, block=self.block, num_warps=self.num_warps, stage=k)
+                            for k in range(len(plan.passes) + 1))
+            first = plan.passes[0] if plan.passes else None
+            reads_zy = first is None or any(
+                Z_Y in e.free_symbols
+                for e in [e for _, e in first.prologue + first.body] + [a.arg for a in first.accumulators])
+            self._sharded[dtype] = (sources, shard_layout(plan), reads_zy)
+        return self._sharded[dtype]
+
+    def _shard_sizes_of(self, group, local: int, device: torch.device) -> tuple[int, ...]:
+        """Every rank's vocabulary slice length, gathered once per (group, local length)."""
+        import torch.distributed as dist
+
+        key = (id(group), local, device.type)
+        sizes = self._shard_sizes.get(key)
+        if sizes is None:
+            world = dist.get_world_size(group)
+            mine = torch.tensor([local], dtype=torch.int64, device=device)
+            out = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(out, mine, group=group)
+            sizes = tuple(int(t.item()) for t in out)
+            self._shard_sizes[key] = sizes
+        return sizes
 
     @property
     def source(self) -> str:
@@ -81,7 +119,7 @@ class CompiledLoss:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                  bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                 accumulate_into: str | None = None, **hyper_overrides) -> torch.Tensor:
+                 accumulate_into: str | None = None, process_group=None, **hyper_overrides) -> torch.Tensor:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
         if accumulate_into not in (None, "main_grad"):
@@ -116,9 +154,25 @@ class CompiledLoss:
         x = hidden.reshape(-1, hidden.shape[-1])
         y = target.reshape(-1).to(torch.int64).contiguous()
         n_tokens, hid, vocab = x.shape[0], x.shape[1], weight.shape[0]
-        chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, hidden.element_size())
-        run = Chunked(self.kernel_source(dtype), device, self._hyper_row(hyper_overrides, device),
-                      ignore_index, chunk)
+        hyper = self._hyper_row(hyper_overrides, device)
+        if process_group is None:
+            chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, hidden.element_size())
+            run = Chunked(self.kernel_source(dtype), device, hyper, ignore_index, chunk)
+        else:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("process_group= (a vocabulary-parallel loss) needs torch.distributed "
+                                   "initialised (init_process_group)")
+            sizes = self._shard_sizes_of(process_group, vocab, device)
+            rank = dist.get_rank(process_group)
+            total = sum(sizes)
+            # Every rank must run as many chunks (each has its collectives): size them by
+            # the largest slice, the same on every rank.
+            chunk = self.chunk_size or chunk_rows(n_tokens, hid, max(sizes), hidden.element_size())
+            sources, layout, zy_first = self.sharded_kernel_sources(dtype)
+            run = ShardedChunked(sources, layout, zy_first, device, hyper, ignore_index, chunk,
+                                 process_group, sum(sizes[:rank]), total)
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias))
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
@@ -129,6 +183,12 @@ class CompiledLoss:
     def __repr__(self) -> str:
         return f"<fuser compiled loss {self.rule.name!r}>"
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows a compiled loss as its generated Triton source."""
+        from fuser.display import loss_html
+
+        return loss_html(self)
+
 
 def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
@@ -136,6 +196,11 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     return CompiledLoss(rule, **options)
 
 
-def kernel_sources(rule: Rule, dtype: str = "bf16", **options) -> list[KernelSource]:
-    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``."""
-    return [CompiledLoss(rule, **options).kernel_source(dtype)]
+def kernel_sources(rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False,
+                   **options) -> list[KernelSource]:
+    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``; with
+    ``vocab_parallel=True``, those of a call with ``process_group=`` instead."""
+    f = CompiledLoss(rule, **options)
+    if vocab_parallel:
+        return list(f.sharded_kernel_sources(dtype)[0])
+    return [f.kernel_source(dtype)]

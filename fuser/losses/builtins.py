@@ -50,19 +50,22 @@ def _compiled(name: str) -> CompiledLoss:
 def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                   bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                  temperature: float = 1.0, accumulate_into: str | None = None) -> torch.Tensor:
+                  temperature: float = 1.0, accumulate_into: str | None = None,
+                  process_group=None) -> torch.Tensor:
     """Fused ``cross_entropy(hidden @ weight.T + bias, target)`` with autograd, never holding
     the full logits: ``torch.nn.functional.linear_cross_entropy`` where the two overlap.
 
     ``label_smoothing`` as in torch; ``z_loss`` adds ``z_loss * logsumexp(z)**2`` per token;
     ``softcap`` applies ``softcap * tanh(z / softcap)`` to the logits, then ``temperature``
-    divides them. Plain cross-entropy runs the leanest kernel.
+    divides them. Plain cross-entropy runs the leanest kernel. With ``process_group``,
+    ``weight`` and ``bias`` are this rank's slice of the vocabulary (see ``CompiledLoss``).
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], not {label_smoothing}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    common = dict(ignore_index=ignore_index, reduction=reduction, accumulate_into=accumulate_into)
+    common = dict(ignore_index=ignore_index, reduction=reduction, accumulate_into=accumulate_into,
+                  process_group=process_group)
     extras = dict(label_smoothing=label_smoothing, z_loss=z_loss, temperature=temperature)
     if softcap is not None:
         if softcap <= 0:
@@ -78,11 +81,13 @@ def entropy_regularized_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor
                                       bias: torch.Tensor | None = None, *, ignore_index: int = -100,
                                       reduction: str = "mean", entropy_coef: float = 0.01,
                                       temperature: float = 1.0,
-                                      accumulate_into: str | None = None) -> torch.Tensor:
+                                      accumulate_into: str | None = None,
+                                      process_group=None) -> torch.Tensor:
     """Fused ``cross_entropy(z, target) - entropy_coef * entropy(softmax(z))`` per token, with
     ``z = (hidden @ weight.T + bias) / temperature``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
     return _compiled("entropy_regularized_cross_entropy")(
         hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
-        accumulate_into=accumulate_into, entropy_coef=entropy_coef, temperature=temperature)
+        accumulate_into=accumulate_into, process_group=process_group, entropy_coef=entropy_coef,
+        temperature=temperature)

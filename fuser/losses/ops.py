@@ -126,6 +126,112 @@ class Chunked:
                 gb.add_(logits.sum(0, dtype=torch.float32))
 
 
+class ShardedChunked(Chunked):
+    """``Chunked`` for a vocabulary-parallel loss: ``weight`` (and ``bias``) hold this rank's
+    contiguous slice ``[col_offset, col_offset + V_r)`` of a vocabulary of ``vocab_total``
+    columns, split over ``group`` in rank order; every rank passes the same ``x`` and targets.
+
+    Each chunk runs one launch per reduction pass of the plan; after each, the per-token
+    partials of every rank are gathered with ONE collective and combined (sum: added;
+    logsumexp: logsumexp of the ranks' values; max: the largest, its argmax kept by the
+    first rank holding it, as the unsharded kernel keeps the first column). ``z[y]`` is read
+    by the target's owner and summed across the group, in the first collective when no
+    sweep needs it before. The last launch computes the same per-token loss on every rank and
+    this rank's columns of the logit gradient. ``grad_weight``/``grad_bias`` stay local;
+    ``grad_hidden`` is summed across the group (Megatron's backward of the column-parallel
+    head).
+    """
+
+    def __init__(self, sources, layout, zy_first: bool, device, hyper, ignore_index, chunk, group,
+                 col_offset: int, vocab_total: int):
+        import torch.distributed as dist
+
+        self.kernels = [load_kernel(s, device) for s in sources]
+        self.layout = layout
+        self.zy_first = zy_first  # a sweep reads z[y]: combine it before the first launch
+        self.hyper = hyper
+        self.ignore_index = int(ignore_index)
+        self.chunk = chunk
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.col_offset = int(col_offset)
+        self.vocab_total = int(vocab_total)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+        return out
+
+    def _combine(self, stage: int, gathered: torch.Tensor, red: torch.Tensor) -> None:
+        for i, op, c in self.layout.part_cols[stage]:
+            rc = self.layout.red_cols[i]
+            vals = gathered[:, :, c]
+            if op == "sum":
+                red[:, rc] = vals.sum(0)
+            elif op == "logsumexp":
+                red[:, rc] = torch.logsumexp(vals, 0)
+            else:
+                best, owner = vals.max(0)  # the first rank holding the maximum
+                red[:, rc] = best
+                red[:, rc + 1] = torch.where(owner == self.rank, gathered[self.rank, :, c + 1], -1.0)
+
+    def run(self, x, weight, bias, target, loss_tok, *, scale=None, gx=None, gw=None, gb=None) -> None:
+        import torch.distributed as dist
+
+        n_tokens, vocab = x.shape[0], weight.shape[0]
+        if n_tokens == 0:
+            return
+        grad = scale is not None
+        rows = min(self.chunk, n_tokens)
+        buf = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+        red = torch.empty(rows, self.layout.red_width, dtype=torch.float32, device=x.device)
+        n_passes = len(self.layout.part_cols)
+        parts = [torch.empty(rows, w, dtype=torch.float32, device=x.device) for w in self.layout.part_widths]
+        scale_stride = 0 if not grad or scale.numel() == 1 else 1
+        for s in range(0, n_tokens, self.chunk):
+            e = min(s + self.chunk, n_tokens)
+            n = e - s
+            xc, logits, r = x[s:e], buf[:n], red[:n]
+            if bias is not None:
+                torch.addmm(bias, xc, weight.t(), out=logits)
+            else:
+                torch.mm(xc, weight.t(), out=logits)
+            # z[y] where this rank holds the target's column, 0 elsewhere.
+            yl = target[s:e] - self.col_offset
+            mine = (yl >= 0) & (yl < vocab) & (target[s:e] != self.ignore_index)
+            zy = torch.where(mine, logits.gather(1, yl.clamp(0, max(vocab - 1, 0))[:, None])[:, 0].float()
+                             if vocab else torch.zeros(n, device=x.device), 0.0)
+            if self.zy_first:
+                dist.all_reduce(zy, group=self.group)
+                r[:, 0] = zy
+            row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
+            args = (logits, vocab, target[s:e], loss_tok[s:e], row_scale, scale_stride, self.hyper, vocab,
+                    self.ignore_index)
+            for k in range(n_passes):
+                part = parts[k][:n]
+                self.kernels[k]((n,), *args, 0, r, part, self.col_offset, self.vocab_total)
+                if k == 0 and not self.zy_first:
+                    part[:, -1] = zy
+                gathered = self._gather(part)
+                if k == 0 and not self.zy_first:
+                    r[:, 0] = gathered[:, :, -1].sum(0)
+                self._combine(k, gathered, r)
+            self.kernels[n_passes]((n,), *args, int(grad), r, r, self.col_offset, self.vocab_total)
+            if not grad:
+                continue
+            if gx is not None:
+                torch.mm(logits, weight, out=gx[s:e])
+            if gw is not None:
+                accumulate_weight_grad(gw, logits, xc)
+            if gb is not None:
+                gb.add_(logits.sum(0, dtype=torch.float32))
+        if grad and gx is not None:
+            dist.all_reduce(gx, group=self.group)
+
+
 def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:
     if reduction == "mean":
         return loss_tok.sum() / count.clamp(min=1)

@@ -2,9 +2,35 @@
 torch.optim, same keywords and state_dict keys)."""
 
 from fuser.optim.builtins import (
-    LAMB, LARS, SGD, Adagrad, Adam, AdamW, Adan, AdEMAMix, Lion, NAdam, RAdam, RMSprop,
+    LAMB,
+    LARS,
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Adan,
+    AdEMAMix,
+    Lion,
+    NAdam,
+    RAdam,
+    RMSprop,
 )
 from fuser.optim.factory import FuserOptimizer, kernel_sources, make_optimizer
 
-__all__ = ["LAMB", "LARS", "SGD", "Adagrad", "Adam", "AdamW", "AdEMAMix", "Adan", "Lion", "NAdam", "RAdam", "RMSprop",
-           "FuserOptimizer", "kernel_sources", "make_optimizer"]
+__all__ = [
+    "LAMB",
+    "LARS",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "AdEMAMix",
+    "Adan",
+    "Lion",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "FuserOptimizer",
+    "kernel_sources",
+    "make_optimizer",
+]

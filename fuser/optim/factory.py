@@ -8,16 +8,22 @@ changed; hyperparameters are re-sent only when a group's values changed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass, field
+
+import sympy
 
 import torch
 
-from fuser.cache import load_kernel
+from fuser.cache import load_kernel, rendered
 from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import DTYPES, OptimPlan, lower_optim, scalar_state_names
+from fuser.display import NotebookDisplay
+from fuser.ir.optim import DTYPES, Slot, lower_optim, scalar_state_names
+from fuser.log import logger
 from fuser.rules.rule import Rule
 from fuser.runtime import distributed
 from fuser.runtime.distributed import local
@@ -54,11 +60,46 @@ def _options(state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rou
                    bool(stochastic_rounding), seed)
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """What the runtime needs of a lowered plan: the pointer table's columns and the sizes
+    of the reduction tables."""
+
+    slots: tuple[Slot, ...]
+    n_reductions: int
+    n_global: int
+
+
 @functools.lru_cache(maxsize=256)
 def _plan_and_sources(rule: Rule, dtypes: tuple[tuple[str, str], ...],
-                      stochastic_rounding: bool = False) -> tuple[OptimPlan, list[KernelSource]]:
+                      stochastic_rounding: bool = False) -> tuple[StepLayout, list[KernelSource]]:
+    """The step's layout and kernels, from the on-disk memo when this rule was rendered
+    before with the same code (sympy costs ~0.1-0.2 s per rule), else lowered and rendered."""
+    key = rendered.fingerprint("optim", rule.name, rule.text, rule.hyper, rule.state,
+                               [(n, sympy.srepr(e)) for n, e in rule.outputs], dtypes, stochastic_rounding,
+                               [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS")])
+    memo = rendered.load(key)
+    if memo is not None:
+        try:
+            layout = StepLayout(tuple(Slot(**s) for s in memo["slots"]), memo["n_reductions"], memo["n_global"])
+            sources = [KernelSource(text=k["text"], entry=k["entry"],
+                                    signature=tuple(tuple(x) for x in k["signature"]),
+                                    constexprs=tuple(tuple(x) for x in k["constexprs"]),
+                                    num_warps=k["num_warps"], num_stages=k["num_stages"],
+                                    meta=tuple(tuple(x) for x in k["meta"])) for k in memo["sources"]]
+            return layout, sources
+        except (KeyError, TypeError, ValueError):
+            pass  # an entry of another shape: render again
     plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
-    return plan, render_optim(plan)
+    layout = StepLayout(plan.slots, len(plan.reductions), plan.n_global)
+    sources = render_optim(plan)
+    rendered.store(key, {
+        "slots": [dataclasses.asdict(s) for s in layout.slots],
+        "n_reductions": layout.n_reductions, "n_global": layout.n_global,
+        "sources": [dict(text=k.text, entry=k.entry, signature=k.signature, constexprs=k.constexprs,
+                         num_warps=k.num_warps, num_stages=k.num_stages, meta=k.meta) for k in sources],
+    })
+    return layout, sources
 
 
 def _dtype_plan(rule: Rule, options: Options, param_dtype: str, grad_dtype: str) -> tuple:
@@ -85,7 +126,7 @@ class _Launch:
     """Everything one launch needs, valid while the signature it was built for holds."""
 
     kernels: list  # one per phase
-    plan: OptimPlan
+    plan: StepLayout
     tables: Tables
     scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
     red: torch.Tensor  # fp32 [n_tensors, n_reductions]: per-tensor reduction results
@@ -119,7 +160,7 @@ class _Source:
         return "\n\n".join(src.text for src in sources)
 
 
-class FuserOptimizer(torch.optim.Optimizer):
+class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     """Base of every compiled optimizer. Subclasses set ``rule`` and ``options``.
 
     Built-ins whose constructors take torch.optim's keywords call ``_init_fuser`` with
@@ -333,15 +374,17 @@ class FuserOptimizer(torch.optim.Optimizer):
             tables = build_tables(rows, [gi for _, _, gi in members], block, device,
                                   [p.numel() for p, _, _ in members])
             scalars = self._pack_scalars(members, scalar_names, device)
-            nred = max(1, len(plan.reductions))
+            nred = max(1, plan.n_reductions)
             red = torch.zeros(tables.n_tensors, nred, device=device)
-            partials = torch.zeros(tables.n_blocks if plan.reductions else 1, nred, device=device)
+            partials = torch.zeros(tables.n_blocks if plan.n_reductions else 1, nred, device=device)
             grad_column = [sl.name for sl in plan.slots].index("g")
             part = n_parts.get(device, 0)
             n_parts[device] = part + 1
             launches.append(_Launch(kernels, plan, tables, scalars, red, partials,
                                     [m[0] for m in indexed], grad_column, part))
         eng = self._fuser
+        logger.info("%s: tables rebuilt for %d tensors in %d launch group(s)", type(self).__name__,
+                    len(items), len(launches))
         eng.launches = launches
         eng.n_parts = n_parts
         n_global = max(1, launches[0].plan.n_global)

@@ -153,8 +153,9 @@ class _Walker:
             if type(node.op) not in _AUGOPS:
                 raise self.error(node, f"operator {type(node.op).__name__} is not supported")
             target = node.target
-            current = self.name(ast.Name(id=target.id, ctx=ast.Load(), lineno=node.lineno,
-                                         col_offset=node.col_offset))
+            current = self.name(
+                ast.Name(id=target.id, ctx=ast.Load(), lineno=node.lineno, col_offset=node.col_offset)
+            )
             value = _BINOPS[type(node.op)](current, self.expr(node.value))
         elif isinstance(node, ast.AnnAssign):
             raise self.error(node, "annotated assignments are not allowed")
@@ -199,8 +200,7 @@ class _Walker:
         if isinstance(node, ast.BinOp):
             op = _BINOPS.get(type(node.op))
             if op is None:
-                raise self.error(node, f"operator {type(node.op).__name__} is not supported "
-                                       "(use + - * / **)")
+                raise self.error(node, f"operator {type(node.op).__name__} is not supported (use + - * / **)")
             return self.finite(node, op(self.expr(node.left), self.expr(node.right)))
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
@@ -217,8 +217,7 @@ class _Walker:
             return ELEMENTWISE["where"][0](cond, self.expr(node.body), self.expr(node.orelse))
         if isinstance(node, ast.Compare):
             if not condition:
-                raise self.error(node, "comparisons are only allowed as the condition of "
-                                       "where(cond, a, b)")
+                raise self.error(node, "comparisons are only allowed as the condition of where(cond, a, b)")
             left = self.expr(node.left)
             parts = []
             for op, right_node in zip(node.ops, node.comparators):
@@ -244,8 +243,11 @@ class _Walker:
         return cond
 
     def subscript(self, node: ast.Subscript):
-        if (isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name)
-                and (node.value.id, node.slice.id) in self.lang.subscripts):
+        if (
+            isinstance(node.value, ast.Name)
+            and isinstance(node.slice, ast.Name)
+            and (node.value.id, node.slice.id) in self.lang.subscripts
+        ):
             build = self.lang.subscripts[(node.value.id, node.slice.id)]
             return build(self.name(node.value))
         if self.lang.subscripts:
@@ -256,8 +258,9 @@ class _Walker:
     def call(self, node: ast.Call):
         if not isinstance(node.func, ast.Name):
             if isinstance(node.func, ast.Attribute):
-                raise self.error(node, "attribute access is not allowed: call functions by their "
-                                       "bare name, e.g. sqrt(v)")
+                raise self.error(
+                    node, "attribute access is not allowed: call functions by their bare name, e.g. sqrt(v)"
+                )
             raise self.error(node, "only named functions can be called")
         fname = node.func.id
         if node.keywords:
@@ -273,8 +276,9 @@ class _Walker:
             raise self.error(node, f"unknown function {fname!r} (allowed: {allowed})")
         builder, nargs = entry
         if len(node.args) != nargs:
-            raise self.error(node, f"{fname}() takes {nargs} argument{'s' * (nargs > 1)}, "
-                                   f"got {len(node.args)}")
+            raise self.error(
+                node, f"{fname}() takes {nargs} argument{'s' * (nargs > 1)}, got {len(node.args)}"
+            )
         if fname == "where":
             args = [self.condition(node.args[0]), self.expr(node.args[1]), self.expr(node.args[2])]
         else:

@@ -52,8 +52,17 @@ class Rule:
         return dict(self.outputs)[name]
 
     def __repr__(self) -> str:
-        return f"<fuser.Rule {self.kind} {self.name!r}: " + "; ".join(
-            f"{s.target} = {s.expr}" for s in self.statements) + ">"
+        return (
+            f"<fuser.Rule {self.kind} {self.name!r}: "
+            + "; ".join(f"{s.target} = {s.expr}" for s in self.statements)
+            + ">"
+        )
+
+    def _repr_latex_(self) -> str:
+        """Jupyter shows a rule as math, statement by statement."""
+        from fuser.display import rule_latex
+
+        return rule_latex(self)
 
 
 def _identifier(name: str) -> str:
@@ -83,8 +92,7 @@ def _check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -
             raise RuleError(f"state {n!r} must start as a finite number or 'p', not {v!r}")
 
 
-def rule(source=None, *, name: str | None = None, hyper: dict | None = None,
-         state: dict | None = None):
+def rule(source=None, *, name: str | None = None, hyper: dict | None = None, state: dict | None = None):
     """Define an optimizer update rule from text or a function.
 
     Text: statements such as ``m = beta1 * m + (1 - beta1) * g``, run in order; it reads
@@ -121,8 +129,15 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None,
         raise e.with_rule(rule_name) from None
     outputs = [("p", env["p"])]
     outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
-    return Rule("optim", _identifier(rule_name), text, tuple(hyper.items()),
-                tuple(state.items()), tuple(statements), tuple(outputs))
+    return Rule(
+        "optim",
+        _identifier(rule_name),
+        text,
+        tuple(hyper.items()),
+        tuple(state.items()),
+        tuple(statements),
+        tuple(outputs),
+    )
 
 
 def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
@@ -156,12 +171,15 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
     keyword_only = {*hyper, "step", "numel"}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise RuleError(f"the rule function may not take *{pname} or **{pname}; name each input",
-                            line=first_line)
+            raise RuleError(
+                f"the rule function may not take *{pname} or **{pname}; name each input", line=first_line
+            )
         if param.kind == param.KEYWORD_ONLY:
             if pname not in keyword_only:
-                raise RuleError(f"keyword-only parameter {pname!r} is neither a hyperparameter "
-                                f"nor 'step'", line=first_line)
+                raise RuleError(
+                    f"keyword-only parameter {pname!r} is neither a hyperparameter nor 'step'",
+                    line=first_line,
+                )
             kwargs[pname] = symbol(pname)
         else:
             if pname not in element:
@@ -174,12 +192,16 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
         line = _traceback_line(e, fn)
-        raise RuleError(f"tracing failed: {type(e).__name__}: {e} (rule functions must use only "
-                        "arithmetic and fuser's functions, with no `if` on values)",
-                        line=line) from None
+        raise RuleError(
+            f"tracing failed: {type(e).__name__}: {e} (rule functions must use only "
+            "arithmetic and fuser's functions, with no `if` on values)",
+            line=line,
+        ) from None
     if not isinstance(result, dict):
-        raise RuleError(f"the rule function must return a dict such as dict(p=..., m=...), "
-                        f"not {type(result).__name__}", line=first_line)
+        raise RuleError(
+            f"the rule function must return a dict such as dict(p=..., m=...), not {type(result).__name__}",
+            line=first_line,
+        )
     if "p" not in result:
         raise RuleError("the rule never assigns p: return dict(p=..., ...)", line=first_line)
     env = {n: symbol(n) for n in lang.readable}
@@ -195,8 +217,9 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
             raise RuleError(f"the value returned for {key!r} is not finite", line=first_line)
         unknown = {s.name for s in value.free_symbols} - set(lang.readable)
         if unknown:
-            raise RuleError(f"the value returned for {key!r} uses unknown symbols {sorted(unknown)}",
-                            line=first_line)
+            raise RuleError(
+                f"the value returned for {key!r} uses unknown symbols {sorted(unknown)}", line=first_line
+            )
         env[key] = value
         statements.append(Statement(key, value, first_line or 0, 1))
     return src.strip("\n"), statements, env

@@ -10,14 +10,19 @@ from fuser.codegen.render import render_optim
 from fuser.ir import lower_optim
 
 RULES = {
-    "adamw": fuser.rule("""
+    "adamw": fuser.rule(
+        """
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g**2
         p = p - lr * weight_decay * p - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
-    """, name="adamw", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
-        state=dict(m=0.0, v=0.0)),
+    """,
+        name="adamw",
+        hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+        state=dict(m=0.0, v=0.0),
+    ),
     # A per-tensor scalar state (NAdam's running product) and every elementwise function.
-    "scalar_state": fuser.rule("""
+    "scalar_state": fuser.rule(
+        """
         mu = beta1 * (1 - 0.5 * 0.96 ** (step * psi))
         mu_product = mu_product * mu
         m = beta1 * m + (1 - beta1) * g
@@ -25,7 +30,11 @@ RULES = {
         u = u + rsqrt(1 + g * g) + clamp(g, -1, 1) + minimum(g, m) * maximum(g, m) + sign(g)
         u = where(g > 0 and m < 1, u, -u) + g ** 1.5 * 0
         p = p - lr * (1 - mu) * u / (1 - mu_product)
-    """, name="scalar_state", hyper=dict(lr=1e-3, beta1=0.9, psi=0.004), state=dict(m=0.0, mu_product=1.0)),
+    """,
+        name="scalar_state",
+        hyper=dict(lr=1e-3, beta1=0.9, psi=0.004),
+        state=dict(m=0.0, mu_product=1.0),
+    ),
 }
 
 
@@ -35,19 +44,30 @@ def compile_for(source, capability):
     return result.binary.read_bytes()
 
 
-RULES["clipped_lamb"] = fuser.rule("""
+RULES["clipped_lamb"] = fuser.rule(
+    """
     c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
     m = beta1 * m + (1 - beta1) * c
     u = m / (1 - beta1**step) + wd * p
     p = p - lr * norm(p) / norm(u) * u * amax(abs(c)) / (sum(abs(c)) / numel + mean(c) ** 2)
-""", name="clipped_lamb", hyper=dict(lr=1e-3, beta1=0.9, wd=0.01, max_norm=1.0), state=dict(m=0.0))
+""",
+    name="clipped_lamb",
+    hyper=dict(lr=1e-3, beta1=0.9, wd=0.01, max_norm=1.0),
+    state=dict(m=0.0),
+)
 
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize("dtypes, sr", [({}, False), ({"p": "bf16", "g": "bf16", "m": "bf16"}, False),
-                                        ({"p": "fp16", "g": "fp16"}, False),
-                                        ({"p": "bf16", "m": "fp16"}, True)])
+@pytest.mark.parametrize(
+    "dtypes, sr",
+    [
+        ({}, False),
+        ({"p": "bf16", "g": "bf16", "m": "bf16"}, False),
+        ({"p": "fp16", "g": "fp16"}, False),
+        ({"p": "bf16", "m": "fp16"}, True),
+    ],
+)
 def test_kernel_compiles_ahead_of_time(rule, capability, dtypes, sr):
     for source in render_optim(lower_optim(RULES[rule], dtypes, stochastic_rounding=sr)):
         cubin = compile_for(source, capability)

@@ -21,8 +21,12 @@ ADAMW = """
 
 
 def adamw_rule():
-    return fuser.rule(ADAMW, name="adamw", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                                      weight_decay=0.01), state=dict(m=0.0, v=0.0))
+    return fuser.rule(
+        ADAMW,
+        name="adamw",
+        hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+        state=dict(m=0.0, v=0.0),
+    )
 
 
 def test_rendering_is_byte_identical_in_process():
@@ -45,8 +49,9 @@ def test_rendering_is_byte_identical_across_processes():
     digests = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         digests.add(out.stdout.strip())
     here = render_optim(lower_optim(adamw_rule(), {"p": "fp16"}))[0].text
     import hashlib
@@ -92,7 +97,7 @@ def test_cse_computes_each_updated_moment_once():
 
 def test_constants_fold():
     r = fuser.rule("p = p - (2 * 3 - 5) * lr * g * (4 / 2)", name="fold", hyper=dict(lr=0.1))
-    (_, e), = lower_optim(r).phases[0].stores
+    ((_, e),) = lower_optim(r).phases[0].stores
     assert all(n in (-2, 1, -1, 2) or n.is_Symbol for n in e.atoms(sympy.Number))
 
 

@@ -10,8 +10,7 @@ IGNORE = -100
 LOW_PRECISION = {torch.bfloat16, torch.float16}
 
 
-def make_inputs(dtype=torch.float32, *, bias=True, ignore="some", seed=None, shape=(T,), h=H, v=V,
-                scale=1.0):
+def make_inputs(dtype=torch.float32, *, bias=True, ignore="some", seed=None, shape=(T,), h=H, v=V, scale=1.0):
     """Fresh random hidden [*shape, h], weight [v, h], bias [v] and target [*shape]."""
     g = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
     hidden = torch.randn(*shape, h, generator=g) * scale
@@ -28,8 +27,9 @@ def make_inputs(dtype=torch.float32, *, bias=True, ignore="some", seed=None, sha
     return hidden, weight, b, target
 
 
-def reference(per_token, hidden, weight, bias, target, *, reduction="mean", grad_out=None,
-              round_logits_to=None):
+def reference(
+    per_token, hidden, weight, bias, target, *, reduction="mean", grad_out=None, round_logits_to=None
+):
     """Loss and gradients of ``per_token(z, y)`` on ``z = hidden @ weight.T + bias`` in float64.
 
     ``per_token`` maps logits [N, V] and safe targets [N] to per-token losses [N].

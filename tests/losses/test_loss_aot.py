@@ -33,3 +33,13 @@ def test_fp16_cross_entropy_compiles(capability):
     (source,) = fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "fp16")
     cubin = compile_for(source, capability)
     assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("name", ["cross_entropy_full", "entropy_regularized_cross_entropy", "max_margin"])
+def test_vocab_parallel_kernels_compile_ahead_of_time(name, capability):
+    sources = fuser.losses.kernel_sources(RULES[name], "bf16", vocab_parallel=True)
+    assert len(sources) >= 2  # a sweep per reduction pass, then the loss and gradient
+    for source in sources:
+        cubin = compile_for(source, capability)
+        assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

@@ -20,11 +20,23 @@ def test_cross_entropy_on_gpu_against_float64(dtype, reduction):
     grad_out = torch.rand(4, 301) + 0.5 if reduction == "none" else torch.tensor(1.0)
     out = fuser.losses.cross_entropy(x, w, target.cuda(), bb, reduction=reduction)
     (out * grad_out.cuda().to(out.dtype)).sum().backward()
-    ref = reference(cross_entropy, hidden, weight, b, target, reduction=reduction,
-                    grad_out=grad_out.to(dtype).float(), round_logits_to=dtype)
+    ref = reference(
+        cross_entropy,
+        hidden,
+        weight,
+        b,
+        target,
+        reduction=reduction,
+        grad_out=grad_out.to(dtype).float(),
+        round_logits_to=dtype,
+    )
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for a, e, n in ((out, ref[0], "loss"), (x.grad, ref[1], "hidden"), (w.grad, ref[2], "weight"),
-                    (bb.grad, ref[3], "bias")):
+    for a, e, n in (
+        (out, ref[0], "loss"),
+        (x.grad, ref[1], "hidden"),
+        (w.grad, ref[2], "weight"),
+        (bb.grad, ref[3], "bias"),
+    ):
         assert_close(a.cpu(), e, tol, n)
 
 

@@ -24,19 +24,22 @@ def softcap_rule():
     return fuser.loss(SOFTCAP, name="softcap_ce_zloss", hyper=dict(cap=30.0, z_loss=1e-4))
 
 
-@pytest.mark.parametrize("text, line, col, message", [
-    ("lse = logsumexp(z)", 1, None, "never assigns loss"),
-    ("loss = logsumexp(z) - z", 1, 1, "z outside a reduction"),
-    ("loss = logsumexp(z) - y", 1, 1, "target index"),
-    ("loss = logsumexp(z) - z[y]\nloss = loss + sum(z_loss)", 2, 1, "does not depend on z"),
-    ("loss = logsumexp(z) - z[0]", 1, 23, r"subscripts are not allowed except z\[y\]"),
-    ("loss = logsumexp(z) - z[y] + norm(z)", 1, 30, "unknown function 'norm'"),
-    ("y = 3\nloss = z[y]", 1, 1, "input of the rule"),
-    ("loss = logsumexp(z, 2) - z[y]", 1, 8, "takes 1 argument"),
-    ("loss = __import__('os')", 1, 8, "unknown function"),
-    ("loss = logsumexp(z) - z[y] +", 1, None, "syntax error"),
-    ("loss = z_los * logsumexp(z)", 1, 8, "unknown name 'z_los'"),
-])
+@pytest.mark.parametrize(
+    "text, line, col, message",
+    [
+        ("lse = logsumexp(z)", 1, None, "never assigns loss"),
+        ("loss = logsumexp(z) - z", 1, 1, "z outside a reduction"),
+        ("loss = logsumexp(z) - y", 1, 1, "target index"),
+        ("loss = logsumexp(z) - z[y]\nloss = loss + sum(z_loss)", 2, 1, "does not depend on z"),
+        ("loss = logsumexp(z) - z[0]", 1, 23, r"subscripts are not allowed except z\[y\]"),
+        ("loss = logsumexp(z) - z[y] + norm(z)", 1, 30, "unknown function 'norm'"),
+        ("y = 3\nloss = z[y]", 1, 1, "input of the rule"),
+        ("loss = logsumexp(z, 2) - z[y]", 1, 8, "takes 1 argument"),
+        ("loss = __import__('os')", 1, 8, "unknown function"),
+        ("loss = logsumexp(z) - z[y] +", 1, None, "syntax error"),
+        ("loss = z_los * logsumexp(z)", 1, 8, "unknown name 'z_los'"),
+    ],
+)
 def test_rule_errors_name_line_and_column(text, line, col, message):
     with pytest.raises(fuser.RuleError, match=message) as err:
         fuser.loss(text, name="bad", hyper=dict(z_loss=1e-4))
@@ -119,10 +122,16 @@ def test_rendering_is_byte_identical_across_processes():
     outs = set()
     for seed in ("0", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                check=True).stdout)
-    here = "".join(hashlib.sha256(s.text.encode()).hexdigest() + "\n"
-                   for r in fuser.losses.builtins.RULES for s in fuser.losses.kernel_sources(r, "bf16"))
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
+    here = "".join(
+        hashlib.sha256(s.text.encode()).hexdigest() + "\n"
+        for r in fuser.losses.builtins.RULES
+        for s in fuser.losses.kernel_sources(r, "bf16")
+    )
     outs.add(here)
     assert len(outs) == 1
 

@@ -37,8 +37,17 @@ def check(got, ref, tol, dtype):
         assert_close(gb, rgb, tol, "grad bias")
 
 
+# torch.nn.functional.linear_cross_entropy exists from torch 2.13 (the GPU image has 2.11).
+needs_torch_lce = pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "linear_cross_entropy"),
+    reason="this torch has no torch.nn.functional.linear_cross_entropy",
+)
+
+
 # --- built-in cross-entropy against torch's own linear_cross_entropy ------------------------------
 
+
+@needs_torch_lce
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore", ["none", "some"])
 def test_cross_entropy_matches_torch_linear_cross_entropy(reduction, ignore):
@@ -50,8 +59,9 @@ def test_cross_entropy_matches_torch_linear_cross_entropy(reduction, ignore):
     x = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     bb = b.clone().requires_grad_() if b is not None else None
-    ref = torch.nn.functional.linear_cross_entropy(x, w, target, linear_bias=bb, reduction=reduction,
-                                                   ignore_index=IGNORE)
+    ref = torch.nn.functional.linear_cross_entropy(
+        x, w, target, linear_bias=bb, reduction=reduction, ignore_index=IGNORE
+    )
     (ref * grad_out).sum().backward()
     assert_close(got[0], ref.detach().double(), 1e-5, "loss")
     assert_close(got[1], x.grad.double(), 1e-5, "grad hidden")
@@ -60,14 +70,21 @@ def test_cross_entropy_matches_torch_linear_cross_entropy(reduction, ignore):
         assert_close(got[3], bb.grad.double(), 1e-5, "grad bias")
 
 
+@needs_torch_lce
 def test_cross_entropy_label_smoothing_and_batched_input_match_torch():
     hidden, weight, b, target = make_inputs(shape=(3, 11))
     got = run(fuser.losses.cross_entropy, hidden, weight, b, target, label_smoothing=0.1)
     x = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     bb = b.clone().requires_grad_()
-    ref = torch.nn.functional.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, target.reshape(-1),
-                                                   linear_bias=bb, label_smoothing=0.1, ignore_index=IGNORE)
+    ref = torch.nn.functional.linear_cross_entropy(
+        x.reshape(-1, x.shape[-1]),
+        w,
+        target.reshape(-1),
+        linear_bias=bb,
+        label_smoothing=0.1,
+        ignore_index=IGNORE,
+    )
     ref.backward()
     assert got[1].shape == hidden.shape
     assert_close(got[0], ref.detach().double(), 1e-5, "loss")
@@ -84,12 +101,22 @@ def test_cross_entropy_all_options_against_float64():
         lse = torch.logsumexp(z, 1)
         return (lse - (1 - ls) * z.gather(1, y[:, None])[:, 0] - ls * z.mean(1)) + zl * lse**2
 
-    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, softcap=cap, temperature=temp,
-              label_smoothing=ls, z_loss=zl)
+    got = run(
+        fuser.losses.cross_entropy,
+        hidden,
+        weight,
+        b,
+        target,
+        softcap=cap,
+        temperature=temp,
+        label_smoothing=ls,
+        z_loss=zl,
+    )
     check(got, reference(per_token, hidden, weight, b, target), 2e-5, torch.float32)
 
 
 # --- user rules, including ones no built-in covers ------------------------------------------------
+
 
 def _softcap_zloss(z, y):
     z = 3.0 * torch.tanh(z / 3.0)
@@ -142,35 +169,63 @@ def _shift_clamp(z, y):
 
 
 USER_RULES = {
-    "softcap_zloss": ("""
+    "softcap_zloss": (
+        """
         z = cap * tanh(z / cap)
         lse = logsumexp(z)
         loss = lse - z[y] + z_loss * lse**2
-    """, dict(cap=3.0, z_loss=1e-2), _softcap_zloss),
-    "max_margin": ("""
+    """,
+        dict(cap=3.0, z_loss=1e-2),
+        _softcap_zloss,
+    ),
+    "max_margin": (
+        """
         m = max(z)
         loss = m - z[y] + 0.1 * mean(where(z > 0, z, 0.5 * z))
-    """, {}, _max_margin),
-    "relative_to_target": ("""
+    """,
+        {},
+        _max_margin,
+    ),
+    "relative_to_target": (
+        """
         loss = log(sum(exp(z - z[y]))) + 0.1 * sigmoid(z[y])
-    """, {}, _relative_to_target),
-    "nested": ("""
+    """,
+        {},
+        _relative_to_target,
+    ),
+    "nested": (
+        """
         m = mean(z)
         z = z * z / (1 + m * m) + log1p(exp(-abs(z)))
         loss = logsumexp(z) - z[y]
-    """, {}, _nested),
-    "lse_of_lse": ("""
+    """,
+        {},
+        _nested,
+    ),
+    "lse_of_lse": (
+        """
         a = logsumexp(z)
         loss = logsumexp(z * a / 10) - z[y] * a / 10
-    """, {}, _lse_of_lse),
-    "shift_clamp": ("""
+    """,
+        {},
+        _lse_of_lse,
+    ),
+    "shift_clamp": (
+        """
         z = clamp(z - z[y], -4, 4)
         loss = logsumexp(where(z > 0, 2 * z, z)) + sum(log1p(exp(-abs(z)))) / 50
-    """, {}, _shift_clamp),
-    "max_of_scaled": ("""
+    """,
+        {},
+        _shift_clamp,
+    ),
+    "max_of_scaled": (
+        """
         s = mean(z)
         loss = max(z * (1 + s**2)) - z[y]
-    """, {}, _max_of_scaled),
+    """,
+        {},
+        _max_of_scaled,
+    ),
 }
 
 
@@ -189,13 +244,23 @@ def test_entropy_regularized_builtin_across_chunks_and_blocks():
     rule = fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY
     f = fuser.compile(rule, chunk_size=16, block=64)
     grad_out = torch.rand(T) + 0.5
-    got = run(f, hidden, weight, b, target, reduction="none", grad_out=grad_out, entropy_coef=0.2,
-              temperature=1.3)
+    got = run(
+        f, hidden, weight, b, target, reduction="none", grad_out=grad_out, entropy_coef=0.2, temperature=1.3
+    )
     ref = reference(_entropy_regularized, hidden, weight, b, target, reduction="none", grad_out=grad_out)
     check(got, ref, 5e-5, torch.float32)
     # the user-facing function is the same rule
-    got2 = run(fuser.losses.entropy_regularized_cross_entropy, hidden, weight, b, target, reduction="none",
-               grad_out=grad_out, entropy_coef=0.2, temperature=1.3)
+    got2 = run(
+        fuser.losses.entropy_regularized_cross_entropy,
+        hidden,
+        weight,
+        b,
+        target,
+        reduction="none",
+        grad_out=grad_out,
+        entropy_coef=0.2,
+        temperature=1.3,
+    )
     check(got2, ref, 5e-5, torch.float32)
 
 
@@ -220,6 +285,7 @@ def test_traced_function_rule_equals_text_rule():
 
 # --- reductions, ignore patterns, low precision -----------------------------------------------------
 
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
     hidden, weight, b, target = make_inputs(ignore="all")
@@ -237,8 +303,9 @@ def test_low_precision_inputs(dtype, reduction):
     text, hyper, per_token = USER_RULES["softcap_zloss"]
     f = fuser.compile(fuser.loss(text, name="softcap_zloss", hyper=hyper), chunk_size=20)
     got = run(f, hidden, weight, b, target, reduction=reduction, grad_out=grad_out)
-    ref = reference(per_token, hidden, weight, b, target, reduction=reduction, grad_out=grad_out,
-                    round_logits_to=dtype)
+    ref = reference(
+        per_token, hidden, weight, b, target, reduction=reduction, grad_out=grad_out, round_logits_to=dtype
+    )
     check(got, ref, TOL[dtype], dtype)
 
 
@@ -249,7 +316,7 @@ def test_bf16_target_gradient_is_rounded_once():
     hidden, weight, b, target = make_inputs(torch.bfloat16, ignore="none", shape=(1,))
     y = target[0]
     z = hidden.double() @ weight.double().T + b.double()
-    others = torch.logsumexp(torch.cat([z[0, :y], z[0, y + 1:]]), 0)
+    others = torch.logsumexp(torch.cat([z[0, :y], z[0, y + 1 :]]), 0)
     b = b.double()
     b[y] += others + 6.5 - z[0, y]  # 1 - p_y = about exp(-6.5) = 1.5e-3
     b = b.to(torch.bfloat16)
@@ -285,6 +352,7 @@ def test_launches_one_kernel_per_chunk():
 
 # --- Megatron's main_grad ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("flag", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_main_grad_accumulation(flag, reduction):
@@ -298,8 +366,16 @@ def test_main_grad_accumulation(flag, reduction):
     grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(2.5)
     out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
     (out * grad_out.to(out.dtype)).sum().backward()
-    ref = reference(cross_entropy, hidden, weight, None, target, reduction=reduction,
-                    grad_out=grad_out.to(torch.bfloat16).float(), round_logits_to=torch.bfloat16)
+    ref = reference(
+        cross_entropy,
+        hidden,
+        weight,
+        None,
+        target,
+        reduction=reduction,
+        grad_out=grad_out.to(torch.bfloat16).float(),
+        round_logits_to=torch.bfloat16,
+    )
     assert_close(w.main_grad - start, ref[2], 2e-2, "main_grad increment")
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
     if flag:
@@ -327,6 +403,7 @@ def test_out_of_range_target_poisons_the_loss():
     assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(T) != 3]).all()
 
 
+@needs_torch_lce
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_cross_entropy_matches_torch(dtype):
     hidden, weight, b, target = make_inputs(dtype, shape=(3, 13))
@@ -335,8 +412,14 @@ def test_low_precision_cross_entropy_matches_torch(dtype):
     x = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     bb = b.clone().requires_grad_()
-    ref = torch.nn.functional.linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, target.reshape(-1),
-                                                   linear_bias=bb, reduction="none", ignore_index=IGNORE)
+    ref = torch.nn.functional.linear_cross_entropy(
+        x.reshape(-1, x.shape[-1]),
+        w,
+        target.reshape(-1),
+        linear_bias=bb,
+        reduction="none",
+        ignore_index=IGNORE,
+    )
     ref = ref.reshape(3, 13)
     (ref * grad_out.to(dtype)).sum().backward()
     assert got[0].shape == (3, 13) and got[0].dtype == dtype

@@ -31,8 +31,9 @@ def make_grads(params, steps, seed):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        out.append([(torch.randn(p.shape, generator=gen) + 0.1).to(device=p.device, dtype=p.dtype)
-                    for p in params])
+        out.append(
+            [(torch.randn(p.shape, generator=gen) + 0.1).to(device=p.device, dtype=p.dtype) for p in params]
+        )
     return out
 
 
@@ -52,8 +53,13 @@ def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
     (when above 1): an element that is a near-cancelling sum of terms that large carries
     their rounding, e.g. a momentum buffer of +-10-sized gradient steps."""
     scale = max(1.0, expected.double().abs().max().item())
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol * scale,
-                               msg=(lambda m: f"{what}: {m}") if what else None)
+    torch.testing.assert_close(
+        actual.double(),
+        expected.double(),
+        rtol=rtol,
+        atol=atol * scale,
+        msg=(lambda m: f"{what}: {m}") if what else None,
+    )
 
 
 def assert_same_state(fopt, fparams, topt, tparams, keys, rtol=RTOL, atol=ATOL):
@@ -70,50 +76,111 @@ def assert_same_state(fopt, fparams, topt, tparams, keys, rtol=RTOL, atol=ATOL):
 TORCH_CASES = {
     "sgd": (fo.SGD, torch.optim.SGD, dict(lr=0.1), [], 5),
     "sgd-wd-maximize": (fo.SGD, torch.optim.SGD, dict(lr=0.05, weight_decay=0.1, maximize=True), [], 5),
-    "sgd-momentum": (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
-                     ["momentum_buffer"], 5),
-    "sgd-nesterov": (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True),
-                     ["momentum_buffer"], 5),
+    "sgd-momentum": (
+        fo.SGD,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+        ["momentum_buffer"],
+        5,
+    ),
+    "sgd-nesterov": (
+        fo.SGD,
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True),
+        ["momentum_buffer"],
+        5,
+    ),
     "adam": (fo.Adam, torch.optim.Adam, dict(lr=1e-2), ["exp_avg", "exp_avg_sq"], 5),
     "adam-tensor-lr": (fo.Adam, torch.optim.Adam, dict(lr=torch.tensor(3e-2)), ["exp_avg", "exp_avg_sq"], 5),
-    "adam-l2-amsgrad": (fo.Adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1,
-                                                         amsgrad=True),
-                        ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], 6),
-    "adam-decoupled-maximize": (fo.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, maximize=True,
-                                                                 decoupled_weight_decay=True),
-                                ["exp_avg", "exp_avg_sq"], 5),
+    "adam-l2-amsgrad": (
+        fo.Adam,
+        torch.optim.Adam,
+        dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, amsgrad=True),
+        ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+        6,
+    ),
+    "adam-decoupled-maximize": (
+        fo.Adam,
+        torch.optim.Adam,
+        dict(lr=1e-2, weight_decay=0.1, maximize=True, decoupled_weight_decay=True),
+        ["exp_avg", "exp_avg_sq"],
+        5,
+    ),
     "adamw": (fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), ["exp_avg", "exp_avg_sq"], 5),
-    "adamw-amsgrad-maximize": (fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.7, 0.8), amsgrad=True,
-                                                                maximize=True),
-                               ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], 6),
+    "adamw-amsgrad-maximize": (
+        fo.AdamW,
+        torch.optim.AdamW,
+        dict(lr=1e-2, betas=(0.7, 0.8), amsgrad=True, maximize=True),
+        ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+        6,
+    ),
     "adagrad": (fo.Adagrad, torch.optim.Adagrad, dict(lr=0.1), ["sum"], 5),
-    "adagrad-decay-init-wd-maximize": (fo.Adagrad, torch.optim.Adagrad,
-                                       dict(lr=0.1, lr_decay=0.05, initial_accumulator_value=0.5,
-                                            weight_decay=0.1, eps=1e-6, maximize=True), ["sum"], 5),
+    "adagrad-decay-init-wd-maximize": (
+        fo.Adagrad,
+        torch.optim.Adagrad,
+        dict(lr=0.1, lr_decay=0.05, initial_accumulator_value=0.5, weight_decay=0.1, eps=1e-6, maximize=True),
+        ["sum"],
+        5,
+    ),
     "rmsprop": (fo.RMSprop, torch.optim.RMSprop, dict(lr=1e-2), ["square_avg"], 5),
-    "rmsprop-centered-wd": (fo.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, centered=True, weight_decay=0.1,
-                                                                  alpha=0.9),
-                            ["square_avg", "grad_avg"], 5),
-    "rmsprop-momentum-maximize": (fo.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.9, maximize=True),
-                                  ["square_avg", "momentum_buffer"], 5),
-    "rmsprop-centered-momentum": (fo.RMSprop, torch.optim.RMSprop,
-                                  dict(lr=1e-2, momentum=0.5, centered=True, eps=1e-3),
-                                  ["square_avg", "grad_avg", "momentum_buffer"], 5),
+    "rmsprop-centered-wd": (
+        fo.RMSprop,
+        torch.optim.RMSprop,
+        dict(lr=1e-2, centered=True, weight_decay=0.1, alpha=0.9),
+        ["square_avg", "grad_avg"],
+        5,
+    ),
+    "rmsprop-momentum-maximize": (
+        fo.RMSprop,
+        torch.optim.RMSprop,
+        dict(lr=1e-2, momentum=0.9, maximize=True),
+        ["square_avg", "momentum_buffer"],
+        5,
+    ),
+    "rmsprop-centered-momentum": (
+        fo.RMSprop,
+        torch.optim.RMSprop,
+        dict(lr=1e-2, momentum=0.5, centered=True, eps=1e-3),
+        ["square_avg", "grad_avg", "momentum_buffer"],
+        5,
+    ),
     "nadam": (fo.NAdam, torch.optim.NAdam, dict(lr=1e-2), ["exp_avg", "exp_avg_sq", "mu_product"], 5),
-    "nadam-l2-fast-decay": (fo.NAdam, torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, momentum_decay=0.1,
-                                                              betas=(0.8, 0.95)),
-                            ["exp_avg", "exp_avg_sq", "mu_product"], 5),
-    "nadam-decoupled-maximize": (fo.NAdam, torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, maximize=True,
-                                                                   decoupled_weight_decay=True),
-                                 ["exp_avg", "exp_avg_sq", "mu_product"], 5),
+    "nadam-l2-fast-decay": (
+        fo.NAdam,
+        torch.optim.NAdam,
+        dict(lr=1e-2, weight_decay=0.1, momentum_decay=0.1, betas=(0.8, 0.95)),
+        ["exp_avg", "exp_avg_sq", "mu_product"],
+        5,
+    ),
+    "nadam-decoupled-maximize": (
+        fo.NAdam,
+        torch.optim.NAdam,
+        dict(lr=1e-2, weight_decay=0.1, maximize=True, decoupled_weight_decay=True),
+        ["exp_avg", "exp_avg_sq", "mu_product"],
+        5,
+    ),
     # beta2 = 0.9: rho_t crosses 5 at step 6, so both of torch's branches run.
-    "radam-rectified": (fo.RAdam, torch.optim.RAdam, dict(lr=1e-2, betas=(0.9, 0.9)),
-                        ["exp_avg", "exp_avg_sq"], 8),
-    "radam-l2-maximize": (fo.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, maximize=True),
-                          ["exp_avg", "exp_avg_sq"], 5),
-    "radam-decoupled": (fo.RAdam, torch.optim.RAdam, dict(lr=1e-2, betas=(0.5, 0.9), weight_decay=0.1,
-                                                          decoupled_weight_decay=True),
-                        ["exp_avg", "exp_avg_sq"], 7),
+    "radam-rectified": (
+        fo.RAdam,
+        torch.optim.RAdam,
+        dict(lr=1e-2, betas=(0.9, 0.9)),
+        ["exp_avg", "exp_avg_sq"],
+        8,
+    ),
+    "radam-l2-maximize": (
+        fo.RAdam,
+        torch.optim.RAdam,
+        dict(lr=1e-2, weight_decay=0.1, maximize=True),
+        ["exp_avg", "exp_avg_sq"],
+        5,
+    ),
+    "radam-decoupled": (
+        fo.RAdam,
+        torch.optim.RAdam,
+        dict(lr=1e-2, betas=(0.5, 0.9), weight_decay=0.1, decoupled_weight_decay=True),
+        ["exp_avg", "exp_avg_sq"],
+        7,
+    ),
 }
 
 
@@ -144,6 +211,7 @@ def test_radam_rectification_switches_on_at_torch_step():
 
 
 # --- float64 references from the papers --------------------------------------------------------
+
 
 def lion_reference(p, grads, lr, betas, weight_decay):
     """Chen et al. 2023, Program 1: update = sign(interp(m, g, beta1)); m = interp(m, g, beta2);
@@ -210,19 +278,41 @@ def adan_reference(p, grads, lr, betas, eps, weight_decay, no_prox=False):
 # (fuser class, constructor keywords, reference, reference keywords, steps)
 PAPER_CASES = {
     "lion": (fo.Lion, dict(lr=1e-3), lion_reference, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0), 5),
-    "lion-wd": (fo.Lion, dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.5), lion_reference,
-                dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.5), 5),
-    "ademamix": (fo.AdEMAMix, dict(lr=1e-2), ademamix_reference,
-                 dict(lr=1e-2, betas=(0.9, 0.999, 0.9999), alpha=2.0, eps=1e-8, weight_decay=0.0), 5),
-    "ademamix-warmup-wd": (fo.AdEMAMix, dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=5.0, alpha_warmup=4,
-                                             beta3_warmup=3, weight_decay=0.1),
-                           ademamix_reference, dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=5.0, eps=1e-8,
-                                                    weight_decay=0.1, t_alpha=4, t_beta3=3), 6),
-    "adan": (fo.Adan, dict(lr=1e-2, weight_decay=0.1), adan_reference,
-             dict(lr=1e-2, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.1), 5),
-    "adan-no-prox": (fo.Adan, dict(lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.1, no_prox=True),
-                     adan_reference, dict(lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-8, weight_decay=0.1,
-                                          no_prox=True), 5),
+    "lion-wd": (
+        fo.Lion,
+        dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.5),
+        lion_reference,
+        dict(lr=3e-3, betas=(0.95, 0.98), weight_decay=0.5),
+        5,
+    ),
+    "ademamix": (
+        fo.AdEMAMix,
+        dict(lr=1e-2),
+        ademamix_reference,
+        dict(lr=1e-2, betas=(0.9, 0.999, 0.9999), alpha=2.0, eps=1e-8, weight_decay=0.0),
+        5,
+    ),
+    "ademamix-warmup-wd": (
+        fo.AdEMAMix,
+        dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=5.0, alpha_warmup=4, beta3_warmup=3, weight_decay=0.1),
+        ademamix_reference,
+        dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=5.0, eps=1e-8, weight_decay=0.1, t_alpha=4, t_beta3=3),
+        6,
+    ),
+    "adan": (
+        fo.Adan,
+        dict(lr=1e-2, weight_decay=0.1),
+        adan_reference,
+        dict(lr=1e-2, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.1),
+        5,
+    ),
+    "adan-no-prox": (
+        fo.Adan,
+        dict(lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.1, no_prox=True),
+        adan_reference,
+        dict(lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-8, weight_decay=0.1, no_prox=True),
+        5,
+    ),
 }
 
 
@@ -244,8 +334,11 @@ def test_matches_paper_reference(case, device):
 def test_maximize_on_paper_optimizers_is_minimizing_the_negation(device):
     params = make_params(device, seed=3)
     grads = make_grads(params, 3, seed=3)
-    for cls, kw in ((fo.Lion, dict(lr=1e-2, weight_decay=0.1)), (fo.AdEMAMix, dict(lr=1e-2)),
-                    (fo.Adan, dict(lr=1e-2, weight_decay=0.1))):
+    for cls, kw in (
+        (fo.Lion, dict(lr=1e-2, weight_decay=0.1)),
+        (fo.AdEMAMix, dict(lr=1e-2)),
+        (fo.Adan, dict(lr=1e-2, weight_decay=0.1)),
+    ):
         a, b = clones(params), clones(params)
         run(cls(a, maximize=True, **kw), a, grads)
         run(cls(b, **kw), b, [[-g for g in gs] for gs in grads])
@@ -254,6 +347,7 @@ def test_maximize_on_paper_optimizers_is_minimizing_the_negation(device):
 
 
 # --- bf16 parameters ---------------------------------------------------------------------------
+
 
 def torch_fp64_rounded(tcls, kw, params, grads, dtype):
     """torch.optim in float64 from the same low-precision inputs, rounding the parameter to
@@ -323,12 +417,24 @@ def test_bf16_lion_against_float64(device):
 # --- param groups, schedulers ------------------------------------------------------------------
 
 GROUP_CASES = {
-    "adam": (fo.Adam, torch.optim.Adam, dict(lr=1e-2),
-             [dict(lr=3e-2, betas=(0.8, 0.9), weight_decay=0.1), dict(eps=1e-3, maximize=True)]),
-    "sgd": (fo.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9),
-            [dict(lr=0.01, dampening=0.5), dict(momentum=0.5, weight_decay=0.2)]),
-    "rmsprop": (fo.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, centered=True),
-                [dict(alpha=0.9), dict(lr=1e-3, weight_decay=0.1)]),
+    "adam": (
+        fo.Adam,
+        torch.optim.Adam,
+        dict(lr=1e-2),
+        [dict(lr=3e-2, betas=(0.8, 0.9), weight_decay=0.1), dict(eps=1e-3, maximize=True)],
+    ),
+    "sgd": (
+        fo.SGD,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9),
+        [dict(lr=0.01, dampening=0.5), dict(momentum=0.5, weight_decay=0.2)],
+    ),
+    "rmsprop": (
+        fo.RMSprop,
+        torch.optim.RMSprop,
+        dict(lr=1e-2, centered=True),
+        [dict(alpha=0.9), dict(lr=1e-3, weight_decay=0.1)],
+    ),
 }
 
 
@@ -400,8 +506,11 @@ INTEROP_CASES = {
     "adamw-amsgrad": (fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
     "adam": (fo.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
     "sgd-momentum": (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1)),
-    "rmsprop-centered-momentum": (fo.RMSprop, torch.optim.RMSprop,
-                                  dict(lr=1e-2, momentum=0.9, centered=True)),
+    "rmsprop-centered-momentum": (
+        fo.RMSprop,
+        torch.optim.RMSprop,
+        dict(lr=1e-2, momentum=0.9, centered=True),
+    ),
     "adagrad": (fo.Adagrad, torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)),
     "nadam": (fo.NAdam, torch.optim.NAdam, dict(lr=1e-2)),
     "radam": (fo.RAdam, torch.optim.RAdam, dict(lr=1e-2, betas=(0.9, 0.9))),
@@ -499,8 +608,12 @@ def test_sgd_buffer_loaded_without_step_is_decayed_not_replaced(device):
     p = [torch.randn(7, device=device)]
     opt = fo.SGD(p, lr=0.1, momentum=0.9)
     buf = torch.randn(7, device=device)
-    opt.load_state_dict({"state": {0: {"momentum_buffer": buf.clone()}},
-                         "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])})
+    opt.load_state_dict(
+        {
+            "state": {0: {"momentum_buffer": buf.clone()}},
+            "param_groups": copy.deepcopy(opt.state_dict()["param_groups"]),
+        }
+    )
     start = p[0].clone()
     g = torch.randn(7, device=device)
     run(opt, p, [[g]])
@@ -540,6 +653,7 @@ def test_plain_sgd_keeps_its_step_count_across_a_load(device):
 
 
 # --- structure and construction ----------------------------------------------------------------
+
 
 def test_structural_options_must_agree_across_groups(device):
     a, b = torch.randn(3, device=device), torch.randn(5, device=device)

@@ -28,8 +28,11 @@ def adamw_reference(p, grads, lr, beta1, beta2, eps, weight_decay, round_to=None
         g = g.double()
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
-        p = p - lr * weight_decay * p - lr * (m / (1 - beta1**step)) / (
-            torch.sqrt(v / (1 - beta2**step)) + eps)
+        p = (
+            p
+            - lr * weight_decay * p
+            - lr * (m / (1 - beta1**step)) / (torch.sqrt(v / (1 - beta2**step)) + eps)
+        )
         if round_to is not None:
             p = p.to(round_to).double()
     return p, m, v
@@ -64,8 +67,9 @@ def test_text_rule_matches_float64_reference(device):
     opt = AdamW(params, lr=3e-2, weight_decay=0.1)
     run_steps(opt, params, grads)
     for i, p in enumerate(params):
-        want_p, want_m, want_v = adamw_reference(start[i], [gs[i] for gs in grads], lr=3e-2, beta1=0.9,
-                                                 beta2=0.999, eps=1e-8, weight_decay=0.1)
+        want_p, want_m, want_v = adamw_reference(
+            start[i], [gs[i] for gs in grads], lr=3e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1
+        )
         assert rel_err(p, want_p) < 1e-6
         assert rel_err(opt.state[p]["m"], want_m) < 1e-6
         assert rel_err(opt.state[p]["v"], want_v) < 1e-6
@@ -105,8 +109,9 @@ def test_generated_kernel_is_one_launch_and_readable():
 
 
 def test_500_tensors_update_in_one_launch_per_step(device):
-    rule = fuser.rule("m = mu * m + g\np = p - lr * m", name="momentum", hyper=dict(lr=0.1, mu=0.9),
-                      state=dict(m=0.0))
+    rule = fuser.rule(
+        "m = mu * m + g\np = p - lr * m", name="momentum", hyper=dict(lr=0.1, mu=0.9), state=dict(m=0.0)
+    )
     Momentum = fuser.compile(rule)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     sizes = torch.randint(1, 40, (517,), generator=gen).tolist()
@@ -126,8 +131,11 @@ def test_500_tensors_update_in_one_launch_per_step(device):
 
 
 def sgd_momentum():
-    return fuser.compile(fuser.rule("m = mu * m + g\np = p - lr * m", name="momentum",
-                                    hyper=dict(lr=0.1, mu=0.5), state=dict(m=0.0)))
+    return fuser.compile(
+        fuser.rule(
+            "m = mu * m + g\np = p - lr * m", name="momentum", hyper=dict(lr=0.1, mu=0.5), state=dict(m=0.0)
+        )
+    )
 
 
 def test_replacing_data_between_steps_rebuilds_tables(device):
@@ -215,7 +223,7 @@ def test_bad_gradients_raise_before_anything_changes(device):
     run_steps(opt, params, fresh_grads(params, 1))
     snapshot = [p.clone() for p in params]
     state = copy.deepcopy({i: dict(opt.state[p]) for i, p in enumerate(params)})
-    for i, p in enumerate(params):
+    for p in params:
         p.grad = torch.randn_like(p)
     params[3].grad = params[3].grad.to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
@@ -270,16 +278,27 @@ def test_low_precision_params_fp32_math(device, dtype, tol):
     for i, p in enumerate(params):
         assert p.dtype == dtype
         assert opt.state[p]["m"].dtype == torch.float32
-        want, want_m, _ = adamw_reference(start[i], [gs[i].to(dtype) for gs in grads], lr=1e-2,
-                                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                                          round_to=dtype)
+        want, want_m, _ = adamw_reference(
+            start[i],
+            [gs[i].to(dtype) for gs in grads],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            round_to=dtype,
+        )
         assert rel_err(p, want, start[i]) <= tol
         assert rel_err(opt.state[p]["m"], want_m) < 1e-5
 
 
 def test_mixed_dtypes_launch_once_per_dtype_plan(device):
-    params = [torch.randn(7, device=device), torch.randn(9, device=device).bfloat16(),
-              torch.randn(33, 5, device=device).half(), torch.randn(3, device=device)]
+    params = [
+        torch.randn(7, device=device),
+        torch.randn(9, device=device).bfloat16(),
+        torch.randn(33, 5, device=device).half(),
+        torch.randn(3, device=device),
+    ]
     start = [p.double() for p in params]
     opt = sgd_momentum()(params, mu=0.0)
     grads = fresh_grads(params, 1)
@@ -293,8 +312,12 @@ def test_mixed_dtypes_launch_once_per_dtype_plan(device):
 
 
 def test_state_dtype_option_and_state_initialised_from_p(device):
-    rule = fuser.rule("ema = decay * ema + (1 - decay) * p\np = p - lr * g", name="ema_sgd",
-                      hyper=dict(lr=0.1, decay=0.9), state=dict(ema="p"))
+    rule = fuser.rule(
+        "ema = decay * ema + (1 - decay) * p\np = p - lr * g",
+        name="ema_sgd",
+        hyper=dict(lr=0.1, decay=0.9),
+        state=dict(ema="p"),
+    )
     params = [torch.randn(s, device=device) for s in SHAPES]
     start = [p.double() for p in params]
     opt = fuser.compile(rule, state_dtype=torch.bfloat16)(params)

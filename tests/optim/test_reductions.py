@@ -72,7 +72,8 @@ def test_user_lamb_matches_pytorch_optimizer(device):
     po = pytest.importorskip("pytorch_optimizer")
     # pytorch-optimizer's Lamb: decoupled decay first, Adam direction without the second
     # moment's bias correction, trust ratio min(||p||, 10) / (||u|| + eps).
-    lamb = fuser.rule("""
+    lamb = fuser.rule(
+        """
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g**2
         p = p * (1 - lr * weight_decay)
@@ -81,8 +82,11 @@ def test_user_lamb_matches_pytorch_optimizer(device):
         un = norm(u)
         trust = where(wn > 0, where(un > 0, wn / (un + eps), 1), 1)
         p = p - lr / (1 - beta1**step) * trust * u
-    """, name="po_lamb", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0),
-        state=dict(m=0.0, v=0.0))
+    """,
+        name="po_lamb",
+        hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0),
+        state=dict(m=0.0, v=0.0),
+    )
     a = [torch.randn(s, device=device) for s in SHAPES]
     b = [p.clone().requires_grad_() for p in a]
     oa = fuser.compile(lamb)(a, lr=0.02, weight_decay=0.05)
@@ -125,13 +129,17 @@ def test_lars_matches_the_paper_and_pytorch_optimizer(device):
 
 
 def test_global_norm_clipping_inside_the_step_matches_clip_grad_norm(device):
-    clipped_adamw = fuser.rule("""
+    clipped_adamw = fuser.rule(
+        """
         c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
         m = beta1 * m + (1 - beta1) * c
         v = beta2 * v + (1 - beta2) * c**2
         p = p * (1 - lr * weight_decay) - lr * (m / (1 - beta1**step)) / (sqrt(v / (1 - beta2**step)) + eps)
-    """, name="clipped_adamw", hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                                          max_norm=1.0), state=dict(m=0.0, v=0.0))
+    """,
+        name="clipped_adamw",
+        hyper=dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, max_norm=1.0),
+        state=dict(m=0.0, v=0.0),
+    )
     # 300+ tensors, some bf16 (a second launch group): the global norm spans them all.
     sizes = torch.randint(1, 30, (311,)).tolist()
     a = [torch.randn(n, device=device) for n in sizes]
@@ -154,7 +162,11 @@ def test_global_norm_clipping_inside_the_step_matches_clip_grad_norm(device):
 
 def test_global_norm_spans_every_launch_group(device):
     rule = fuser.rule("p = p - lr * g / global_norm(g)", name="normalized_sgd", hyper=dict(lr=0.1))
-    a = [torch.randn(33, device=device), torch.randn(7, device=device).bfloat16(), torch.randn(5, device=device)]
+    a = [
+        torch.randn(33, device=device),
+        torch.randn(7, device=device).bfloat16(),
+        torch.randn(5, device=device),
+    ]
     start = [p.double() for p in a]
     grads = [torch.randn(p.shape, device=device).to(p.dtype) for p in a]
     set_grads(a, grads)
@@ -167,11 +179,15 @@ def test_global_norm_spans_every_launch_group(device):
 
 
 def test_sum_mean_amax_and_numel(device):
-    rule = fuser.rule("""
+    rule = fuser.rule(
+        """
         centered = g - mean(g)
         scale = amax(abs(g)) * numel / sum(abs(g))
         p = p - lr * centered * scale
-    """, name="centered", hyper=dict(lr=0.1))
+    """,
+        name="centered",
+        hyper=dict(lr=0.1),
+    )
     params = [torch.randn(s, device=device) for s in SHAPES]
     start = [p.double() for p in params]
     grads = [torch.randn(s, device=device) for s in SHAPES]
@@ -187,11 +203,16 @@ def test_reductions_of_updated_state_and_nested_reductions(device):
     # norm(u) reads the moment updated in the same step. Reductions nest three deep
     # (mean(m), then mean(u) and norm(u), then sum(abs(u - mean(u)))): three reduction
     # launches and the update.
-    rule = fuser.rule("""
+    rule = fuser.rule(
+        """
         m = beta * m + g
         u = m - mean(m)
         p = p - lr * u / norm(u) * sum(abs(u - mean(u)))
-    """, name="nested", hyper=dict(lr=0.01, beta=0.5), state=dict(m=0.0))
+    """,
+        name="nested",
+        hyper=dict(lr=0.01, beta=0.5),
+        state=dict(m=0.0),
+    )
     params = [torch.randn(s, device=device) for s in SHAPES[1:]]
     start = [p.double() for p in params]
     opt = fuser.compile(rule)(params)
@@ -240,6 +261,7 @@ def test_adan_clips_by_the_global_gradient_norm(device):
         set_grads(params, gs)
         opt.step()
     for i, p in enumerate(params):
-        want, _ = adan_reference(start[i], [c[i] for c in clipped], lr=1e-2, betas=(0.98, 0.92, 0.99),
-                                 eps=1e-8, weight_decay=0.1)
+        want, _ = adan_reference(
+            start[i], [c[i] for c in clipped], lr=1e-2, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.1
+        )
         assert rel_err(p, want, start[i]) < 1e-5

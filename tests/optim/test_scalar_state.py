@@ -18,8 +18,12 @@ DECAYED_MOMENTUM = """
 
 
 def decayed_momentum():
-    rule = fuser.rule(DECAYED_MOMENTUM, name="decayed_momentum", hyper=dict(lr=0.1, decay=0.5, beta=0.9),
-                      state=dict(scale=1.0, m=0.0))
+    rule = fuser.rule(
+        DECAYED_MOMENTUM,
+        name="decayed_momentum",
+        hyper=dict(lr=0.1, decay=0.5, beta=0.9),
+        state=dict(scale=1.0, m=0.0),
+    )
     return fuser.compile(rule)
 
 

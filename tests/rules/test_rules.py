@@ -93,11 +93,15 @@ def test_bad_hyper_and_state_declarations():
 
 
 def test_statements_run_in_order_and_outputs_are_final_values():
-    r = fuser.rule("""
+    r = fuser.rule(
+        """
         m = beta * m + g
         p = p - lr * m
         m = 2 * m
-    """, hyper=HYPER, state=STATE)
+    """,
+        hyper=HYPER,
+        state=STATE,
+    )
     p, g, m, lr, beta = (fuser.rules.symbol(n) for n in ("p", "g", "m", "lr", "beta"))
     assert sympy.simplify(r.output("p") - (p - lr * (beta * m + g))) == 0
     assert sympy.simplify(r.output("m") - 2 * (beta * m + g)) == 0
@@ -105,10 +109,14 @@ def test_statements_run_in_order_and_outputs_are_final_values():
 
 
 def test_augmented_assignment_and_conditions():
-    r = fuser.rule("""
+    r = fuser.rule(
+        """
         m += g
         p -= lr * where(g > 0 and m < 1, m, -m) if lr > 0 else p
-    """, hyper=HYPER, state=STATE)
+    """,
+        hyper=HYPER,
+        state=STATE,
+    )
     assert r.output("p").has(sympy.Piecewise)
 
 

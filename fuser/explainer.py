@@ -1,0 +1,244 @@
+"""``fuser.explain(rule)``: print what each stage of the pipeline made of a rule.
+
+Stages, in the order data flows: the parsed statements (as written, then each output as
+a function of the values before the step), the per-step scalars hoisted out of the
+per-element work, the per-element plan after CSE, phases and reductions, the dtype plan,
+and the kernel's identity (launch options and the digest that keys the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TextIO
+
+from fuser.rules.rule import Rule
+
+
+def _s(expr) -> str:
+    from fuser.display import expr_text
+
+    return expr_text(expr)
+
+
+def _resolve(obj) -> tuple[Rule, dict]:
+    """A rule and its compile options from a rule or a compiled optimizer (class or instance)."""
+    if isinstance(obj, Rule):
+        return obj, {}
+    rule = getattr(obj, "rule", None)
+    if isinstance(rule, Rule):
+        options = getattr(obj, "options", None)
+        if options is not None and rule.kind == "optim":
+            opts = dataclasses.asdict(options)
+            opts["state_keys"] = dict(options.state_keys)
+            return rule, opts
+        return rule, {}
+    raise TypeError(f"fuser.explain takes a fuser.Rule or a compiled optimizer, not {type(obj).__name__}")
+
+
+def explain(obj, dtype: str | None = None, *, file: TextIO | None = None, **options) -> None:
+    """Print each stage of compiling ``obj``: a rule, a class or instance from
+    ``fuser.compile(optimizer_rule)``, or a compiled loss. ``dtype`` ("fp32", "bf16" or
+    "fp16") is the storage dtype of the parameters and gradients (default fp32) or of the
+    loss's inputs and logits (default bf16, as ``.source`` shows); ``options`` are
+    ``fuser.compile``'s, e.g. ``state_dtype=torch.bfloat16``."""
+    rule, compiled_with = _resolve(obj)
+    if rule.kind == "loss":
+        text = _explain_loss(rule, dtype or "bf16", obj if hasattr(obj, "kernel_source") else None)
+    else:
+        text = _explain_optim(rule, dtype or "fp32", **{**compiled_with, **options})
+    print(text, file=file if file is not None else sys.stdout)
+
+
+def explanation(rule: Rule, dtype: str | None = None, **options) -> str:
+    """The text ``explain`` prints for a rule."""
+    if rule.kind == "loss":
+        return _explain_loss(rule, dtype or "bf16", None)
+    return _explain_optim(rule, dtype or "fp32", **options)
+
+
+def _statements(rule: Rule) -> list[str]:
+    from fuser.display import _is_text, written_statements
+
+    lines = []
+    if _is_text(rule):
+        lines.append(f"{len(rule.statements)} statement(s), in order, as written:")
+        lines += [f"  line {s.line}: {s.target} = {_s(s.expr)}" for s in written_statements(rule)]
+    else:
+        lines.append("traced from a Python function:")
+        lines += ["  " + ln for ln in rule.text.splitlines()]
+    if rule.kind == "loss":
+        lines.append("the per-token loss, from the raw logits:")
+    else:
+        lines.append("outputs, each from the values before the step:")
+    lines += [f"  {name} <- {_s(expr)}" for name, expr in rule.outputs]
+    return lines
+
+
+_ACCUMULATE = {
+    "sum": "sum",
+    "mean": "sum, then / numel",
+    "norm": "sum of squares, then sqrt",
+    "global_norm": "sum of squares over every tensor, then sqrt",
+    "amax": "max",
+}
+
+
+def _explain_optim(rule: Rule, dtype: str, **options) -> str:
+    from fuser.ir.optim import DTYPES, lower_optim
+    from fuser.optim.factory import _dtype_plan, _options, _plan_and_sources
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    opts = _options(**options)
+    dplan = _dtype_plan(rule, opts, dtype, dtype)
+    plan = lower_optim(rule, dict(dplan), stochastic_rounding=opts.stochastic_rounding)
+    sources = _plan_and_sources(rule, dplan, opts.stochastic_rounding)[1]
+    many = len(plan.phases) > 1
+
+    def phase_head(ph) -> list[str]:
+        return [f"   phase {ph.index}:"] if many else []
+
+    pad = "     " if many else "   "
+    hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
+    state = ", ".join(f"{k}={v!r}" for k, v in rule.state) or "none"
+    out = [
+        f"fuser.explain: optimizer rule {rule.name!r}, {dtype} parameters and gradients",
+        f"hyperparameters (defaults): {hyper}",
+        f"state (initial values): {state}",
+        "",
+    ]
+
+    out.append("1. parsed statements")
+    out += ["   " + ln for ln in _statements(rule)]
+    out.append("")
+
+    out.append("2. per-step scalars, hoisted out of the per-element work (fp64, once per program)")
+    for ph in plan.phases:
+        out += phase_head(ph)
+        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.prologue] or [f"{pad}none"]
+    if plan.scalar_states:
+        out.append("   per-tensor scalar states (one number per tensor, advanced by the last program):")
+        out += [f"   {name} <- {_s(e)}" for name, e in plan.phases[-1].scalar_updates]
+    out.append("")
+
+    out.append("3. per-element plan after CSE (fp32; hyperparameters and s<i> used here are fp32 copies)")
+    by_column = {r.column: r for r in plan.reductions}
+    for ph in plan.phases:
+        out += phase_head(ph)
+        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.body]
+        out += [f"{pad}accumulate {by_column[col].symbol} += {_s(e)}" for col, e in ph.reduce]
+        out += [f"{pad}store {name} = {_s(e)}" for name, e in ph.stores]
+    out.append("")
+
+    out.append("4. phases and reductions")
+    if plan.reductions:
+        for r in plan.reductions:
+            scope = "over every tensor" if r.global_column >= 0 else "per tensor"
+            out.append(
+                f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
+                f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}"
+            )
+    else:
+        out.append("   reductions: none")
+    out.append(
+        f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
+        "phase stores, and its last program advances step"
+        + (" and the scalar states" if plan.scalar_states else "")
+    )
+    out.append("")
+
+    out.append("5. dtype plan (loads upcast to fp32, stores cast to each slot's dtype)")
+    out.append(f"   {'slot':<14}{'role':<7}{'dtype':<7}access")
+    for sl in plan.slots:
+        out.append(f"   {sl.name:<14}{sl.role:<7}{sl.dtype:<7}{'read/write' if sl.written else 'read'}")
+    rounding = f"stochastic (seed {opts.seed})" if plan.stochastic_rounding else "to nearest even"
+    out.append(f"   bf16/fp16 stores round {rounding}")
+    out.append(f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}")
+    out.append(
+        f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
+        + ", ".join(("step", *plan.scalar_states))
+    )
+    out.append("")
+
+    out.append("6. kernels and cache keys")
+    for src in sources:
+        constexprs = ", ".join(f"{k}={v}" for k, v in src.constexprs)
+        out.append(f"   {src.entry}({', '.join(n for n, _ in src.signature)})")
+        out.append(
+            f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
+            f"{len(src.text.splitlines())} lines of Triton"
+        )
+        out += _cache_key(src)
+    return "\n".join(out)
+
+
+def _cache_key(src) -> list[str]:
+    """The kernel's cache entry key and the hash of each field it is made of."""
+    from fuser.cache import entry_key
+
+    key = entry_key(src)
+    lines = [f"     cache key {key.digest}  (once stored: fuser cache explain {key.digest[:12]})"]
+    lines += [f"       {ln}" for ln in key.explain()]
+    return lines
+
+
+def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
+    from fuser.codegen.loss import render_loss
+    from fuser.ir.loss import DTYPES, lower_loss
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    plan = lower_loss(rule, dtype)
+    source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
+    hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
+    out = [
+        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
+        f"hyperparameters (defaults): {hyper}",
+        "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
+        "column; r<i> are reductions over the row, vocab its length",
+        "",
+    ]
+
+    out.append("1. parsed statements")
+    out += ["   " + ln for ln in _statements(rule)]
+    out.append("")
+
+    out.append("2. reductions over the vocabulary, by pass (one sweep over a row of logits each)")
+    for i, ps in enumerate(plan.passes):
+        out.append(f"   pass {i}:")
+        out += [f"     {_s(sym)} = {_s(e)}   (per token, hoisted)" for sym, e in ps.prologue]
+        out += [f"     {_s(sym)} = {_s(e)}" for sym, e in ps.body]
+        out += [f"     r{a.index} = {a.op}({_s(a.arg)})" for a in ps.accumulators]
+    if not plan.passes:
+        out.append("   none")
+    out.append("")
+
+    out.append("3. derived gradient (symbolic, before CSE; adj(x) is d loss / d x)")
+    out += [f"   {label}: {_s(e)}" for label, e in plan.derivation if " = " not in label]
+    out.append("")
+
+    out.append("4. plan after the reductions, after CSE")
+    out.append("   per token (fp32):")
+    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.epilogue]
+    out.append(f"     loss = {_s(plan.loss)}")
+    out.append("   gradient sweep, per logit (fp32), written over the logits:")
+    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.grad.body]
+    out.append(f"     dloss/dz = {_s(plan.grad_value)}")
+    out.append("")
+
+    out.append("5. dtype plan")
+    out.append(f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32")
+    out.append(f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32")
+    out.append(f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})")
+    out.append("")
+
+    out.append("6. kernel and cache key")
+    constexprs = ", ".join(f"{k}={v}" for k, v in source.constexprs)
+    out.append(f"   {source.entry}({', '.join(n for n, _ in source.signature)})")
+    out.append(
+        f"     {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
+        f"{len(source.text.splitlines())} lines of Triton"
+    )
+    out += _cache_key(source)
+    return "\n".join(out)

@@ -1,0 +1,2 @@
+"""Integrations with training frameworks; each module imports its framework on use:
+``fuser.integrations.transformers`` (Hugging Face ``Trainer`` and causal LMs)."""
