@@ -72,12 +72,16 @@ def check(p: torch.Tensor, g: torch.Tensor, where: str, attr: str) -> None:
     """Raise unless the step can update ``p`` from ``g`` through their local shards."""
     if isinstance(p, DTensor) != isinstance(g, DTensor):
         kinds = ("a DTensor", "a plain tensor") if isinstance(p, DTensor) else ("a plain tensor", "a DTensor")
-        raise RuntimeError(f"the .{attr} of a {where} is {kinds[1]} but the parameter is {kinds[0]}; "
-                           "both must be DTensors on the same mesh, or both plain tensors")
+        raise RuntimeError(
+            f"the .{attr} of a {where} is {kinds[1]} but the parameter is {kinds[0]}; "
+            "both must be DTensors on the same mesh, or both plain tensors"
+        )
     if isinstance(p, DTensor):
         if any(pl.is_partial() for pl in p.placements):
-            raise RuntimeError(f"{where} is a DTensor with placements {p.placements}: a parameter must "
-                               "be sharded or replicated, not Partial")
+            raise RuntimeError(
+                f"{where} is a DTensor with placements {p.placements}: a parameter must "
+                "be sharded or replicated, not Partial"
+            )
 
 
 def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -144,7 +148,7 @@ class ShardReduction:
             stats.count("collectives")
             offset = 0
             for red, idx in ex.segments:
-                red.view(-1).index_copy_(0, idx, buf[offset:offset + idx.numel()])
+                red.view(-1).index_copy_(0, idx, buf[offset : offset + idx.numel()])
                 offset += idx.numel()
         for rt in self.retotals.get(phase, ()):
             rt.glob_row.index_copy_(0, rt.glob_columns, rt.red.index_select(1, rt.red_columns).sum(0))
@@ -180,7 +184,7 @@ def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict
                 segments = []
                 for li, launch_rows in by_launch.items():
                     red = launches[li].red
-                    idx = (torch.tensor(launch_rows)[:, None] * red.shape[1] + torch.tensor(columns)[None, :])
+                    idx = torch.tensor(launch_rows)[:, None] * red.shape[1] + torch.tensor(columns)[None, :]
                     segments.append((red, idx.reshape(-1).to(device)))
                 exchanges.setdefault(phase, []).append(_Exchange(group, op, segments))
         glob_reds = [r for r in reds if r.global_column >= 0]
@@ -188,9 +192,12 @@ def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict
             for li in sorted({li for by_launch in rows.values() for li in by_launch}):
                 launch = launches[li]
                 device = launch.red.device
-                retotals.setdefault(phase, []).append(_Retotal(
-                    glob[device][launch.part],
-                    torch.tensor([r.global_column for r in glob_reds], device=device),
-                    launch.red,
-                    torch.tensor([r.column for r in glob_reds], device=device)))
+                retotals.setdefault(phase, []).append(
+                    _Retotal(
+                        glob[device][launch.part],
+                        torch.tensor([r.global_column for r in glob_reds], device=device),
+                        launch.red,
+                        torch.tensor([r.column for r in glob_reds], device=device),
+                    )
+                )
     return ShardReduction(exchanges, retotals)

@@ -9,7 +9,8 @@ import fuser
 
 # LAMB on gradients clipped in the step by their global norm: a global reduction, then
 # two per-tensor norms of which one reads the clipped gradient (three phases).
-lamb_clip = fuser.rule("""
+lamb_clip = fuser.rule(
+    """
     c = g * minimum(1, max_norm / (global_norm(g) + 1e-6))
     m = beta1 * m + (1 - beta1) * c
     v = beta2 * v + (1 - beta2) * c**2
@@ -18,24 +19,33 @@ lamb_clip = fuser.rule("""
     u_norm = norm(u)
     trust = where(p_norm > 0, where(u_norm > 0, p_norm / u_norm, 1), 1)
     p = p - lr * trust * u
-""", name="lamb_clip", hyper=dict(lr=0.02, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, max_norm=1.0),
-    state=dict(m=0.0, v=0.0))
+""",
+    name="lamb_clip",
+    hyper=dict(lr=0.02, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, max_norm=1.0),
+    state=dict(m=0.0, v=0.0),
+)
 
 # Every other reduction, sums and maxes in the same phase, and numel.
-centred = fuser.rule("""
+centred = fuser.rule(
+    """
     d = g - mean(g)
     ema = beta * ema + (1 - beta) * d
     r = amax(abs(g)) / (amax(abs(ema)) + eps)
     p = p - lr * r * ema / (norm(d) / sqrt(numel) + eps) - lr * weight_decay * (p - sum(p) / numel)
-""", name="centred", hyper=dict(lr=0.05, beta=0.8, eps=1e-3, weight_decay=0.1), state=dict(ema=0.0))
+""",
+    name="centred",
+    hyper=dict(lr=0.05, beta=0.8, eps=1e-3, weight_decay=0.1),
+    state=dict(ema=0.0),
+)
 
 
 def make_model() -> torch.nn.Module:
     """A tiny MLP with odd sizes: sharded on dim 0 over 2 ranks, the last weight (1, 3)
     and bias (1,) leave rank 1 empty shards."""
     torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Tanh(),
-                               torch.nn.Linear(3, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
+    )
 
 
 def batches(steps: int, size: int = 8):

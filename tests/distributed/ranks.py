@@ -29,12 +29,17 @@ def free_port() -> int:
 def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=90))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
         result = fn(rank, world, *args)
         torch.save(result, Path(out) / f"{rank}.pt")
         dist.destroy_process_group()
@@ -49,8 +54,10 @@ def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0) -> list:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fuser-ranks-") as out:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -63,8 +70,9 @@ def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0) -> list:
             if p.is_alive():
                 p.kill()
             p.join()
-        errors = [(Path(out) / f"{r}.err").read_text() for r in range(world)
-                  if (Path(out) / f"{r}.err").exists()]
+        errors = [
+            (Path(out) / f"{r}.err").read_text() for r in range(world) if (Path(out) / f"{r}.err").exists()
+        ]
         if errors:
             raise AssertionError("a rank failed:\n" + "\n".join(errors))
         if any(p.exitcode != 0 for p in procs) and not hung:

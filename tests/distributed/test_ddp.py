@@ -32,8 +32,10 @@ def ddp_worker(rank, world, names):
         opt = OPTIMIZERS[name](ddp.parameters())
         before = fuser.stats()["collectives"]
         train(ddp, opt, [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches(STEPS)])
-        out[name] = dict(params={n: p.detach() for n, p in model.named_parameters()},
-                         collectives=fuser.stats()["collectives"] - before)
+        out[name] = dict(
+            params={n: p.detach() for n, p in model.named_parameters()},
+            collectives=fuser.stats()["collectives"] - before,
+        )
     return out
 
 

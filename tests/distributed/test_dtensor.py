@@ -23,10 +23,23 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 # the same collectives. On a 2 x 2 mesh: tensors sharded over one dimension, the other,
 # both (on two tensor dimensions or nested on one), or neither.
 LAYOUTS = {
-    "1d": [((7, 3), "S0"), ((1, 3), "S0"), ((5,), "S0"), ((3, 5), "S1"), ((4,), "R"), ((2, 9), "S0"),
-           ((6, 5), "S0", torch.bfloat16)],
-    "2d": [((7, 3), "S0 S1"), ((5, 4), "R S0"), ((1, 3), "S0 R"), ((9,), "S0 S0"), ((4,), "R R"),
-           ((3, 3), "S1 S0")],
+    "1d": [
+        ((7, 3), "S0"),
+        ((1, 3), "S0"),
+        ((5,), "S0"),
+        ((3, 5), "S1"),
+        ((4,), "R"),
+        ((2, 9), "S0"),
+        ((6, 5), "S0", torch.bfloat16),
+    ],
+    "2d": [
+        ((7, 3), "S0 S1"),
+        ((5, 4), "R S0"),
+        ((1, 3), "S0 R"),
+        ((9,), "S0 S0"),
+        ((4,), "R R"),
+        ((3, 3), "S1 S0"),
+    ],
 }
 MESHES = {"1d": (2,), "2d": (2, 2)}
 STEPS = 3
@@ -72,8 +85,10 @@ def single_process(name: str, layout: str):
 
 
 def distribute(tensors, mesh, layout: str, replicated: bool = False):
-    return [distribute_tensor(t, mesh, [Replicate()] * mesh.ndim if replicated else placements(c))
-            for t, c in zip(tensors, codes(layout))]
+    return [
+        distribute_tensor(t, mesh, [Replicate()] * mesh.ndim if replicated else placements(c))
+        for t, c in zip(tensors, codes(layout))
+    ]
 
 
 def sharded_worker(rank, world, names, layout):
@@ -93,14 +108,25 @@ def sharded_worker(rank, world, names, layout):
                 p.grad = g
             opt.step()
         collectives = fuser.stats()["collectives"] - before
-        states = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in opt.state[p].items()}
-                  for p in params]
+        states = [
+            {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in opt.state[p].items()}
+            for p in params
+        ]
         saved = opt.state_dict()["state"]
-        kinds = sorted({(k, type(v).__name__, str(getattr(v, "placements", "")) == str(p.placements))
-                        for i, p in enumerate(params) for k, v in saved[i].items()})
-        out[name] = dict(params=[p.full_tensor() for p in params], states=states,
-                         local_numels=[p.to_local().numel() for p in params], collectives=collectives,
-                         kinds=[list(k) for k in kinds])
+        kinds = sorted(
+            {
+                (k, type(v).__name__, str(getattr(v, "placements", "")) == str(p.placements))
+                for i, p in enumerate(params)
+                for k, v in saved[i].items()
+            }
+        )
+        out[name] = dict(
+            params=[p.full_tensor() for p in params],
+            states=states,
+            local_numels=[p.to_local().numel() for p in params],
+            collectives=collectives,
+            kinds=[list(k) for k in kinds],
+        )
     if layout == "1d":
         out["reload"] = reload_full_state(mesh, layout)
     return out
@@ -117,14 +143,19 @@ def reload_full_state(mesh, layout: str):
         p.grad = g
     opt.step()
     saved = opt.state_dict()
-    saved["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
-                      for i, st in saved["state"].items()}
+    saved["state"] = {
+        i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
+        for i, st in saved["state"].items()
+    }
     fulls = [p.detach().full_tensor() for p in params]
     copies = [torch.nn.Parameter(c) for c in distribute(fulls, mesh, layout)]
     reloaded = OPTIMIZERS["lamb_clip"](param_groups(copies))
     reloaded.load_state_dict(saved)
-    placed = all(isinstance(reloaded.state[c][k], DTensor) and reloaded.state[c][k].placements == c.placements
-                 for c in copies for k in ("m", "v"))
+    placed = all(
+        isinstance(reloaded.state[c][k], DTensor) and reloaded.state[c][k].placements == c.placements
+        for c in copies
+        for k in ("m", "v")
+    )
     for p, c, g in zip(params, copies, distribute(grads[1], mesh, layout)):
         p.grad, c.grad = g, g.clone()
     opt.step()
@@ -156,8 +187,13 @@ def assert_matches_single_process(results: list, name: str, layout: str) -> None
         for i, (st, want) in enumerate(zip(got["states"], want_states)):
             assert set(st) == set(want)
             for key in want:
-                torch.testing.assert_close(torch.as_tensor(st[key]), torch.as_tensor(want[key]),
-                                           rtol=2e-5, atol=2e-6, msg=f"state {key!r} of parameter {i}")
+                torch.testing.assert_close(
+                    torch.as_tensor(st[key]),
+                    torch.as_tensor(want[key]),
+                    rtol=2e-5,
+                    atol=2e-6,
+                    msg=f"state {key!r} of parameter {i}",
+                )
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

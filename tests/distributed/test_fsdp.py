@@ -75,13 +75,15 @@ def fsdp_worker(rank, world, path, single_path):
     train(model, opt, local[:SAVE_AFTER])
     dcp.save(checkpoint(model, opt), checkpoint_id=path)
     train(model, opt, local[SAVE_AFTER:])
-    return dict(final={n: p.full_tensor() for n, p in model.named_parameters()},
-                local_numels=[p.to_local().numel() for p in model.parameters()],
-                state_types=sorted({type(v).__name__ for st in opt.state.values() for v in st.values()}),
-                # Fresh models and optimizers on 2 ranks, from this run's checkpoint and
-                # from the single-process run's.
-                resumed=resume(sharded_model(mesh), path, local[SAVE_AFTER:]),
-                from_one=resume(sharded_model(mesh), single_path, local[SAVE_AFTER:]))
+    return dict(
+        final={n: p.full_tensor() for n, p in model.named_parameters()},
+        local_numels=[p.to_local().numel() for p in model.parameters()],
+        state_types=sorted({type(v).__name__ for st in opt.state.values() for v in st.values()}),
+        # Fresh models and optimizers on 2 ranks, from this run's checkpoint and
+        # from the single-process run's.
+        resumed=resume(sharded_model(mesh), path, local[SAVE_AFTER:]),
+        from_one=resume(sharded_model(mesh), single_path, local[SAVE_AFTER:]),
+    )
 
 
 @pytest.fixture(scope="module")
