@@ -22,7 +22,7 @@ from fuser.cache import load_kernel, rendered
 from fuser.codegen.render import render_optim
 from fuser.codegen.source import KernelSource
 from fuser.display import NotebookDisplay
-from fuser.ir.optim import DTYPES, Slot, lower_optim, scalar_state_names
+from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim, scalar_state_names
 from fuser.log import logger
 from fuser.rules.rule import Rule
 from fuser.runtime import distributed
@@ -62,12 +62,13 @@ def _options(state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rou
 
 @dataclass(frozen=True)
 class StepLayout:
-    """What the runtime needs of a lowered plan: the pointer table's columns and the sizes
-    of the reduction tables."""
+    """What the runtime needs of a lowered plan: the pointer table's columns, the sizes
+    of the reduction tables, and how each reduction combines (for DTensor shards)."""
 
     slots: tuple[Slot, ...]
     n_reductions: int
     n_global: int
+    reductions: tuple[ReductionPlan, ...]  # symbols left out: (op, phase, column, global_column)
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,7 +82,8 @@ def _plan_and_sources(rule: Rule, dtypes: tuple[tuple[str, str], ...],
     memo = rendered.load(key)
     if memo is not None:
         try:
-            layout = StepLayout(tuple(Slot(**s) for s in memo["slots"]), memo["n_reductions"], memo["n_global"])
+            layout = StepLayout(tuple(Slot(**s) for s in memo["slots"]), memo["n_reductions"],
+                                memo["n_global"], tuple(ReductionPlan(None, *r) for r in memo["reductions"]))
             sources = [KernelSource(text=k["text"], entry=k["entry"],
                                     signature=tuple(tuple(x) for x in k["signature"]),
                                     constexprs=tuple(tuple(x) for x in k["constexprs"]),
@@ -91,11 +93,13 @@ def _plan_and_sources(rule: Rule, dtypes: tuple[tuple[str, str], ...],
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: render again
     plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
-    layout = StepLayout(plan.slots, len(plan.reductions), plan.n_global)
+    layout = StepLayout(plan.slots, len(plan.reductions), plan.n_global,
+                        tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions))
     sources = render_optim(plan)
     rendered.store(key, {
         "slots": [dataclasses.asdict(s) for s in layout.slots],
         "n_reductions": layout.n_reductions, "n_global": layout.n_global,
+        "reductions": [(r.op, r.phase, r.column, r.global_column) for r in layout.reductions],
         "sources": [dict(text=k.text, entry=k.entry, signature=k.signature, constexprs=k.constexprs,
                          num_warps=k.num_warps, num_stages=k.num_stages, meta=k.meta) for k in sources],
     })
