@@ -26,8 +26,16 @@ TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 DEFAULT_BLOCK = 4096
 DEFAULT_WARPS = 8
 
-SIGNATURE_TAIL = (("target", "*i64"), ("loss", "*fp32"), ("scale", "*fp32"), ("scale_stride", "i32"),
-                  ("hyper", "*fp32"), ("n_cols", "i32"), ("ignore_index", "i64"), ("compute_grad", "i32"))
+SIGNATURE_TAIL = (
+    ("target", "*i64"),
+    ("loss", "*fp32"),
+    ("scale", "*fp32"),
+    ("scale_stride", "i32"),
+    ("hyper", "*fp32"),
+    ("n_cols", "i32"),
+    ("ignore_index", "i64"),
+    ("compute_grad", "i32"),
+)
 
 
 def _kernel_name(sym: sympy.Symbol) -> str:
@@ -92,28 +100,38 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
     if acc.op == "logsumexp":
         # Online logsumexp: a running max and the sum of exp(a - max), rescaled when the
         # max grows, so one sweep suffices and nothing overflows.
-        return ([f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.full((), 0.0, tl.float32)"],
-                [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                 f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
-                 f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
-                 f"lm{i} = nm{i}"],
-                [f"r{i} = tl.where(live, lm{i}, 0.0) + tl.log(tl.where(live, ls{i}, 1.0))"])
+        return (
+            [f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.full((), 0.0, tl.float32)"],
+            [
+                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
+                f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
+                f"lm{i} = nm{i}",
+            ],
+            [f"r{i} = tl.where(live, lm{i}, 0.0) + tl.log(tl.where(live, ls{i}, 1.0))"],
+        )
     if acc.op == "sum":
         # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
         # reductions, and rounding grows with V / BLOCK rather than V.
-        return ([f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
-                [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
-                [f"r{i} = {_sum(f'acc{i}')}"])
+        return (
+            [f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
+            [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
+            [f"r{i} = {_sum(f'acc{i}')}"],
+        )
     if acc.op == "max":
         # The first column holding the maximum: its indicator carries the gradient. The
         # indices reduced are positions in the block (the interpreter returns those
         # whatever index values it is given).
-        return ([f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
-                [f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                 f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
-                 f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
-                 f"mx{i} = tl.maximum(mx{i}, tm{i})"],
-                [f"r{i} = tl.where(live, mx{i}, 0.0)"])
+        return (
+            [f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
+            [
+                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
+                f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
+                f"mx{i} = tl.maximum(mx{i}, tm{i})",
+            ],
+            [f"r{i} = tl.where(live, mx{i}, 0.0)"],
+        )
     raise ValueError(f"unknown reduction {acc.op!r}")
 
 
@@ -130,7 +148,10 @@ def _pass_context(p: Pass, printer) -> dict:
     return dict(
         summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
         prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
-        init=init, body=body, accumulate=update, finish=finish,
+        init=init,
+        body=body,
+        accumulate=update,
+        finish=finish,
     )
 
 
@@ -206,8 +227,9 @@ def _shard_lines(plan: LossPlan, layout: ShardLayout, stage: int) -> tuple[list[
     return loads, stores
 
 
-def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS,
-                stage: int | None = None) -> KernelSource:
+def render_loss(
+    plan: LossPlan, *, block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_WARPS, stage: int | None = None
+) -> KernelSource:
     """Render the row kernel of a loss plan.
 
     With ``stage`` (``0 .. len(plan.passes)``), render one kernel of the vocabulary-parallel
@@ -222,38 +244,49 @@ def render_loss(plan: LossPlan, *, block: int = DEFAULT_BLOCK, num_warps: int = 
     loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
     printer = _Printer(_Names(plan.hyper))
     grad_exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
-    grad_body = (["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs)
-                 else [])
+    grad_body = (
+        ["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs) else []
+    )
     grad_body += _indicators(grad_exprs, printer)
     grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
     entry = loss_entry(plan) + (f"_vp{stage}" if sharded else "")
-    passes = plan.passes[stage:stage + 1] if sharded else plan.passes
-    text = environment().get_template("loss_rows.py.jinja").render(
-        name=plan.name,
-        dtype=plan.dtype,
-        rule_lines=plan.rule_text.splitlines(),
-        derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
-        helpers=helpers_source(),
-        entry=entry,
-        hyper=plan.hyper,
-        hyper_names=", ".join(plan.hyper) or "(none)",
-        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
-        passes=[_pass_context(p, printer) for p in passes],
-        sharded=sharded,
-        final=not sharded or stage == len(plan.passes),
-        loads=loads,
-        stores=stores,
-        red_width=layout.red_width if sharded else 0,
-        part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
-        epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
-        loss=printer.doprint_expr(plan.loss),
-        grad=dict(body=grad_body),
-        grad_value=printer.doprint_expr(plan.grad_value),
-        store=store_cast("dz", plan.dtype),
+    passes = plan.passes[stage : stage + 1] if sharded else plan.passes
+    text = (
+        environment()
+        .get_template("loss_rows.py.jinja")
+        .render(
+            name=plan.name,
+            dtype=plan.dtype,
+            rule_lines=plan.rule_text.splitlines(),
+            derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
+            helpers=helpers_source(),
+            entry=entry,
+            hyper=plan.hyper,
+            hyper_names=", ".join(plan.hyper) or "(none)",
+            hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+            passes=[_pass_context(p, printer) for p in passes],
+            sharded=sharded,
+            final=not sharded or stage == len(plan.passes),
+            loads=loads,
+            stores=stores,
+            red_width=layout.red_width if sharded else 0,
+            part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
+            epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
+            loss=printer.doprint_expr(plan.loss),
+            grad=dict(body=grad_body),
+            grad_value=printer.doprint_expr(plan.grad_value),
+            store=store_cast("dz", plan.dtype),
+        )
     )
     signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
     if sharded:
         signature += SHARDED_SIGNATURE_TAIL
-    return KernelSource(text=text, entry=entry, signature=signature, constexprs=(("BLOCK", block),),
-                        num_warps=num_warps, num_stages=1,
-                        meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")))
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=signature,
+        constexprs=(("BLOCK", block),),
+        num_warps=num_warps,
+        num_stages=1,
+        meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")),
+    )

@@ -116,8 +116,11 @@ class _Graph:
     def add(self, op: str, arg: sympy.Expr, depth: int | None = None) -> _Node:
         if depth is None:
             deps = [self.depth_of[s] + 1 for s in arg.free_symbols if s in self.depth_of]
-            deps += [self.depth_of[reduction_symbol(int(s.name.split("$")[1]))] + 1
-                     for s in arg.free_symbols if s.name.startswith("is_max$")]
+            deps += [
+                self.depth_of[reduction_symbol(int(s.name.split("$")[1]))] + 1
+                for s in arg.free_symbols
+                if s.name.startswith("is_max$")
+            ]
             depth = max(deps, default=0)
         node = _Node(len(self.nodes), op, arg, depth)
         self.nodes.append(node)
@@ -166,8 +169,10 @@ def derive(rule: Rule) -> tuple[_Graph, sympy.Expr, sympy.Expr, dict[int, sympy.
     jac: dict[int, dict[sympy.Symbol, sympy.Expr]] = {}
     for node in list(graph.nodes[:primary]):
         jac[node.index] = {}
-        scalars = sorted((s for s in node.arg.free_symbols if s == Z_Y or s.name.startswith("r$")),
-                         key=sympy.default_sort_key)
+        scalars = sorted(
+            (s for s in node.arg.free_symbols if s == Z_Y or s.name.startswith("r$")),
+            key=sympy.default_sort_key,
+        )
         for c in scalars:
             g = _diff(node.arg, c)
             if g == 0:
@@ -227,8 +232,9 @@ class _Hoister:
         self.counter = counter
 
     def name(self, e: sympy.Expr) -> sympy.Expr:
-        if e.is_Atom or (isinstance(e, sympy.Mul) and len(e.args) == 2 and e.args[0] == -1
-                         and e.args[1].is_Atom):
+        if e.is_Atom or (
+            isinstance(e, sympy.Mul) and len(e.args) == 2 and e.args[0] == -1 and e.args[1].is_Atom
+        ):
             return e
         if e not in self.found:
             self.found[e] = sympy.Symbol(f"c${self.counter[0]}", real=True)
@@ -291,8 +297,9 @@ def lower_loss(rule: Rule, dtype: str = "fp32") -> LossPlan:
     scalar_exprs = [loss] + [e for e, _ in grad_hoist.found.items()]
     repl, reduced = sympy.cse(scalar_exprs, symbols=_numbered("e", counters["e"]), optimizations="basic")
     epilogue = list(repl) + [(s, e) for (_, s), e in zip(grad_hoist.found.items(), reduced[1:])]
-    g_repl, g_reduced = sympy.cse([grad_hoisted], symbols=_numbered("t", counters["t"]),
-                                  optimizations="basic")
+    g_repl, g_reduced = sympy.cse(
+        [grad_hoisted], symbols=_numbered("t", counters["t"]), optimizations="basic"
+    )
     derivation = [("loss", loss), ("dloss/dz", grad), ("adj(z_y)", adj_y)]
     derivation += [(f"adj(r{i})", a) for i, a in sorted(adj.items())]
     derivation += [(f"r{n.index} = {n.op}", n.arg) for n in graph.nodes]

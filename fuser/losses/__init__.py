@@ -28,7 +28,17 @@ from fuser.losses.rules import vocab_mean as mean
 from fuser.losses.rules import vocab_sum as sum  # noqa: A004
 
 __all__ = [
-    "CROSS_ENTROPY", "CROSS_ENTROPY_FULL", "CompiledLoss", "ENTROPY_REGULARIZED_CROSS_ENTROPY",
-    "SOFTCAP_CROSS_ENTROPY", "cross_entropy", "entropy_regularized_cross_entropy", "kernel_sources",
-    "logsumexp", "make_loss", "max", "mean", "sum",
+    "CROSS_ENTROPY",
+    "CROSS_ENTROPY_FULL",
+    "CompiledLoss",
+    "ENTROPY_REGULARIZED_CROSS_ENTROPY",
+    "SOFTCAP_CROSS_ENTROPY",
+    "cross_entropy",
+    "entropy_regularized_cross_entropy",
+    "kernel_sources",
+    "logsumexp",
+    "make_loss",
+    "max",
+    "mean",
+    "sum",
 ]

@@ -36,8 +36,14 @@ class CompiledLoss:
     the gradients of its own ``weight``/``bias`` slice.
     """
 
-    def __init__(self, rule: Rule, *, chunk_size: int | None = None, block: int = DEFAULT_BLOCK,
-                 num_warps: int = DEFAULT_WARPS):
+    def __init__(
+        self,
+        rule: Rule,
+        *,
+        chunk_size: int | None = None,
+        block: int = DEFAULT_BLOCK,
+        num_warps: int = DEFAULT_WARPS,
+    ):
         if rule.kind != "loss":
             raise TypeError(f"a loss needs a loss rule (fuser.loss), not a {rule.kind} rule")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -57,8 +63,9 @@ class CompiledLoss:
     def kernel_source(self, dtype: str = "bf16") -> KernelSource:
         """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
         if dtype not in self._sources:
-            self._sources[dtype] = render_loss(lower_loss(self.rule, dtype), block=self.block,
-                                               num_warps=self.num_warps)
+            self._sources[dtype] = render_loss(
+                lower_loss(self.rule, dtype), block=self.block, num_warps=self.num_warps
+            )
         return self._sources[dtype]
 
     def sharded_kernel_sources(self, dtype: str = "bf16") -> tuple:
@@ -66,12 +73,15 @@ class CompiledLoss:
         one kernel per reduction pass, then the loss and gradient kernel."""
         if dtype not in self._sharded:
             plan = lower_loss(self.rule, dtype)
-            sources = tuple(render_loss(plan, block=self.block, num_warps=self.num_warps, stage=k)
-                            for k in range(len(plan.passes) + 1))
+            sources = tuple(
+                render_loss(plan, block=self.block, num_warps=self.num_warps, stage=k)
+                for k in range(len(plan.passes) + 1)
+            )
             first = plan.passes[0] if plan.passes else None
             reads_zy = first is None or any(
                 Z_Y in e.free_symbols
-                for e in [e for _, e in first.prologue + first.body] + [a.arg for a in first.accumulators])
+                for e in [e for _, e in first.prologue + first.body] + [a.arg for a in first.accumulators]
+            )
             self._sharded[dtype] = (sources, shard_layout(plan), reads_zy)
         return self._sharded[dtype]
 
@@ -99,8 +109,10 @@ class CompiledLoss:
         unknown = set(overrides) - set(self.hyper_defaults)
         if unknown:
             known = ", ".join(self.hyper_defaults) or "none"
-            raise TypeError(f"{self.rule.name}() got unexpected keyword argument(s) {sorted(unknown)} "
-                            f"(its hyperparameters: {known})")
+            raise TypeError(
+                f"{self.rule.name}() got unexpected keyword argument(s) {sorted(unknown)} "
+                f"(its hyperparameters: {known})"
+            )
         values = []
         for name, default in self.hyper_defaults.items():
             v = float(overrides.get(name, default))
@@ -117,9 +129,19 @@ class CompiledLoss:
             self._hyper_rows[key] = row
         return row
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                 bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                 accumulate_into: str | None = None, process_group=None, **hyper_overrides) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        accumulate_into: str | None = None,
+        process_group=None,
+        **hyper_overrides,
+    ) -> torch.Tensor:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
         if accumulate_into not in (None, "main_grad"):
@@ -129,15 +151,18 @@ class CompiledLoss:
         if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
             raise ValueError(f"weight must be [V, {hidden.shape[-1]}], not {list(weight.shape)}")
         if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-            raise TypeError(f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
-                            + (f", {bias.dtype}" if bias is not None else ""))
+            raise TypeError(
+                f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
+                + (f", {bias.dtype}" if bias is not None else "")
+            )
         dtype = dtype_name(hidden.dtype)
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
         lead = hidden.shape[:-1]
         if target.shape != lead:
-            raise ValueError(f"target must have hidden's leading shape {list(lead)}, "
-                             f"not {list(target.shape)}")
+            raise ValueError(
+                f"target must have hidden's leading shape {list(lead)}, not {list(target.shape)}"
+            )
         if target.dtype.is_floating_point or target.dtype == torch.bool:
             raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
         devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
@@ -148,8 +173,9 @@ class CompiledLoss:
         if main_grad and weight.requires_grad:
             mg = getattr(weight, "main_grad", None)
             if not isinstance(mg, torch.Tensor) or mg.shape != weight.shape or mg.dtype != torch.float32:
-                raise ValueError("accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of "
-                                 "weight's shape")
+                raise ValueError(
+                    "accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of weight's shape"
+                )
 
         x = hidden.reshape(-1, hidden.shape[-1])
         y = target.reshape(-1).to(torch.int64).contiguous()
@@ -162,8 +188,10 @@ class CompiledLoss:
             import torch.distributed as dist
 
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError("process_group= (a vocabulary-parallel loss) needs torch.distributed "
-                                   "initialised (init_process_group)")
+                raise RuntimeError(
+                    "process_group= (a vocabulary-parallel loss) needs torch.distributed "
+                    "initialised (init_process_group)"
+                )
             sizes = self._shard_sizes_of(process_group, vocab, device)
             rank = dist.get_rank(process_group)
             total = sum(sizes)
@@ -171,10 +199,21 @@ class CompiledLoss:
             # the largest slice, the same on every rank.
             chunk = self.chunk_size or chunk_rows(n_tokens, hid, max(sizes), hidden.element_size())
             sources, layout, zy_first = self.sharded_kernel_sources(dtype)
-            run = ShardedChunked(sources, layout, zy_first, device, hyper, ignore_index, chunk,
-                                 process_group, sum(sizes[:rank]), total)
+            run = ShardedChunked(
+                sources,
+                layout,
+                zy_first,
+                device,
+                hyper,
+                ignore_index,
+                chunk,
+                process_group,
+                sum(sizes[:rank]),
+                total,
+            )
         want_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, weight, bias))
+            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        )
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if reduction == "none":
             out = out.reshape(lead)
@@ -196,8 +235,9 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     return CompiledLoss(rule, **options)
 
 
-def kernel_sources(rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False,
-                   **options) -> list[KernelSource]:
+def kernel_sources(
+    rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
+) -> list[KernelSource]:
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``; with
     ``vocab_parallel=True``, those of a call with ``process_group=`` instead."""
     f = CompiledLoss(rule, **options)

@@ -11,33 +11,47 @@ from fuser.rules.rule import loss
 
 # Cross-entropy, as torch.nn.functional.cross_entropy computes it. Label smoothing spreads
 # `label_smoothing` of the target's mass uniformly: (1 - ls) * (lse - z[y]) + ls * (lse - mean(z)).
-CROSS_ENTROPY = loss("""
+CROSS_ENTROPY = loss(
+    """
     loss = logsumexp(z) - z[y]
-""", name="cross_entropy")
+""",
+    name="cross_entropy",
+)
 
-CROSS_ENTROPY_FULL = loss("""
+CROSS_ENTROPY_FULL = loss(
+    """
     z = z / temperature
     lse = logsumexp(z)
     loss = lse - (1 - label_smoothing) * z[y] - label_smoothing * mean(z) + z_loss * lse**2
-""", name="cross_entropy_full", hyper=dict(label_smoothing=0.0, z_loss=0.0, temperature=1.0))
+""",
+    name="cross_entropy_full",
+    hyper=dict(label_smoothing=0.0, z_loss=0.0, temperature=1.0),
+)
 
 # Logit soft-capping (Gemma 2's final_logit_softcapping) before the temperature.
-SOFTCAP_CROSS_ENTROPY = loss("""
+SOFTCAP_CROSS_ENTROPY = loss(
+    """
     z = softcap * tanh(z / softcap)
     z = z / temperature
     lse = logsumexp(z)
     loss = lse - (1 - label_smoothing) * z[y] - label_smoothing * mean(z) + z_loss * lse**2
-""", name="softcap_cross_entropy",
-    hyper=dict(softcap=30.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0))
+""",
+    name="softcap_cross_entropy",
+    hyper=dict(softcap=30.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0),
+)
 
 # Cross-entropy minus `entropy_coef` times the entropy of softmax(z / temperature): the
 # entropy bonus of policy-gradient RL, in one fused pass (the entropy needs the lse first).
-ENTROPY_REGULARIZED_CROSS_ENTROPY = loss("""
+ENTROPY_REGULARIZED_CROSS_ENTROPY = loss(
+    """
     z = z / temperature
     lse = logsumexp(z)
     entropy = lse - sum(exp(z - lse) * z)
     loss = lse - z[y] - entropy_coef * entropy
-""", name="entropy_regularized_cross_entropy", hyper=dict(entropy_coef=0.01, temperature=1.0))
+""",
+    name="entropy_regularized_cross_entropy",
+    hyper=dict(entropy_coef=0.01, temperature=1.0),
+)
 
 RULES = (CROSS_ENTROPY, CROSS_ENTROPY_FULL, SOFTCAP_CROSS_ENTROPY, ENTROPY_REGULARIZED_CROSS_ENTROPY)
 
@@ -47,11 +61,21 @@ def _compiled(name: str) -> CompiledLoss:
     return CompiledLoss(next(r for r in RULES if r.name == name))
 
 
-def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                  bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                  temperature: float = 1.0, accumulate_into: str | None = None,
-                  process_group=None) -> torch.Tensor:
+def cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    accumulate_into: str | None = None,
+    process_group=None,
+) -> torch.Tensor:
     """Fused ``cross_entropy(hidden @ weight.T + bias, target)`` with autograd, never holding
     the full logits: ``torch.nn.functional.linear_cross_entropy`` where the two overlap.
 
@@ -64,30 +88,50 @@ def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         raise ValueError(f"label_smoothing must be in [0, 1], not {label_smoothing}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    common = dict(ignore_index=ignore_index, reduction=reduction, accumulate_into=accumulate_into,
-                  process_group=process_group)
+    common = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        accumulate_into=accumulate_into,
+        process_group=process_group,
+    )
     extras = dict(label_smoothing=label_smoothing, z_loss=z_loss, temperature=temperature)
     if softcap is not None:
         if softcap <= 0:
             raise ValueError(f"softcap must be positive, not {softcap}")
-        return _compiled("softcap_cross_entropy")(hidden, weight, target, bias, softcap=softcap,
-                                                  **common, **extras)
+        return _compiled("softcap_cross_entropy")(
+            hidden, weight, target, bias, softcap=softcap, **common, **extras
+        )
     if label_smoothing == 0.0 and z_loss == 0.0 and temperature == 1.0:
         return _compiled("cross_entropy")(hidden, weight, target, bias, **common)
     return _compiled("cross_entropy_full")(hidden, weight, target, bias, **common, **extras)
 
 
-def entropy_regularized_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                      bias: torch.Tensor | None = None, *, ignore_index: int = -100,
-                                      reduction: str = "mean", entropy_coef: float = 0.01,
-                                      temperature: float = 1.0,
-                                      accumulate_into: str | None = None,
-                                      process_group=None) -> torch.Tensor:
+def entropy_regularized_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    entropy_coef: float = 0.01,
+    temperature: float = 1.0,
+    accumulate_into: str | None = None,
+    process_group=None,
+) -> torch.Tensor:
     """Fused ``cross_entropy(z, target) - entropy_coef * entropy(softmax(z))`` per token, with
     ``z = (hidden @ weight.T + bias) / temperature``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
     return _compiled("entropy_regularized_cross_entropy")(
-        hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
-        accumulate_into=accumulate_into, process_group=process_group, entropy_coef=entropy_coef,
-        temperature=temperature)
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        accumulate_into=accumulate_into,
+        process_group=process_group,
+        entropy_coef=entropy_coef,
+        temperature=temperature,
+    )

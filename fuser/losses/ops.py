@@ -39,8 +39,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"fused linear + loss supports float32, bfloat16 and float16 inputs, "
-                        f"not {dtype}") from None
+        raise TypeError(
+            f"fused linear + loss supports float32, bfloat16 and float16 inputs, not {dtype}"
+        ) from None
 
 
 def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int:
@@ -83,15 +84,16 @@ def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Ten
     xf = x.float()
     step = 8192
     for v0 in range(0, dlogits.shape[1], step):
-        gw[v0:v0 + step].addmm_(dlogits[:, v0:v0 + step].t().float(), xf)
+        gw[v0 : v0 + step].addmm_(dlogits[:, v0 : v0 + step].t().float(), xf)
 
 
 class Chunked:
     """Everything one call needs besides its tensors: the kernel, the hyperparameter row,
     the target's ignore index, the chunk length."""
 
-    def __init__(self, source: KernelSource, device: torch.device, hyper: torch.Tensor, ignore_index: int,
-                 chunk: int):
+    def __init__(
+        self, source: KernelSource, device: torch.device, hyper: torch.Tensor, ignore_index: int, chunk: int
+    ):
         self.kernel = load_kernel(source, device)
         self.hyper = hyper
         self.ignore_index = int(ignore_index)
@@ -114,8 +116,19 @@ class Chunked:
             else:
                 torch.mm(xc, weight.t(), out=logits)
             row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
-            self.kernel((e - s,), logits, vocab, target[s:e], loss_tok[s:e], row_scale, scale_stride,
-                        self.hyper, vocab, self.ignore_index, int(grad))
+            self.kernel(
+                (e - s,),
+                logits,
+                vocab,
+                target[s:e],
+                loss_tok[s:e],
+                row_scale,
+                scale_stride,
+                self.hyper,
+                vocab,
+                self.ignore_index,
+                int(grad),
+            )
             if not grad:
                 continue
             if gx is not None:
@@ -142,8 +155,19 @@ class ShardedChunked(Chunked):
     head).
     """
 
-    def __init__(self, sources, layout, zy_first: bool, device, hyper, ignore_index, chunk, group,
-                 col_offset: int, vocab_total: int):
+    def __init__(
+        self,
+        sources,
+        layout,
+        zy_first: bool,
+        device,
+        hyper,
+        ignore_index,
+        chunk,
+        group,
+        col_offset: int,
+        vocab_total: int,
+    ):
         import torch.distributed as dist
 
         self.kernels = [load_kernel(s, device) for s in sources]
@@ -202,14 +226,28 @@ class ShardedChunked(Chunked):
             # z[y] where this rank holds the target's column, 0 elsewhere.
             yl = target[s:e] - self.col_offset
             mine = (yl >= 0) & (yl < vocab) & (target[s:e] != self.ignore_index)
-            zy = torch.where(mine, logits.gather(1, yl.clamp(0, max(vocab - 1, 0))[:, None])[:, 0].float()
-                             if vocab else torch.zeros(n, device=x.device), 0.0)
+            zy = torch.where(
+                mine,
+                logits.gather(1, yl.clamp(0, max(vocab - 1, 0))[:, None])[:, 0].float()
+                if vocab
+                else torch.zeros(n, device=x.device),
+                0.0,
+            )
             if self.zy_first:
                 dist.all_reduce(zy, group=self.group)
                 r[:, 0] = zy
             row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
-            args = (logits, vocab, target[s:e], loss_tok[s:e], row_scale, scale_stride, self.hyper, vocab,
-                    self.ignore_index)
+            args = (
+                logits,
+                vocab,
+                target[s:e],
+                loss_tok[s:e],
+                row_scale,
+                scale_stride,
+                self.hyper,
+                vocab,
+                self.ignore_index,
+            )
             for k in range(n_passes):
                 part = parts[k][:n]
                 self.kernels[k]((n,), *args, 0, r, part, self.col_offset, self.vocab_total)
@@ -258,8 +296,9 @@ class LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.eager = want_grad and reduction != "none" and not main_grad
         if ctx.eager:
-            scale = (1.0 / count.clamp(min=1).float() if reduction == "mean"
-                     else torch.ones((), device=x.device)).reshape(1)
+            scale = (
+                1.0 / count.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=x.device)
+            ).reshape(1)
             gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
             gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
@@ -276,15 +315,25 @@ class LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.eager:
             if ctx.grads is None:
-                raise RuntimeError("the gradients of a fused linear + loss were computed in its forward pass "
-                                   "and already handed out: backward can run through it once")
+                raise RuntimeError(
+                    "the gradients of a fused linear + loss were computed in its forward pass "
+                    "and already handed out: backward can run through it once"
+                )
             gx, gw, gb = ctx.grads
             ctx.grads = None
             go = grad_out.float()
             if gx is not None:
                 gx.mul_(go)
-            return (gx, _scaled(gw, go, ctx.weight_dtype), _scaled(gb, go, ctx.bias_dtype),
-                    None, None, None, None, None)
+            return (
+                gx,
+                _scaled(gw, go, ctx.weight_dtype),
+                _scaled(gb, go, ctx.bias_dtype),
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         x, weight, bias, target, count = ctx.saved_tensors
         run = ctx.run
         go = grad_out.float()

@@ -91,21 +91,32 @@ def _check(statements: list[Statement], lines: list[str], hyper: dict) -> sympy.
             raise _error(f"unknown symbols {sorted(unknown)}", st, lines)
         for red in sorted(expr.atoms(Reduction), key=sympy.default_sort_key):
             if Z not in outer_symbols(red.args[0]):
-                raise _error(f"{red.op}(...) must reduce an expression of z over the vocabulary, "
-                             f"but its argument {red.args[0]} does not depend on z", st, lines)
+                raise _error(
+                    f"{red.op}(...) must reduce an expression of z over the vocabulary, "
+                    f"but its argument {red.args[0]} does not depend on z",
+                    st,
+                    lines,
+                )
         if st.target == "loss":
             last_loss = st
     if last_loss is None:
-        raise RuleError("the rule never assigns loss (the per-token loss)",
-                        line=statements[-1].line if statements else None)
+        raise RuleError(
+            "the rule never assigns loss (the per-token loss)",
+            line=statements[-1].line if statements else None,
+        )
     loss = last_loss.expr
     if Z in outer_symbols(loss):
-        raise _error("loss uses z outside a reduction: the per-token loss may read z[y] and "
-                     "reductions such as logsumexp(z), not z itself", last_loss, lines)
+        raise _error(
+            "loss uses z outside a reduction: the per-token loss may read z[y] and "
+            "reductions such as logsumexp(z), not z itself",
+            last_loss,
+            lines,
+        )
     return loss
 
 
 # ---- the traced-function form ----------------------------------------------------------------
+
 
 class _Target:
     """The target index ``y`` handed to a traced loss function: it may only index ``z``."""
@@ -217,8 +228,10 @@ def _reduction(name: str):
         return cls(value)
 
     reduce.__name__ = name
-    reduce.__doc__ = (f"The vocabulary reduction ``{name}(e)`` for loss functions traced by fuser.loss; "
-                      "``e`` is an expression of the logit z.")
+    reduce.__doc__ = (
+        f"The vocabulary reduction ``{name}(e)`` for loss functions traced by fuser.loss; "
+        "``e`` is an expression of the logit z."
+    )
     return reduce
 
 
@@ -254,22 +267,29 @@ def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
     except RuleError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
-        raise RuleError(f"tracing failed: {type(e).__name__}: {e} (loss functions use arithmetic, fuser's "
-                        "functions, fuser.losses reductions and z[y], with no `if` on values)",
-                        line=_traceback_line(e, fn)) from None
+        raise RuleError(
+            f"tracing failed: {type(e).__name__}: {e} (loss functions use arithmetic, fuser's "
+            "functions, fuser.losses reductions and z[y], with no `if` on values)",
+            line=_traceback_line(e, fn),
+        ) from None
     if isinstance(result, dict):
         if set(result) != {"loss"}:
-            raise RuleError(f"a loss function returns the loss or dict(loss=...), not keys {sorted(result)}",
-                            line=1)
+            raise RuleError(
+                f"a loss function returns the loss or dict(loss=...), not keys {sorted(result)}", line=1
+            )
         result = result["loss"]
     if isinstance(result, Logits):
-        raise RuleError("the loss function returns z itself: the per-token loss may read z[y] and "
-                        "reductions such as logsumexp(z)", line=1)
+        raise RuleError(
+            "the loss function returns z itself: the per-token loss may read z[y] and "
+            "reductions such as logsumexp(z)",
+            line=1,
+        )
     try:
         value = sympy.sympify(result)
     except (sympy.SympifyError, TypeError):
-        raise RuleError(f"the loss function returned {type(result).__name__}, not an expression",
-                        line=1) from None
+        raise RuleError(
+            f"the loss function returned {type(result).__name__}, not an expression", line=1
+        ) from None
     if not isinstance(value, sympy.Expr) or value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
         raise RuleError("the loss function returned a non-finite or non-numeric value", line=1)
     return src, [Statement("loss", value, 1, 1)]

@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass, field
 
 import sympy
-
 import torch
 
 from fuser.cache import load_kernel, rendered
@@ -44,8 +43,9 @@ class Options:
     seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
 
 
-def _options(state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False,
-             seed=0) -> Options:
+def _options(
+    state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False, seed=0
+) -> Options:
     if isinstance(state_dtype, torch.dtype):
         if state_dtype not in TORCH_DTYPES:
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, not {state_dtype}")
@@ -56,8 +56,9 @@ def _options(state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rou
         raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
     if not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be a non-negative integer below 2**63, not {seed!r}")
-    return Options(state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr,
-                   bool(stochastic_rounding), seed)
+    return Options(
+        state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr, bool(stochastic_rounding), seed
+    )
 
 
 @dataclass(frozen=True)
@@ -72,37 +73,75 @@ class StepLayout:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_and_sources(rule: Rule, dtypes: tuple[tuple[str, str], ...],
-                      stochastic_rounding: bool = False) -> tuple[StepLayout, list[KernelSource]]:
+def _plan_and_sources(
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False
+) -> tuple[StepLayout, list[KernelSource]]:
     """The step's layout and kernels, from the on-disk memo when this rule was rendered
     before with the same code (sympy costs ~0.1-0.2 s per rule), else lowered and rendered."""
-    key = rendered.fingerprint("optim", rule.name, rule.text, rule.hyper, rule.state,
-                               [(n, sympy.srepr(e)) for n, e in rule.outputs], dtypes, stochastic_rounding,
-                               [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS")])
+    key = rendered.fingerprint(
+        "optim",
+        rule.name,
+        rule.text,
+        rule.hyper,
+        rule.state,
+        [(n, sympy.srepr(e)) for n, e in rule.outputs],
+        dtypes,
+        stochastic_rounding,
+        [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS")],
+    )
     memo = rendered.load(key)
     if memo is not None:
         try:
-            layout = StepLayout(tuple(Slot(**s) for s in memo["slots"]), memo["n_reductions"],
-                                memo["n_global"], tuple(ReductionPlan(None, *r) for r in memo["reductions"]))
-            sources = [KernelSource(text=k["text"], entry=k["entry"],
-                                    signature=tuple(tuple(x) for x in k["signature"]),
-                                    constexprs=tuple(tuple(x) for x in k["constexprs"]),
-                                    num_warps=k["num_warps"], num_stages=k["num_stages"],
-                                    meta=tuple(tuple(x) for x in k["meta"])) for k in memo["sources"]]
+            layout = StepLayout(
+                tuple(Slot(**s) for s in memo["slots"]),
+                memo["n_reductions"],
+                memo["n_global"],
+                tuple(ReductionPlan(None, *r) for r in memo["reductions"]),
+            )
+            sources = [
+                KernelSource(
+                    text=k["text"],
+                    entry=k["entry"],
+                    signature=tuple(tuple(x) for x in k["signature"]),
+                    constexprs=tuple(tuple(x) for x in k["constexprs"]),
+                    num_warps=k["num_warps"],
+                    num_stages=k["num_stages"],
+                    meta=tuple(tuple(x) for x in k["meta"]),
+                )
+                for k in memo["sources"]
+            ]
             return layout, sources
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: render again
     plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
-    layout = StepLayout(plan.slots, len(plan.reductions), plan.n_global,
-                        tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions))
+    layout = StepLayout(
+        plan.slots,
+        len(plan.reductions),
+        plan.n_global,
+        tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions),
+    )
     sources = render_optim(plan)
-    rendered.store(key, {
-        "slots": [dataclasses.asdict(s) for s in layout.slots],
-        "n_reductions": layout.n_reductions, "n_global": layout.n_global,
-        "reductions": [(r.op, r.phase, r.column, r.global_column) for r in layout.reductions],
-        "sources": [dict(text=k.text, entry=k.entry, signature=k.signature, constexprs=k.constexprs,
-                         num_warps=k.num_warps, num_stages=k.num_stages, meta=k.meta) for k in sources],
-    })
+    rendered.store(
+        key,
+        {
+            "slots": [dataclasses.asdict(s) for s in layout.slots],
+            "n_reductions": layout.n_reductions,
+            "n_global": layout.n_global,
+            "reductions": [(r.op, r.phase, r.column, r.global_column) for r in layout.reductions],
+            "sources": [
+                dict(
+                    text=k.text,
+                    entry=k.entry,
+                    signature=k.signature,
+                    constexprs=k.constexprs,
+                    num_warps=k.num_warps,
+                    num_stages=k.num_stages,
+                    meta=k.meta,
+                )
+                for k in sources
+            ],
+        },
+    )
     return layout, sources
 
 
@@ -183,13 +222,16 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         defaults = dict(self.rule.hyper_defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
-            raise TypeError(f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
-                            f"it takes {sorted(defaults)}")
+            raise TypeError(
+                f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
+                f"it takes {sorted(defaults)}"
+            )
         defaults.update(hyper)
         self._init_fuser(params, defaults)
 
-    def _init_fuser(self, params, defaults: dict, rule: Rule | None = None,
-                    options: Options | None = None) -> None:
+    def _init_fuser(
+        self, params, defaults: dict, rule: Rule | None = None, options: Options | None = None
+    ) -> None:
         if rule is not None:
             self.rule = rule
         if options is not None:
@@ -235,8 +277,18 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 st = self.state.get(p)
                 try:
                     grad_ptrs.append(gl.data_ptr())
-                    sig = (gi, pl.data_ptr(), pl.dtype, gl.dtype, pl.device, gl.device, pl.shape, gl.shape,
-                           pl.stride(), gl.stride())
+                    sig = (
+                        gi,
+                        pl.data_ptr(),
+                        pl.dtype,
+                        gl.dtype,
+                        pl.device,
+                        gl.device,
+                        pl.shape,
+                        gl.shape,
+                        pl.stride(),
+                        gl.stride(),
+                    )
                 except RuntimeError:  # sparse and other storage-less gradients
                     sig = (gi, id(g))
                 if st:
@@ -272,10 +324,28 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 device = t.ptrs.device
                 grad_scale, found_inf = self._amp_tensors(device)
                 launch.kernels[phase](
-                    (t.n_blocks,), t.ptrs, t.numels, t.groups, t.block_tensor, t.block_start,
-                    t.tensor_first_block, t.tensor_blocks, eng.hyper_tables[device], launch.scalars,
-                    launch.red, launch.partials, t.counters, eng.glob[device], grad_scale, found_inf,
-                    t.n_tensors, t.n_blocks, launch.part, eng.n_parts[device], seed)
+                    (t.n_blocks,),
+                    t.ptrs,
+                    t.numels,
+                    t.groups,
+                    t.block_tensor,
+                    t.block_start,
+                    t.tensor_first_block,
+                    t.tensor_blocks,
+                    eng.hyper_tables[device],
+                    launch.scalars,
+                    launch.red,
+                    launch.partials,
+                    t.counters,
+                    eng.glob[device],
+                    grad_scale,
+                    found_inf,
+                    t.n_tensors,
+                    t.n_blocks,
+                    launch.part,
+                    eng.n_parts[device],
+                    seed,
+                )
             if eng.shards is not None and phase < n_phases - 1:
                 eng.shards(phase)
 
@@ -300,22 +370,28 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             distributed.check(p, g, where, attr)
             p, g = local(p), local(g)
             if g.is_sparse or g.layout != torch.strided:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                                   f"({where}); use a dense gradient")
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients ({where}); use a dense gradient"
+                )
             if p.is_complex() or g.is_complex():
-                raise RuntimeError(f"{type(self).__name__} does not support complex tensors ({where}); "
-                                   "view them as real with torch.view_as_real")
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support complex tensors ({where}); "
+                    "view them as real with torch.view_as_real"
+                )
             if p.dtype not in TORCH_DTYPES:
-                raise RuntimeError(f"{where} is {p.dtype}; fuser updates float32, bfloat16 and float16 "
-                                   "parameters")
+                raise RuntimeError(
+                    f"{where} is {p.dtype}; fuser updates float32, bfloat16 and float16 parameters"
+                )
             if g.dtype not in TORCH_DTYPES:
-                raise RuntimeError(f"the .{attr} of a {where} is {g.dtype}; expected float32, bfloat16 "
-                                   "or float16")
+                raise RuntimeError(
+                    f"the .{attr} of a {where} is {g.dtype}; expected float32, bfloat16 or float16"
+                )
             if p.device.type == "cpu" or p.device.type == "cuda":
                 check_layout(f"the .{attr} of a {where}", g, p)
             else:
-                raise RuntimeError(f"{where} is on {p.device}; fuser runs on CUDA (and on CPU through "
-                                   "Triton's interpreter)")
+                raise RuntimeError(
+                    f"{where} is on {p.device}; fuser runs on CUDA (and on CPU through Triton's interpreter)"
+                )
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         sd = self.options.state_dtype
@@ -337,21 +413,32 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 if s in scalar_names:
                     # One number per tensor, packed into the scalar table by _pack_scalars.
                     value = st.get(key)
-                    if not (value is None or isinstance(value, (int, float))
-                            or (torch.is_tensor(value) and value.numel() == 1)):
-                        raise RuntimeError(f"state {key!r} of a parameter must be one number, not a "
-                                           f"tensor of shape {tuple(value.shape)}")
+                    if not (
+                        value is None
+                        or isinstance(value, (int, float))
+                        or (torch.is_tensor(value) and value.numel() == 1)
+                    ):
+                        raise RuntimeError(
+                            f"state {key!r} of a parameter must be one number, not a "
+                            f"tensor of shape {tuple(value.shape)}"
+                        )
                     continue
                 if key not in st:
-                    st[key] = (p.detach().to(want, copy=True) if init[s] == "p"
-                               else torch.full_like(p, float(init[s]), dtype=want,
-                                                    memory_format=torch.preserve_format))
+                    st[key] = (
+                        p.detach().to(want, copy=True)
+                        if init[s] == "p"
+                        else torch.full_like(
+                            p, float(init[s]), dtype=want, memory_format=torch.preserve_format
+                        )
+                    )
                 elif not isinstance(st[key], torch.Tensor):
-                    raise RuntimeError(f"state {key!r} of a parameter is {type(st[key]).__name__}, "
-                                       "not a tensor")
+                    raise RuntimeError(
+                        f"state {key!r} of a parameter is {type(st[key]).__name__}, not a tensor"
+                    )
                 st[key] = distributed.like_param(st[key], p)  # a DTensor parameter's state is sharded like it
-                if st[key].shape == p.shape and (st[key].dtype != want or st[key].device != p.device
-                                                 or st[key].stride() != p.stride()):
+                if st[key].shape == p.shape and (
+                    st[key].dtype != want or st[key].device != p.device or st[key].stride() != p.stride()
+                ):
                     fixed = torch.empty_like(p, dtype=want, memory_format=torch.preserve_format)
                     fixed.copy_(st[key])
                     st[key] = fixed
@@ -375,8 +462,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
                 rows.append([local(slot_tensor[sl.name]) for sl in plan.slots])
             block = dict(sources[0].constexprs)["BLOCK"]
-            tables = build_tables(rows, [gi for _, _, gi in members], block, device,
-                                  [p.numel() for p, _, _ in members])
+            tables = build_tables(
+                rows, [gi for _, _, gi in members], block, device, [p.numel() for p, _, _ in members]
+            )
             scalars = self._pack_scalars(members, scalar_names, device)
             nred = max(1, plan.n_reductions)
             red = torch.zeros(tables.n_tensors, nred, device=device)
@@ -384,17 +472,25 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             grad_column = [sl.name for sl in plan.slots].index("g")
             part = n_parts.get(device, 0)
             n_parts[device] = part + 1
-            launches.append(_Launch(kernels, plan, tables, scalars, red, partials,
-                                    [m[0] for m in indexed], grad_column, part))
+            launches.append(
+                _Launch(
+                    kernels, plan, tables, scalars, red, partials, [m[0] for m in indexed], grad_column, part
+                )
+            )
         eng = self._fuser
-        logger.info("%s: tables rebuilt for %d tensors in %d launch group(s)", type(self).__name__,
-                    len(items), len(launches))
+        logger.info(
+            "%s: tables rebuilt for %d tensors in %d launch group(s)",
+            type(self).__name__,
+            len(items),
+            len(launches),
+        )
         eng.launches = launches
         eng.n_parts = n_parts
         n_global = max(1, launches[0].plan.n_global)
         eng.glob = {d: torch.zeros(n, n_global, device=d) for d, n in n_parts.items()}
         eng.shards = distributed.shard_reduction(
-            launches, [[items[i][0] for i in launch.members] for launch in launches], eng.glob)
+            launches, [[items[i][0] for i in launch.members] for launch in launches], eng.glob
+        )
         eng.hyper_values = []  # force a hyper table refresh
 
     def _pack_scalars(self, members, scalar_names, device) -> torch.Tensor:
@@ -407,8 +503,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             st = self.state[p]
             vals = [st.get("step", 0.0)]
             vals += [st[keys[s]] if st.get(keys[s]) is not None else float(init[s]) for s in scalar_names]
-            cols.append(torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device)
-                                     for v in vals]))
+            cols.append(
+                torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(device) for v in vals])
+            )
         scalars = torch.stack(cols)
         for i, (p, _, _) in enumerate(members):
             st = self.state[p]
@@ -435,15 +532,18 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 else:
                     v = float(v)
                     if not math.isfinite(v):
-                        raise ValueError(f"hyperparameter {n!r} of param group {gi} is {v}; it must be finite")
+                        raise ValueError(
+                            f"hyperparameter {n!r} of param group {gi} is {v}; it must be finite"
+                        )
                     row.append(v)
             rows.append(tuple(row))
         devices = {launch.tables.ptrs.device for launch in eng.launches}
         if rows != eng.hyper_values or set(eng.hyper_tables) != devices:
             numbers = [[math.nan if v is None else v for v in row] for row in rows]
             for device in devices:
-                eng.hyper_tables[device] = torch.tensor(numbers, dtype=torch.float64).reshape(
-                    len(rows), len(names)).to(device)
+                eng.hyper_tables[device] = (
+                    torch.tensor(numbers, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
+                )
             eng.hyper_values = rows
         for device in devices:
             table = eng.hyper_tables[device]
@@ -494,8 +594,13 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
     opts = _options(**options)
     _plan_and_sources(rule, _dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
-    doc = (f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
-           + "\n".join("    " + line for line in rule.text.splitlines())
-           + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n")
-    return type(cls_name, (FuserOptimizer,),
-                {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"})
+    doc = (
+        f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
+        + "\n".join("    " + line for line in rule.text.splitlines())
+        + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n"
+    )
+    return type(
+        cls_name,
+        (FuserOptimizer,),
+        {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"},
+    )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-_counts: Counter = Counter({"compiles": 0, "launches": 0, "cache_hits": 0, "cache_misses": 0,
-                            "table_builds": 0, "collectives": 0})
+_counts: Counter = Counter(
+    {"compiles": 0, "launches": 0, "cache_hits": 0, "cache_misses": 0, "table_builds": 0, "collectives": 0}
+)
 
 
 def count(name: str, n: int = 1) -> None:

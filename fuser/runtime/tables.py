@@ -31,8 +31,13 @@ class Tables:
     n_blocks: int
 
 
-def build_tables(rows: list[list[torch.Tensor]], groups: list[int], block: int,
-                 device: torch.device, logical_numels: list[int] | None = None) -> Tables:
+def build_tables(
+    rows: list[list[torch.Tensor]],
+    groups: list[int],
+    block: int,
+    device: torch.device,
+    logical_numels: list[int] | None = None,
+) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
     ``logical_numels`` are what a rule's ``numel`` (and ``mean``) reads: the whole tensor's
@@ -79,7 +84,8 @@ def check_layout(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise ValueError(
             f"{name} has strides {t.stride()} and its parameter {like.stride()}: fuser updates "
             "tensors in storage order, so both must be dense with the same strides "
-            "(make the parameter contiguous, or its gradient match its layout)")
+            "(make the parameter contiguous, or its gradient match its layout)"
+        )
 
 
 def _dense(t: torch.Tensor) -> bool:

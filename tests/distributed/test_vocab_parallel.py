@@ -54,10 +54,18 @@ def _cases():
     entropy = fuser.compile(fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY, **small)
     return [
         ("ce-mean", fuser.losses.cross_entropy, dict(reduction="mean"), True),
-        ("ce-smooth-zloss-sum", fuser.losses.cross_entropy,
-         dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3), True),
-        ("ce-main-grad", fuser.losses.cross_entropy,
-         dict(reduction="mean", accumulate_into="main_grad"), True),
+        (
+            "ce-smooth-zloss-sum",
+            fuser.losses.cross_entropy,
+            dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3),
+            True,
+        ),
+        (
+            "ce-main-grad",
+            fuser.losses.cross_entropy,
+            dict(reduction="mean", accumulate_into="main_grad"),
+            True,
+        ),
         ("ce-smooth-temp-none", ce_full, dict(reduction="none", label_smoothing=0.2, temperature=1.5), False),
         ("entropy-mean", entropy, dict(reduction="mean", entropy_coef=0.05), True),
         ("max-sum-mean", max_sum, dict(reduction="mean"), True),
@@ -94,8 +102,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
+        )
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(T, H, generator=g)
@@ -110,8 +123,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for name, f, kw, with_bias in _cases():
             b = bias if with_bias else None
             ref = _run(f, hidden, weight, b, target, kw)
-            got = _run(f, hidden, weight[lo:hi], b[lo:hi] if b is not None else None, target, kw,
-                       group=dist.group.WORLD)
+            got = _run(
+                f,
+                hidden,
+                weight[lo:hi],
+                b[lo:hi] if b is not None else None,
+                target,
+                kw,
+                group=dist.group.WORLD,
+            )
             _close(got[0], ref[0], f"{name}: loss")
             _close(got[1], ref[1], f"{name}: grad hidden")
             _close(got[2], ref[2][lo:hi], f"{name}: grad weight shard")
@@ -154,8 +174,9 @@ def test_vocab_parallel_matches_unsharded():
                 errors.append(f"rank {r}:\n" + open(path).read())
         assert not errors, "\n".join(errors)
         assert not hung, f"ranks {[procs.index(p) for p in hung]} hung past {TIMEOUT_S} s"
-        assert all(os.path.exists(os.path.join(out_dir, f"ok{r}")) for r in range(WORLD)), \
-            [p.exitcode for p in procs]
+        assert all(os.path.exists(os.path.join(out_dir, f"ok{r}")) for r in range(WORLD)), [
+            p.exitcode for p in procs
+        ]
 
 
 def test_process_group_needs_initialized_distributed():
