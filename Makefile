@@ -29,8 +29,9 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PYTHON) -m ruff format fuser tests examples benchmarks
 
-bench: $(STAMP)
-	$(PYTHON) benchmarks/run.py
+bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/
+	$(PYTHON) benchmarks/optim_bench.py
+	$(PYTHON) benchmarks/loss_bench.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
