@@ -29,32 +29,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuser  # noqa: E402
 import fuser.losses  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optim_bench import event_ms  # noqa: E402
+
 CONFIGS = {"gist": (32768, 768, 128256), "llama8b": (8192, 4096, 128256)}
 TARGETS = {"gist": (32.0, 1.0), "llama8b": (36.0, 3.1)}  # ms, GiB on an H100
 GIB = 1 << 30
-
-
-def event_ms(fn, warmup=2, rep=10):
-    """Median device time of fn (CUDA events), after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def gemm_tflops():
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    ms = event_ms(lambda: a @ b, rep=10)
+    ms = event_ms(lambda: a @ b, warmup=2, rep=10)
     return 2 * m**3 / (ms * 1e-3) / 1e12
 
 
@@ -105,7 +92,7 @@ def measure(name, fn, x, w, y, ref, cfg):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
-    ms = event_ms(step)
+    ms = event_ms(step, warmup=2, rep=10)
     t, h, v = CONFIGS[cfg]
     row = dict(
         cfg=cfg,
