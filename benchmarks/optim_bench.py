@@ -93,6 +93,9 @@ IMPLS = {
     "fuser.optim.AdamW": lambda ps, bf16: fuser.optim.AdamW(
         ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None
     ),
+    "fuser.optim.AdamW static": lambda ps, bf16: fuser.optim.AdamW(
+        ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None, static=True
+    ),
     "torch.AdamW foreach": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     "torch.AdamW fused": lambda ps, bf16: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
 }

@@ -404,15 +404,26 @@ class _Builtin(FuserOptimizer):
         return type(self).rule
 
     def _init_builtin(
-        self, params, defaults: dict, state_dtype, grad_attr="grad", stochastic_rounding=False, seed=0
+        self,
+        params,
+        defaults: dict,
+        state_dtype,
+        grad_attr="grad",
+        stochastic_rounding=False,
+        seed=0,
+        static=False,
     ) -> None:
         """fuser's own keywords, on every built-in: ``state_dtype``, ``grad_attr``
-        (``"main_grad"``), ``stochastic_rounding`` and ``seed`` (see ``fuser.compile``)."""
+        (``"main_grad"``), ``stochastic_rounding``, ``seed`` and ``static`` (see ``fuser.compile``)."""
         if defaults.get("differentiable"):
             raise ValueError("fuser optimizers are not differentiable")
         self._structure_key = None
         checked = _options(
-            state_dtype=state_dtype, grad_attr=grad_attr, stochastic_rounding=stochastic_rounding, seed=seed
+            state_dtype=state_dtype,
+            grad_attr=grad_attr,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+            static=static,
         )
         options = dataclasses.replace(
             type(self).options,
@@ -420,6 +431,7 @@ class _Builtin(FuserOptimizer):
             grad_attr=checked.grad_attr,
             stochastic_rounding=checked.stochastic_rounding,
             seed=checked.seed,
+            static=checked.static,
         )
         self._init_fuser(params, defaults, options=options)
         self.rule = self._variant(self._structure_key)
@@ -479,6 +491,7 @@ class SGD(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(momentum=momentum, weight_decay=weight_decay)
@@ -495,7 +508,7 @@ class SGD(_Builtin):
             differentiable=differentiable,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _structure(self, group):
         with_momentum = group["momentum"] != 0
@@ -556,6 +569,7 @@ class Adam(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -573,7 +587,7 @@ class Adam(_Builtin):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _structure(self, group):
         return (bool(group.get("amsgrad", False)),)
@@ -621,6 +635,7 @@ class AdamW(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -638,7 +653,7 @@ class AdamW(_Builtin):
             fused=fused,
             decoupled_weight_decay=True,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _structure(self, group):
         return (bool(group.get("amsgrad", False)),)
@@ -691,6 +706,7 @@ class Adagrad(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(
@@ -710,7 +726,7 @@ class Adagrad(_Builtin):
             differentiable=differentiable,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -760,6 +776,7 @@ class RMSprop(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, momentum=momentum, weight_decay=weight_decay, alpha=alpha)
@@ -775,7 +792,7 @@ class RMSprop(_Builtin):
             maximize=maximize,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _structure(self, group):
         return (bool(group.get("centered", False)), group["momentum"] > 0)
@@ -826,6 +843,7 @@ class NAdam(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)
@@ -842,7 +860,7 @@ class NAdam(_Builtin):
             capturable=capturable,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -881,6 +899,7 @@ class RAdam(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -896,7 +915,7 @@ class RAdam(_Builtin):
             decoupled_weight_decay=decoupled_weight_decay,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -930,12 +949,13 @@ class Lion(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(weight_decay=weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -974,6 +994,7 @@ class AdEMAMix(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay, alpha=alpha)
@@ -993,7 +1014,7 @@ class AdEMAMix(_Builtin):
             weight_decay=weight_decay,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         beta1, beta2, beta3 = group["betas"]
@@ -1039,6 +1060,7 @@ class Adan(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -1055,7 +1077,7 @@ class Adan(_Builtin):
             foreach=foreach,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _structure(self, group):
         return (group.get("max_grad_norm", 0.0) > 0,)
@@ -1103,12 +1125,13 @@ class LAMB(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         beta1, beta2 = group["betas"]
@@ -1145,6 +1168,7 @@ class LARS(_Builtin):
         grad_attr="grad",
         stochastic_rounding=False,
         seed=0,
+        static=False,
     ):
         _check_lr(lr)
         _check_nonneg(
@@ -1161,7 +1185,7 @@ class LARS(_Builtin):
             trust_coefficient=trust_coefficient,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def _group_hyper(self, group):
         return dict(

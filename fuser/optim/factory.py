@@ -1,9 +1,14 @@
 """``fuser.compile(optimizer_rule)`` -> a ``torch.optim.Optimizer`` subclass.
 
 A step gathers the parameters that have gradients, checks that nothing changed since
-the last step (addresses, sizes, dtypes, devices, strides, groups), and launches one
-kernel per (device, dtype plan) over all of them. Tables are rebuilt only when something
-changed; hyperparameters are re-sent only when a group's values changed.
+the last step (addresses, sizes, dtypes, devices, strides, groups, state tensors), and
+launches one kernel per (device, dtype plan) over all of them. Tables are rebuilt only
+when something changed; hyperparameters are re-sent only when a group's values changed.
+
+After a step, what it read is kept in a ``_Snapshot``; the next step compares against it
+with C-level passes over lists (``map`` of tensor getters, identity tests), not a Python
+loop per tensor. With ``static=True`` the step compares nothing per tensor: the caller
+promises that parameters, gradients and state keep their storage, as a CUDA graph would.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import os
+import weakref
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
 
 import sympy
 import torch
@@ -24,7 +32,7 @@ from fuser.display import NotebookDisplay
 from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim, scalar_state_names
 from fuser.log import logger
 from fuser.rules.rule import Rule
-from fuser.runtime import distributed
+from fuser.runtime import distributed, stats
 from fuser.runtime.distributed import local
 from fuser.runtime.tables import Tables, build_tables, check_layout
 
@@ -41,10 +49,11 @@ class Options:
     grad_attr: str = "grad"  # read each gradient from this attribute ("main_grad": Megatron's fp32)
     stochastic_rounding: bool = False  # bf16/fp16 stores round stochastically
     seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
+    static: bool = False  # storage of params, grads and states never replaced: no per-tensor check
 
 
 def _options(
-    state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False, seed=0
+    state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False, seed=0, static=False
 ) -> Options:
     if isinstance(state_dtype, torch.dtype):
         if state_dtype not in TORCH_DTYPES:
@@ -56,8 +65,15 @@ def _options(
         raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
     if not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be a non-negative integer below 2**63, not {seed!r}")
+    if not isinstance(static, bool):
+        raise ValueError(f"static must be True or False, not {static!r}")
     return Options(
-        state_dtype, tuple(sorted((state_keys or {}).items())), grad_attr, bool(stochastic_rounding), seed
+        state_dtype,
+        tuple(sorted((state_keys or {}).items())),
+        grad_attr,
+        bool(stochastic_rounding),
+        seed,
+        static,
     )
 
 
@@ -179,8 +195,43 @@ class _Launch:
     part: int  # row of this launch in its device's global-reduction table
 
 
+def _no_grad() -> None:
+    """Stands for a missing gradient in ``_Snapshot.grad_refs``: called, like a dead weakref, gives None."""
+    return None
+
+
+def _weak(g):
+    return _no_grad if g is None else weakref.ref(g)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+
+
+@dataclass
+class _Snapshot:
+    """What the last step read, kept so the next one can tell "nothing changed" from a few
+    C-level passes over lists instead of the per-tensor walk of ``_gather``.
+
+    Holds no strong reference to a gradient (``model.zero_grad()`` must free them) and
+    is built only for plain (not DTensor) dense tensors.
+    """
+
+    groups: list  # per param group: (its "params" list, that list's length)
+    params: list  # every parameter of every group, in order
+    grad_of: object  # parameter -> its gradient (an attrgetter of grad_attr)
+    grad_refs: list  # per parameter: weakref to its gradient, or _no_grad
+    has_grad: list  # per parameter: bool
+    param_ptrs: list  # data_ptr() of each parameter that has a gradient
+    grad_strides: list  # stride() of each of those gradients
+    states: list  # optimizer.state[p] of each of those parameters
+    state_values: dict  # state key -> the value of each of those parameters
+    grads_by_kind: list  # gradients grouped by (device, dtype), for zero_grad of a static optimizer
+
+
 @dataclass
 class _Engine:
+    snapshot: _Snapshot | None = None
     signature: list = field(default_factory=list)
     grad_ptrs: list = field(default_factory=list)
     launches: list = field(default_factory=list)
@@ -298,21 +349,137 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 signature.append(sig)
         return items, signature, grad_ptrs
 
+    def refresh(self) -> None:
+        """Re-read every parameter, gradient and state tensor at the next step. Needed only
+        with ``static=True``, after replacing one (``p.data = ...``, ``p.grad = ...``)."""
+        self._fuser.snapshot = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with ``static=True`` gradients are zeroed in place
+        (``set_to_none`` is ignored: the step relies on their storage), one ``foreach``
+        call per (device, dtype)."""
+        snap = self._fuser.snapshot
+        if self.options.static and snap is not None:
+            for grads in snap.grads_by_kind:
+                torch._foreach_zero_(grads)
+            return
+        super().zero_grad(set_to_none)
+
+    def _unchanged(self, snap: _Snapshot) -> bool:
+        """True when the tables still describe what the step would gather, refreshing the
+        gradient column where only gradients moved; False sends the step to ``_gather``."""
+        groups = self.param_groups
+        if len(groups) != len(snap.groups):
+            return False
+        for group, (params, n) in zip(groups, snap.groups):
+            if group["params"] is not params or len(params) != n:
+                return False
+        if self.options.static:
+            return True
+        flat = list(chain.from_iterable(params for params, _ in snap.groups))
+        if not all(map(operator.is_, flat, snap.params)):
+            return False
+        try:
+            grads = list(map(snap.grad_of, flat))
+        except AttributeError:  # grad_attr missing from a parameter: _gather says how
+            return False
+        present_params = list(compress(flat, snap.has_grad))
+        if not all(map(operator.is_, grads, map(operator.call, snap.grad_refs))):
+            # New gradient objects (set to None between steps): same parameters with and
+            # without one, and the same strides (torch checks size, dtype and device when
+            # a gradient is assigned); then only their addresses may have moved.
+            if list(map(operator.is_not, grads, repeat(None))) != snap.has_grad:
+                return False
+            present = list(compress(grads, snap.has_grad))
+            try:
+                if list(map(_stride, present)) != snap.grad_strides:
+                    return False
+                ptrs = list(map(_data_ptr, present))
+            except RuntimeError:  # sparse and other storage-less gradients
+                return False
+            eng = self._fuser
+            if ptrs != eng.grad_ptrs:
+                self._refresh_grad_column(ptrs)
+            snap.grad_refs = list(map(_weak, grads))
+        if list(map(_data_ptr, present_params)) != snap.param_ptrs:
+            return False
+        states = list(map(self.state.get, present_params))
+        if not all(map(operator.is_, states, snap.states)):
+            return False
+        try:
+            for key, values in snap.state_values.items():
+                if not all(map(operator.is_, map(operator.itemgetter(key), states), values)):
+                    return False
+        except KeyError:
+            return False
+        return True
+
+    def _snapshot(self, items) -> _Snapshot | None:
+        """The ``_Snapshot`` of a step that gathered ``items``; None where the quick check
+        does not apply (DTensor parameters or gradients)."""
+        attr = self.options.grad_attr
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [getattr(p, attr, None) for p in params]
+        if any(local(t) is not t for t in chain(params, grads) if t is not None):
+            return None
+        present = [(p, g) for p, g in zip(params, grads) if g is not None]
+        if len(present) != len(items) or any(p is not q for (p, _), (q, _, _) in zip(present, items)):
+            return None
+        states = [self.state.get(p) for p, _ in present]
+        keys = dict.fromkeys([*self._state_keys.values(), "step"])
+        if any(st is None or any(k not in st for k in keys) for st in states):
+            return None
+        by_kind: dict = {}
+        if self.options.static:  # held only where the caller promised they stay
+            for _, g in present:
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+        return _Snapshot(
+            groups=[(group["params"], len(group["params"])) for group in self.param_groups],
+            params=params,
+            grad_of=operator.attrgetter(attr),
+            grad_refs=list(map(_weak, grads)),
+            has_grad=[g is not None for g in grads],
+            param_ptrs=[p.data_ptr() for p, _ in present],
+            grad_strides=[g.stride() for _, g in present],
+            states=states,
+            state_values={k: [st[k] for st in states] for k in keys},
+            grads_by_kind=list(by_kind.values()),
+        )
+
+    def _refresh_grad_column(self, grad_ptrs: list) -> None:
+        """Same parameters, states and gradient layouts; only the gradients moved."""
+        eng = self._fuser
+        for launch in eng.launches:
+            column = torch.tensor([grad_ptrs[i] for i in launch.members], dtype=torch.int64)
+            launch.tables.ptrs[:, launch.grad_column].copy_(column)
+        eng.grad_ptrs = grad_ptrs
+
     def _fuser_step(self):
+        eng = self._fuser
+        if eng.snapshot is None or not self._unchanged(eng.snapshot):
+            eng.snapshot = None
+            if not self._prepare():
+                return
+        self._launch()
+
+    def _prepare(self) -> bool:
+        """The full check: gather, rebuild what changed; False when no parameter has a gradient."""
+        stats.count("full_checks")
         items, signature, grad_ptrs = self._gather()
         if not items:
-            return
+            return False
         eng = self._fuser
         if signature != eng.signature:
             self._rebuild(items)
             # The rebuild created state and re-packed steps: take the signature afterwards.
             _, eng.signature, eng.grad_ptrs = self._gather()
         elif grad_ptrs != eng.grad_ptrs:
-            # Same parameters, states and gradient layouts; only the gradients moved.
-            for launch in eng.launches:
-                column = torch.tensor([grad_ptrs[i] for i in launch.members], dtype=torch.int64)
-                launch.tables.ptrs[:, launch.grad_column].copy_(column)
-            eng.grad_ptrs = grad_ptrs
+            self._refresh_grad_column(grad_ptrs)
+        eng.snapshot = self._snapshot(items)
+        return True
+
+    def _launch(self) -> None:
+        eng = self._fuser
         self._sync_hyper()
         seed = self.options.seed
         n_phases = len(eng.launches[0].kernels)
@@ -578,10 +745,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 elif key in scalar_keys and value.numel() == 1:
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         self._fuser.signature = []
+        self._fuser.snapshot = None
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._fuser.signature = []
+        self._fuser.snapshot = None
 
 
 def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
@@ -589,7 +758,11 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
 
     Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
     or ``"param"`` to store each state like its parameter), ``grad_attr`` (``"main_grad"``
-    reads Megatron-style fp32 gradients), ``stochastic_rounding`` and its ``seed``.
+    reads Megatron-style fp32 gradients), ``stochastic_rounding`` and its ``seed``, and
+    ``static``: the caller promises that no parameter, gradient or state tensor is replaced
+    between steps (``p.data = ...``, ``p.grad = None``, ``optimizer.state[p][k] = ...``), so
+    a step checks nothing per tensor (as a replayed CUDA graph would not); ``zero_grad()``
+    then zeroes gradients in place, and ``refresh()`` re-reads everything once.
     """
     opts = _options(**options)
     _plan_and_sources(rule, _dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now

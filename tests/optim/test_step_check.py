@@ -1,0 +1,172 @@
+"""The per-step check: every way a training loop can replace what the kernels read between
+steps is seen (against torch.optim.AdamW doing the same), without holding gradients alive;
+``static=True`` skips the check and keeps its promises (in-place zero_grad, refresh())."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fuser
+
+SHAPES = [(5,), (33, 3), (129,), (7, 2, 3)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def pair(device, static=False):
+    """The same parameters twice: under fuser's AdamW and under torch's."""
+    ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return (
+        ours,
+        fuser.optim.AdamW(ours, static=static, **HYPER),
+        theirs,
+        torch.optim.AdamW(theirs, foreach=False, **HYPER),
+    )
+
+
+def step_both(ours, opt, theirs, ref, grads=None, in_place=False):
+    grads = grads if grads is not None else [torch.randn(p.shape, device=p.device) for p in ours]
+    for p, q, g in zip(ours, theirs, grads):
+        if g is None:
+            p.grad = q.grad = None
+        elif in_place and p.grad is not None:
+            p.grad.copy_(g)
+            q.grad = g.clone()
+        else:
+            p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    ref.step()
+
+
+def assert_same(ours, opt, theirs, ref):
+    for p, q in zip(ours, theirs):
+        assert rel_err(p.detach(), q.detach()) < 1e-6
+        if q in ref.state:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert rel_err(opt.state[p][key], ref.state[q][key]) < 1e-5
+
+
+def test_new_gradients_every_step_refresh_only_pointers(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    before = fuser.stats()
+    for _ in range(3):
+        step_both(ours, opt, theirs, ref)  # set-to-None style: new gradient objects
+    after = fuser.stats()
+    assert after["table_builds"] == before["table_builds"]
+    assert after["full_checks"] == before["full_checks"]  # no per-parameter Python walk
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_gradients_kept_in_place_reuse_everything(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    before, grads = fuser.stats(), [p.grad for p in ours]
+    for _ in range(2):
+        step_both(ours, opt, theirs, ref, in_place=True)
+    assert fuser.stats()["table_builds"] == before["table_builds"]
+    assert fuser.stats()["full_checks"] == before["full_checks"]
+    assert all(p.grad is g for p, g in zip(ours, grads))
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_a_gradient_with_other_strides_is_seen(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    grads = [torch.randn(p.shape, device=device) for p in ours]
+    grads[1] = torch.randn(3, 33, device=device).t()
+    assert grads[1].stride() != ours[1].stride()
+    with pytest.raises(ValueError, match="strides"):  # refused, as before: not misread
+        step_both(ours, opt, theirs, ref, grads)
+
+
+def test_replaced_parameter_storage_is_updated(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    fresh = torch.randn(SHAPES[2], device=device)
+    ours[2].data, theirs[2].data = fresh.clone(), fresh.clone()
+    checks = fuser.stats()["full_checks"]
+    step_both(ours, opt, theirs, ref)
+    assert fuser.stats()["full_checks"] == checks + 1
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_gradient_appearing_and_disappearing(device):
+    ours, opt, theirs, ref = pair(device)
+    grads = [torch.randn(p.shape, device=device) for p in ours]
+    grads[0] = None
+    step_both(ours, opt, theirs, ref, grads)
+    step_both(ours, opt, theirs, ref)  # parameter 0 now has a gradient
+    grads = [torch.randn(p.shape, device=device) for p in ours]
+    grads[3] = None
+    step_both(ours, opt, theirs, ref, grads)  # and parameter 3 none
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_replaced_state_tensor_and_param_list_edit(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    opt.state[ours[1]]["exp_avg"] = torch.zeros_like(ours[1])
+    ref.state[theirs[1]]["exp_avg"] = torch.zeros_like(theirs[1])
+    step_both(ours, opt, theirs, ref)
+    assert_same(ours, opt, theirs, ref)
+    # A parameter swapped into a group's list in place, without add_param_group.
+    extra = torch.nn.Parameter(torch.randn(11, device=device))
+    extra_ref = torch.nn.Parameter(extra.detach().clone())
+    opt.param_groups[0]["params"][0] = extra
+    ref.param_groups[0]["params"][0] = extra_ref
+    ours[0], theirs[0] = extra, extra_ref
+    step_both(ours, opt, theirs, ref)
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_the_check_holds_no_gradient_alive(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    watched = weakref.ref(ours[0].grad)
+    for p in ours:
+        p.grad = None  # as model.zero_grad() does, behind the optimizer's back
+    gc.collect()
+    assert watched() is None
+
+
+def test_static_matches_torch_and_zeroes_in_place(device):
+    ours, opt, theirs, ref = pair(device, static=True)
+    step_both(ours, opt, theirs, ref)
+    grads = [p.grad for p in ours]
+    builds = fuser.stats()["table_builds"]
+    for _ in range(3):
+        opt.zero_grad()
+        assert all(p.grad is g and not g.any() for p, g in zip(ours, grads))
+        step_both(ours, opt, theirs, ref, in_place=True)
+    assert fuser.stats()["table_builds"] == builds
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_static_refresh_reads_replaced_tensors(device):
+    ours, opt, theirs, ref = pair(device, static=True)
+    step_both(ours, opt, theirs, ref)
+    step_both(ours, opt, theirs, ref)  # new gradient objects, as promised not to: then
+    opt.refresh()  # refresh() says so, and the next step reads them
+    fresh = torch.randn(SHAPES[0], device=device)
+    ours[0].data, theirs[0].data = fresh.clone(), fresh.clone()
+    step_both(ours, opt, theirs, ref)
+    # The second step read the first step's gradients: compare from a common point.
+    for p, q in zip(ours, theirs):
+        q.data.copy_(p.data)
+        ref.state[q]["exp_avg"].copy_(opt.state[p]["exp_avg"])
+        ref.state[q]["exp_avg_sq"].copy_(opt.state[p]["exp_avg_sq"])
+    opt.refresh()
+    step_both(ours, opt, theirs, ref)
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_static_must_be_a_bool():
+    with pytest.raises(ValueError, match="static must be True or False"):
+        fuser.optim.AdamW([torch.nn.Parameter(torch.randn(3))], static="yes")
