@@ -29,11 +29,13 @@ _lock = threading.RLock()
 class JitKernel:
     """A generated kernel run through Triton's JIT (and its interpreter on CPU)."""
 
-    def __init__(self, source: KernelSource, fn):
+    def __init__(self, source: KernelSource, fn, interpret: bool):
         self.source = source
         self.fn = fn
         self._names = [n for n, _ in source.signature]
         self._options = dict(source.constexprs, num_warps=source.num_warps, num_stages=source.num_stages)
+        if "INTERPRETED" in self._options:
+            self._options["INTERPRETED"] = interpret
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         if len(args) != len(self._names):
@@ -161,7 +163,7 @@ def _load(source: KernelSource, device, interpret: bool):
     if target is None:
         # Interpreter: the source is the whole entry. ROCm: Triton's JIT compiles it.
         _count(hit and interpret)
-        return JitKernel(source, import_kernel(source, path, interpret=interpret))
+        return JitKernel(source, import_kernel(source, path, interpret=interpret), interpret)
     binary, hit = ensure_binary(source, target, path)
     _count(hit)
     logger.info("%s for %s: %s", source.entry, target, "cache hit" if hit else "compiled")

@@ -285,7 +285,7 @@ def render_loss(
         text=text,
         entry=entry,
         signature=signature,
-        constexprs=(("BLOCK", block),),
+        constexprs=(("BLOCK", block), ("INTERPRETED", False)),
         num_warps=num_warps,
         num_stages=1,
         meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")),

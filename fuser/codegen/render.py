@@ -93,7 +93,7 @@ def store_cast(value: str, dtype: str, random: str | None = None) -> str:
     if random is not None:
         return f"_to_{dtype}_sr({value}, {random})"
     if dtype == "bf16":
-        return f"_to_bf16({value})"
+        return f"_to_bf16({value}, INTERPRETED)"
     return f"({value}).to(tl.float16)"
 
 
@@ -319,7 +319,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         text=text,
         entry=entry,
         signature=OPTIM_SIGNATURE,
-        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK)),
+        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False)),
         num_warps=warps,
         num_stages=1,
         meta=(
