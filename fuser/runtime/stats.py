@@ -23,5 +23,6 @@ def count(name: str, n: int = 1) -> None:
 
 def stats() -> dict[str, int]:
     """A snapshot of fuser's counters: compiles, launches, cache hits and misses, table builds,
-    full checks (optimizer steps that walked every parameter in Python), collectives (the all-reduces that combine reductions over DTensor shards)."""
+    full checks (optimizer steps that walked every parameter in Python), collectives (the
+    all-reduces that combine reductions over DTensor shards)."""
     return dict(_counts)
