@@ -1,6 +1,7 @@
 """Block size and warps of the optimizer step kernel: fuser's AdamW on the llama1b
 workloads for each (BLOCK, num_warps), each in a fresh process (the values are rendered
-into the kernel), beside torch's fused AdamW timed in the same processes.
+into the kernel): median of device events around one step, and wall time per step over
+back-to-back steps.
 
     python benchmarks/sweep_optim.py [--out DIR]
 """
@@ -16,16 +17,17 @@ import json, sys, torch
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {bench!r})
 import fuser
-from optim_bench import event_ms, llama1b_shapes, make
+from optim_bench import event_ms, llama1b_shapes, make, wall_ms
 rows = []
 for dtype in (torch.float32, torch.bfloat16):
     bf16 = dtype == torch.bfloat16
     ps = make(llama1b_shapes(), dtype, 0)
     opt = fuser.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, state_dtype="param" if bf16 else None)
     ms = event_ms(opt.step)
+    wall = wall_ms(opt.step)
     del ps, opt
     torch.cuda.empty_cache()
-    rows.append(dict(dtype=str(dtype), ms=round(ms, 4)))
+    rows.append(dict(dtype=str(dtype), ms=round(ms, 4), wall_ms=round(wall, 4)))
 print(json.dumps(rows))
 """
 

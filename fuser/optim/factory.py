@@ -24,6 +24,7 @@ from itertools import chain, compress, repeat
 
 import sympy
 import torch
+import torch.optim.optimizer as _optimizer
 
 from fuser.cache import load_kernel, rendered
 from fuser.codegen.render import render_optim
@@ -300,8 +301,22 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         keys = dict(self.options.state_keys)
         return {s: keys.get(s, s) for s, _ in self.rule.state}
 
-    @torch.no_grad()
     def step(self, closure=None):
+        # torch wraps every optimizer's step in a profiler range and its hook loops (~20 us
+        # a call); fuser does the same only when a hook is registered or the profiler runs.
+        if (
+            self._optimizer_step_pre_hooks
+            or self._optimizer_step_post_hooks
+            or _optimizer._global_optimizer_pre_hooks
+            or _optimizer._global_optimizer_post_hooks
+            or torch.autograd.profiler._is_profiler_enabled
+        ):
+            return _hooked_step(self, closure)
+        return self._step(closure)
+
+    step.hooked = True  # tells torch.optim.Optimizer not to wrap it again
+
+    def _step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -455,11 +470,14 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         eng.grad_ptrs = grad_ptrs
 
     def _fuser_step(self):
+        # Nothing here is recorded by autograd except what _prepare and _sync_hyper guard
+        # themselves: a no_grad() around every step would cost more than the quick check.
         eng = self._fuser
         if eng.snapshot is None or not self._unchanged(eng.snapshot):
             eng.snapshot = None
-            if not self._prepare():
-                return
+            with torch.no_grad():
+                if not self._prepare():
+                    return
         self._launch()
 
     def _prepare(self) -> bool:
@@ -712,10 +730,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                     torch.tensor(numbers, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
                 )
             eng.hyper_values = rows
-        for device in devices:
-            table = eng.hyper_tables[device]
-            for gi, j, v in tensors:
-                table[gi, j].copy_(v.reshape(()))
+        if tensors:
+            with torch.no_grad():
+                for device in devices:
+                    table = eng.hyper_tables[device]
+                    for gi, j, v in tensors:
+                        table[gi, j].copy_(v.reshape(()))
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts floating state to each parameter's dtype; fuser keeps its own state
@@ -751,6 +771,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._fuser.signature = []
         self._fuser.snapshot = None
+
+
+_hooked_step = torch.optim.Optimizer.profile_hook_step(FuserOptimizer._step)
 
 
 def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import fuser
 
@@ -170,3 +171,20 @@ def test_static_refresh_reads_replaced_tensors(device):
 def test_static_must_be_a_bool():
     with pytest.raises(ValueError, match="static must be True or False"):
         fuser.optim.AdamW([torch.nn.Parameter(torch.randn(3))], static="yes")
+
+
+def test_step_hooks_and_profiler_range_as_torch(device):
+    ours, opt, theirs, ref = pair(device)
+    seen = []
+    pre = opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o)))
+    post = opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o)))
+    glob = register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global", o)))
+    try:
+        step_both(ours, opt, theirs, ref)
+    finally:
+        pre.remove(), post.remove(), glob.remove()
+    assert seen[:2] == [("pre", opt), ("post", opt)] and ("global", opt) in seen
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step_both(ours, opt, theirs, ref)
+    assert any(e.name == "Optimizer.step#AdamW.step" for e in prof.events())
+    assert_same(ours, opt, theirs, ref)
