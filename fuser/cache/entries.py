@@ -64,11 +64,11 @@ def _verified(folder: Path, key: str) -> dict[str, bytes] | None:
 
 def _get_or_build(folder: Path, key: str, build) -> tuple[dict[str, bytes], bool]:
     """(files, hit): the verified files of ``folder``, built under the key's lock if needed."""
-    from filelock import Timeout
-
     files = _verified(folder, key)
     if files is not None:
         return files, True
+    from filelock import Timeout  # here: a hit needs no lock, and the import costs ~0.07 s
+
     try:
         with store.lock(key):
             try:

@@ -18,6 +18,7 @@ import functools
 import math
 import operator
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
@@ -768,7 +769,13 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         self._fuser.snapshot = None
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
+        # torch's method is wrapped to keep torch.compile out of it, and that wrapper imports
+        # torch._dynamo on its first call (~1 s). Where nothing has imported it, nothing
+        # compiles, and the method itself runs.
+        add = torch.optim.Optimizer.add_param_group
+        if "torch._dynamo" not in sys.modules:
+            add = getattr(add, "__wrapped__", add)
+        add(self, param_group)
         self._fuser.signature = []
         self._fuser.snapshot = None
 
