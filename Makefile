@@ -29,9 +29,16 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PYTHON) -m ruff format fuser tests examples benchmarks
 
-bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/
-	$(PYTHON) benchmarks/optim_bench.py
+DATE := $(shell date +%F)
+RESULTS := benchmarks/results
+
+bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary in latest.json
+	$(PYTHON) benchmarks/optim_bench.py llama1b small1000 lamb
 	$(PYTHON) benchmarks/loss_bench.py
+	$(PYTHON) benchmarks/scaling.py
+	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled-launcher torch-fused
+	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/loss_$(DATE).json \
+		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -2,10 +2,12 @@
 
 Workloads (ANCHORS.md): `llama1b` = TinyLlama-1.1B's 201 parameter tensors, fp32 and
 all-bf16 (params, grads and states in bf16, as torch keeps them); `small1000` = 1000
-tensors of 4096 fp32 elements (launch-bound). Every implementation runs in this process on
-this GPU; each is first checked against torch's fused AdamW on the same inputs.
+tensors of 4096 fp32 elements (launch-bound); `lamb` = LAMB on llama1b fp32, fuser's
+built-in beside pytorch-optimizer's `Lamb` when installed. Every implementation runs in
+this process on this GPU; AdamW is first checked against torch's fused AdamW on the same
+inputs, LAMB against a float64 reference of the paper's rule.
 
-    python benchmarks/optim_bench.py [--out DIR] [llama1b small1000]
+    python benchmarks/optim_bench.py [--out DIR] [llama1b small1000 lamb]
 
 Writes `optim_<date>.json` and `.md` under --out (default benchmarks/results).
 """
@@ -114,6 +116,73 @@ def check(shapes, dtype, bf16):
     return (num / den).item()
 
 
+def lamb_check(shapes):
+    """fuser's LAMB after 3 steps against the paper's rule in float64: relative error."""
+    small = shapes[:12]
+    ps = make(small, torch.float32, 2)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    opt = fuser.optim.LAMB(ps, **hyper)
+    ref = [p.detach().double().clone() for p in ps]
+    m = [torch.zeros_like(r) for r in ref]
+    v = [torch.zeros_like(r) for r in ref]
+    b1, b2 = hyper["betas"]
+    for step in range(1, 4):
+        opt.step()
+        for i, p in enumerate(ps):
+            g = p.grad.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            u = (m[i] / (1 - b1**step)) / ((v[i] / (1 - b2**step)).sqrt() + hyper["eps"])
+            u = u + hyper["weight_decay"] * ref[i]
+            pn, un = ref[i].norm(), u.norm()
+            trust = pn / un if pn > 0 and un > 0 else 1.0
+            ref[i] = ref[i] - hyper["lr"] * trust * u
+    num = sum(((p.double() - r) ** 2).sum() for p, r in zip(ps, ref)).sqrt()
+    return (num / sum((r**2).sum() for r in ref).sqrt()).item()
+
+
+def run_lamb(shapes, bw, rows):
+    """LAMB's floor: its two phases read p, g, m, v twice and write p, m, v once (44 B per
+    fp32 parameter), as fuser's generated kernels do (`python -m fuser show`)."""
+    n = sum(torch.Size(s).numel() for s in shapes)
+    floor_ms = n * 44 / (bw * 1e12) * 1e3
+    err = lamb_check(shapes)
+    print(f"lamb_fp32_llama1b: floor {floor_ms:.3f} ms (44 B/param), fuser vs float64 rel err {err:.2e}")
+    impls = {
+        "fuser.optim.LAMB": lambda ps: fuser.optim.LAMB(ps, lr=1e-3, weight_decay=0.01),
+        "fuser.optim.LAMB static": lambda ps: fuser.optim.LAMB(ps, lr=1e-3, weight_decay=0.01, static=True),
+    }
+    try:
+        import pytorch_optimizer
+
+        impls["pytorch_optimizer.Lamb foreach"] = lambda ps: pytorch_optimizer.Lamb(
+            ps, lr=1e-3, weight_decay=0.01, foreach=True
+        )
+    except ImportError as e:
+        print(f"pytorch_optimizer.Lamb skipped: {e}", flush=True)
+    for name, build in impls.items():
+        ps = make(shapes, torch.float32, 0)
+        opt = build(ps)
+        ms = event_ms(opt.step, rep=10)
+        wall = wall_ms(opt.step, steps=20)
+        row = dict(
+            workload="lamb_fp32_llama1b",
+            impl=name,
+            ms=round(ms, 4),
+            wall_ms=round(wall, 4),
+            floor_ms=round(floor_ms, 4),
+            pct_of_floor=round(100 * floor_ms / ms, 1),
+            tensors=len(shapes),
+            params=n,
+            rel_err_vs_float64=err if name.startswith("fuser") else None,
+            device=torch.cuda.get_device_name(),
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del ps, opt
+        torch.cuda.empty_cache()
+
+
 def run(workload, shapes, dtype, bw, rows):
     bf16 = dtype == torch.bfloat16
     n = sum(torch.Size(s).numel() for s in shapes)
@@ -164,6 +233,8 @@ def main(argv=None):
         run("adamw_bf16_llama1b", llama1b_shapes(), torch.bfloat16, bw, rows)
     if "small1000" in args.workloads:
         run("adamw_fp32_small1000", [(4096,)] * 1000, torch.float32, bw, rows)
+    if "lamb" in args.workloads:
+        run_lamb(llama1b_shapes(), bw, rows)
     date = datetime.date.today().isoformat()
     meta = dict(
         date=date,
@@ -187,7 +258,7 @@ def main(argv=None):
     ]
     lines += [
         f"| {r['workload']} | {r['impl']} | {r['ms']} | {r['wall_ms']} | {r['pct_of_floor']} | "
-        f"{r['first_step_s']} |"
+        f"{r.get('first_step_s', '')} |"
         for r in rows
     ]
     with open(os.path.join(args.out, f"optim_{date}.md"), "w") as f:

@@ -1,0 +1,103 @@
+"""``benchmarks/results/latest.json`` from the JSON files of one benchmark run.
+
+    python benchmarks/latest.py RESULT.json... [--out benchmarks/results/latest.json]
+
+Reads what ``optim_bench.py``, ``loss_bench.py`` and ``first_step.py`` wrote and emits one
+list of rows with ``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median),
+``peak_mib`` where memory matters, ``device``, and the source file. ``ms`` of
+``adamw_fp32_small1000`` is the wall time per step, Python included (the event median is
+kept as ``event_ms``); elsewhere it is the median of device events, and for the first step
+the seconds to the first completed step, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+WALL_WORKLOADS = {"adamw_fp32_small1000"}
+FIRST_STEP = {"fuser-cold": "first_step_cold", "fuser-warm": "first_step_warm"}
+
+
+def optim_rows(doc: dict, source: str) -> list[dict]:
+    device = doc["meta"]["device"]
+    out = []
+    for r in doc["rows"]:
+        row = dict(workload=r["workload"], impl=r["impl"], device=r.get("device", device), source=source)
+        if r["workload"] in WALL_WORKLOADS:
+            row.update(ms=r["wall_ms"], event_ms=r["ms"])
+        else:
+            row.update(ms=r["ms"], wall_ms=r["wall_ms"])
+        row.update({k: r[k] for k in ("pct_of_floor", "floor_ms") if k in r})
+        out.append(row)
+    return out
+
+
+def loss_rows(doc: dict, source: str) -> list[dict]:
+    device = doc["meta"]["gpu"]
+    out = []
+    for r in doc["rows"]:
+        if "error" in r:
+            continue
+        out.append(
+            dict(
+                workload=r.get("workload", f"lce_{r['cfg']}"),
+                impl=r["name"],
+                ms=r["fwd_bwd_ms"],
+                peak_mib=round(r["extra_peak_GiB"] * 1024, 1),
+                device=device,
+                source=source,
+                loss_rel_err=r.get("loss_rel_err"),
+                wgrad_rel_err=r["grad_weight_rel_err"],
+                hgrad_rel_err=r["grad_hidden_rel_err"],
+            )
+        )
+    return out
+
+
+def first_step_rows(doc: dict, source: str) -> list[dict]:
+    device = doc["environment"]["gpu"]
+    out = []
+    for mode, m in doc["modes"].items():
+        seconds = m["median"]["first_step_s"]
+        if mode in FIRST_STEP:
+            out.append(dict(workload=FIRST_STEP[mode], impl="fuser.optim.AdamW", ms=round(seconds * 1e3, 1),
+                            device=device, source=source))  # fmt: skip
+        elif mode.startswith("torch"):
+            workload = "first_step_cold" if mode.endswith("cold") else "first_step_warm"
+            if mode == "torch-fused":
+                workload = "first_step_warm"  # eager: nothing to compile, so no cold/warm difference
+            out.append(
+                dict(workload=workload, impl=mode, ms=round(seconds * 1e3, 1), device=device, source=source)
+            )
+    return out
+
+
+def rows_of(path: str) -> list[dict]:
+    with open(path) as f:
+        doc = json.load(f)
+    source = os.path.basename(path)
+    if doc.get("benchmark") == "first_step":
+        return first_step_rows(doc, source)
+    if "meta" in doc and "gpu" in doc["meta"]:
+        return loss_rows(doc, source)
+    if "meta" in doc and doc.get("rows") and "workload" in doc["rows"][0]:
+        return optim_rows(doc, source)
+    raise ValueError(f"{path}: not a result file of optim_bench.py, loss_bench.py or first_step.py")
+
+
+def main(argv=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--out", default=os.path.join(here, "results", "latest.json"))
+    args = ap.parse_args(argv)
+    rows = [row for path in args.files for row in rows_of(path)]
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
