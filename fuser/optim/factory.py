@@ -26,6 +26,7 @@ from itertools import chain, compress, repeat
 import sympy
 import torch
 import torch.optim.optimizer as _optimizer
+import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0.3 s)
 
 from fuser.cache import load_kernel, rendered
 from fuser.codegen.render import render_optim
