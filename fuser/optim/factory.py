@@ -211,6 +211,44 @@ _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 
 
+class _Flag:
+    __slots__ = ("dirty",)
+
+    def __init__(self):
+        self.dirty = True
+
+
+def _marking(name: str):
+    base = getattr(dict, name)
+
+    def method(self, *args, **kwargs):
+        self._flag.dirty = True
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+class _ParamState(dict):
+    """``optimizer.state[p]`` once a step has read it: a dict that notes any assignment
+    (``state[p]["exp_avg"] = t``), so the next step re-reads the states only after one.
+    Pickled and copied as a plain dict."""
+
+    __slots__ = ("_flag",)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+    __setitem__ = _marking("__setitem__")
+    __delitem__ = _marking("__delitem__")
+    __ior__ = _marking("__ior__")
+    clear = _marking("clear")
+    pop = _marking("pop")
+    popitem = _marking("popitem")
+    setdefault = _marking("setdefault")
+    update = _marking("update")
+
+
 @dataclass
 class _Snapshot:
     """What the last step read, kept so the next one can tell "nothing changed" from a few
@@ -227,8 +265,8 @@ class _Snapshot:
     has_grad: list  # per parameter: bool
     param_ptrs: list  # data_ptr() of each parameter that has a gradient
     grad_strides: list  # stride() of each of those gradients
-    states: list  # optimizer.state[p] of each of those parameters
-    state_values: dict  # state key -> the value of each of those parameters
+    states: list  # optimizer.state[p] of each of those parameters (a _ParamState)
+    flag: _Flag  # set by any assignment to one of those states
     grads_by_kind: list  # gradients grouped by (device, dtype), for zero_grad of a static optimizer
 
 
@@ -386,7 +424,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         """True when the tables still describe what the step would gather, refreshing the
         gradient column where only gradients moved; False sends the step to ``_gather``."""
         groups = self.param_groups
-        if len(groups) != len(snap.groups):
+        if snap.flag.dirty or len(groups) != len(snap.groups):
             return False
         for group, (params, n) in zip(groups, snap.groups):
             if group["params"] is not params or len(params) != n:
@@ -420,16 +458,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             snap.grad_refs = list(map(_weak, grads))
         if list(map(_data_ptr, present_params)) != snap.param_ptrs:
             return False
-        states = list(map(self.state.get, present_params))
-        if not all(map(operator.is_, states, snap.states)):
-            return False
-        try:
-            for key, values in snap.state_values.items():
-                if not all(map(operator.is_, map(operator.itemgetter(key), states), values)):
-                    return False
-        except KeyError:
-            return False
-        return True
+        # A state dict replaced (optimizer.state[p] = {...}); assignments inside one set the flag.
+        return all(map(operator.is_, map(self.state.get, present_params), snap.states))
 
     def _snapshot(self, items) -> _Snapshot | None:
         """The ``_Snapshot`` of a step that gathered ``items``; None where the quick check
@@ -442,10 +472,18 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         present = [(p, g) for p, g in zip(params, grads) if g is not None]
         if len(present) != len(items) or any(p is not q for (p, _), (q, _, _) in zip(present, items)):
             return None
-        states = [self.state.get(p) for p, _ in present]
-        keys = dict.fromkeys([*self._state_keys.values(), "step"])
-        if any(st is None or any(k not in st for k in keys) for st in states):
-            return None
+        flag = _Flag()
+        states = []
+        for p, _ in present:
+            st = self.state.get(p)
+            if st is None:
+                return None
+            if type(st) is not _ParamState:
+                st = _ParamState(st)
+                self.state[p] = st
+            st._flag = flag
+            states.append(st)
+        flag.dirty = False
         by_kind: dict = {}
         if self.options.static:  # held only where the caller promised they stay
             for _, g in present:
@@ -459,7 +497,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             param_ptrs=[p.data_ptr() for p, _ in present],
             grad_strides=[g.stride() for _, g in present],
             states=states,
-            state_values={k: [st[k] for st in states] for k in keys},
+            flag=flag,
             grads_by_kind=list(by_kind.values()),
         )
 

@@ -3,6 +3,7 @@ steps is seen (against torch.optim.AdamW doing the same), without holding gradie
 ``static=True`` skips the check and keeps its promises (in-place zero_grad, refresh())."""
 
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -188,3 +189,17 @@ def test_step_hooks_and_profiler_range_as_torch(device):
         step_both(ours, opt, theirs, ref)
     assert any(e.name == "Optimizer.step#AdamW.step" for e in prof.events())
     assert_same(ours, opt, theirs, ref)
+
+
+def test_state_assignment_is_seen_even_when_static_and_states_pickle_as_dicts(device):
+    ours, opt, theirs, ref = pair(device, static=True)
+    step_both(ours, opt, theirs, ref, in_place=False)
+    opt.zero_grad()
+    ref.zero_grad(set_to_none=False)
+    opt.state[ours[2]]["exp_avg_sq"] = torch.full_like(ours[2], 0.5)
+    ref.state[theirs[2]]["exp_avg_sq"] = torch.full_like(theirs[2], 0.5)
+    step_both(ours, opt, theirs, ref, in_place=True)
+    assert_same(ours, opt, theirs, ref)
+    saved = pickle.loads(pickle.dumps(opt.state_dict()))
+    assert all(type(st) is dict for st in saved["state"].values())
+    assert torch.equal(saved["state"][2]["exp_avg_sq"], opt.state[ours[2]]["exp_avg_sq"])
