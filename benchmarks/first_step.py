@@ -198,7 +198,8 @@ def main() -> None:
     try:
         for mode in args.modes:
             got, extra = samples(mode, args, root, target)
-            median = {k: statistics.median(s[k] for s in got) for k in got[0]}
+            # Numbers only: torch's modes have no fuser counters (None).
+            median = {k: statistics.median(s[k] for s in got) for k, v in got[0].items() if v is not None}
             report["modes"][mode] = {"median": median, "samples": got, **extra}
             print(f"{mode:<28} {median['total_s']:7.2f} s  (first step {median['first_step_s']:.3f} s, "
                   f"compiles {[s['fuser_compiles'] for s in got]})", flush=True)  # fmt: skip
