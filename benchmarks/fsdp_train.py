@@ -421,8 +421,7 @@ def _worker(rank: int, world: int, cfg: dict, port: int, meta: dict):
     device = torch.device(f"cuda:{rank}" if cfg["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

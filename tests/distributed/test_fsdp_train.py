@@ -76,3 +76,12 @@ def test_fuser_run_ends_at_the_baseline_weights(smoke):
     for name in base:
         torch.testing.assert_close(fus[name], base[name], rtol=1e-5, atol=5e-5, msg=name)
     assert result["final_params"]["rel_l2"] <= 1e-5
+
+
+def test_plot(smoke, tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot_fsdp
+
+    png = tmp_path / "fsdp.png"
+    plot_fsdp.main([str(smoke[2]), str(png)])
+    assert png.read_bytes()[:4] == b"\x89PNG"
