@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"baseline": "tab:blue", "fuser": "tab:orange"}
+WIDTHS = {"baseline": 3.0, "fuser": 1.0}  # the curves overlap: the baseline drawn wide underneath
 
 
 def plot(result: dict, png: str) -> None:
@@ -27,7 +28,12 @@ def plot(result: dict, png: str) -> None:
         1, 3, figsize=(16, 4.8), gridspec_kw=dict(width_ratios=[2, 2, 1.2])
     )
     for kind, run in runs.items():
-        ax_loss.plot(run["losses"], label=f"{kind}: {run['optimizer']}", color=COLORS.get(kind), lw=1.2)
+        ax_loss.plot(
+            run["losses"],
+            label=f"{kind}: {run['optimizer']}",
+            color=COLORS.get(kind),
+            lw=WIDTHS.get(kind, 1.0),
+        )
     ax_loss.axhline(result["ln_vocab"], color="grey", ls=":", lw=1, label="ln V")
     ax_loss.axhline(result["loss_floor"], color="black", ls="--", lw=1, label="entropy of the data")
     ax_loss.set(xlabel="step", ylabel="loss (mean over the global batch)", title="Training loss")
