@@ -329,7 +329,8 @@ def train(kind: str, cfg: dict, init: dict, data: torch.Tensor, device: torch.de
         for m in model.body.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+                if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.12
+                    m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         head = nn.Parameter(model.head.weight.detach()[vocab_slice(cfg["vocab"], rank, world)].clone())
         del model.head
         named = [("body." + n, p) for n, p in model.body.named_parameters()] + [("head.weight", head)]
