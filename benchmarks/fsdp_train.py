@@ -327,8 +327,12 @@ def train(kind: str, cfg: dict, init: dict, data: torch.Tensor, device: torch.de
     else:
         fully_shard(model.body, **shard)
         for m in model.body.modules():
-            if hasattr(m, "set_gradient_divide_factor"):
-                m.set_gradient_divide_factor(1.0)
+            # The name of this setter changed across torch versions.
+            divide = getattr(m, "set_gradient_divide_factor", None) or getattr(
+                m, "set_reduce_scatter_divide_factor", None
+            )
+            if divide is not None:
+                divide(1.0)
                 if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.12
                     m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         head = nn.Parameter(model.head.weight.detach()[vocab_slice(cfg["vocab"], rank, world)].clone())
