@@ -263,8 +263,9 @@ class _Snapshot:
     grad_of: object  # parameter -> its gradient (an attrgetter of grad_attr)
     grad_refs: list  # per parameter: weakref to its gradient, or _no_grad
     has_grad: list  # per parameter: bool
-    param_ptrs: list  # data_ptr() of each parameter that has a gradient
-    grad_strides: list  # stride() of each of those gradients
+    param_ptrs: list  # data_ptr() of each parameter that has a gradient (its local shard's)
+    grad_strides: list  # stride() of each of those gradients (local shards)
+    grad_layouts: list | None  # DTensor (placements, mesh) of each of those gradients; None: no DTensor
     states: list  # optimizer.state[p] of each of those parameters (a _ParamState)
     flag: _Flag  # set by any assignment to one of those states
     grads_by_kind: list  # gradients grouped by (device, dtype), for zero_grad of a static optimizer
@@ -446,6 +447,10 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             if list(map(operator.is_not, grads, repeat(None))) != snap.has_grad:
                 return False
             present = list(compress(grads, snap.has_grad))
+            if snap.grad_layouts is not None:
+                if list(map(distributed.layout, present)) != snap.grad_layouts:
+                    return False
+                present = list(map(local, present))
             try:
                 if list(map(_stride, present)) != snap.grad_strides:
                     return False
@@ -456,19 +461,19 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             if ptrs != eng.grad_ptrs:
                 self._refresh_grad_column(ptrs)
             snap.grad_refs = list(map(_weak, grads))
-        if list(map(_data_ptr, present_params)) != snap.param_ptrs:
+        locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
+        if list(map(_data_ptr, locals_)) != snap.param_ptrs:
             return False
         # A state dict replaced (optimizer.state[p] = {...}); assignments inside one set the flag.
         return all(map(operator.is_, map(self.state.get, present_params), snap.states))
 
     def _snapshot(self, items) -> _Snapshot | None:
-        """The ``_Snapshot`` of a step that gathered ``items``; None where the quick check
-        does not apply (DTensor parameters or gradients)."""
+        """The ``_Snapshot`` of a step that gathered ``items`` (after ``_gather`` stored any
+        redistributed DTensor gradient back), or None where the quick check cannot follow."""
         attr = self.options.grad_attr
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [getattr(p, attr, None) for p in params]
-        if any(local(t) is not t for t in chain(params, grads) if t is not None):
-            return None
+        dtensors = any(local(t) is not t for t in chain(params, grads) if t is not None)
         present = [(p, g) for p, g in zip(params, grads) if g is not None]
         if len(present) != len(items) or any(p is not q for (p, _), (q, _, _) in zip(present, items)):
             return None
@@ -494,8 +499,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             grad_of=operator.attrgetter(attr),
             grad_refs=list(map(_weak, grads)),
             has_grad=[g is not None for g in grads],
-            param_ptrs=[p.data_ptr() for p, _ in present],
-            grad_strides=[g.stride() for _, g in present],
+            param_ptrs=[local(p).data_ptr() for p, _ in present],
+            grad_strides=[local(g).stride() for _, g in present],
+            grad_layouts=[distributed.layout(g) for _, g in present] if dtensors else None,
             states=states,
             flag=flag,
             grads_by_kind=list(by_kind.values()),

@@ -46,6 +46,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def layout(t: torch.Tensor):
+    """A DTensor's (placements, mesh), ``None`` for a plain tensor: what must hold between
+    steps for a gradient's shard to line up with its parameter's."""
+    return (t._spec.placements, t.device_mesh) if isinstance(t, DTensor) else None
+
+
 def local_pair(p: torch.Tensor, g: torch.Tensor, attr: str) -> tuple[torch.Tensor, ...]:
     """(``g`` laid out like ``p``, ``p``'s local tensor, ``g``'s), with one type check for
     a plain parameter: this runs for every tensor of every step.
