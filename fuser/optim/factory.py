@@ -783,6 +783,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                     for gi, j, v in tensors:
                         table[gi, j].copy_(v.reshape(()))
 
+    def state_dict(self) -> dict:
+        # Plain dicts: torch.load(weights_only=True) takes nothing else.
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) if isinstance(v, _ParamState) else v for k, v in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict) -> None:
         # torch casts floating state to each parameter's dtype; fuser keeps its own state
         # dtype (fp32 by default), so restore the saved values at full precision.

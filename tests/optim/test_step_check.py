@@ -3,6 +3,7 @@ steps is seen (against torch.optim.AdamW doing the same), without holding gradie
 ``static=True`` skips the check and keeps its promises (in-place zero_grad, refresh())."""
 
 import gc
+import io
 import pickle
 import weakref
 
@@ -200,6 +201,10 @@ def test_state_assignment_is_seen_even_when_static_and_states_pickle_as_dicts(de
     ref.state[theirs[2]]["exp_avg_sq"] = torch.full_like(theirs[2], 0.5)
     step_both(ours, opt, theirs, ref, in_place=True)
     assert_same(ours, opt, theirs, ref)
-    saved = pickle.loads(pickle.dumps(opt.state_dict()))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
     assert all(type(st) is dict for st in saved["state"].values())
+    assert type(pickle.loads(pickle.dumps(opt.state[ours[2]]))) is dict
     assert torch.equal(saved["state"][2]["exp_avg_sq"], opt.state[ours[2]]["exp_avg_sq"])
