@@ -1,12 +1,16 @@
 """The ``fuser`` command (also ``python -m fuser``).
 
-    fuser precompile TARGET... [--target cuda:90]... [--dtype bf16]... [--builtins]
-    fuser show TARGET [--rule NAME] [--dtype fp32]
+    fuser precompile TARGET... [--target cuda:90]... [--dtype bf16[:fp32]]... [--builtins]
+                     [--state-dtype fp32|bf16|fp16|param]... [--stochastic-rounding]
+                     [--vocab-parallel]
+    fuser show TARGET [--rule NAME] [--dtype fp32[:fp32]] [--state-dtype ...] [...]
     fuser cache ls | clear [--older-than DAYS] | explain KEY
 
 TARGET is a ``.py`` file or a module name; every ``fuser.Rule`` bound at its module level
-is used. Exit status: 0 on success, 1 when a rule, a kernel or the cache fails (one line
-each on stderr, no traceback unless ``--verbose``), 2 for a usage error.
+is used. The options after ``--dtype`` are the keywords of ``fuser.compile`` (and of the
+built-ins) that change the generated kernels. Exit status: 0 on success, 1 when a rule, a
+kernel or the cache fails (one line each on stderr, no traceback unless ``--verbose``), 2
+for a usage error (one line too).
 """
 
 from __future__ import annotations
@@ -19,36 +23,73 @@ import traceback
 import warnings
 
 from fuser import clitools
-from fuser.clitools import DTYPES, TargetError, one_line
+from fuser.clitools import DTYPES, STATE_DTYPES, TargetError, one_line
 
 DEFAULT_TARGETS = ("cuda:80", "cuda:90")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
+
+
+PLAN_HELP = (
+    "storage dtypes: fp32, bf16 or fp16 for parameters and gradients alike, or PARAM:GRAD for "
+    "optimizers whose gradients differ, e.g. bf16:fp32 (bf16 parameters, fp32 main_grad); "
+    "loss rules use PARAM, the dtype of hidden and weight"
+)
+KERNEL_OPTIONS_NOTE = (
+    "Optimizer keywords that change no kernel need no flag: grad_attr (only the gradients' "
+    "dtype matters: give it in --dtype), seed and state key names."
+)
+
+
+def _kernel_options(p: argparse.ArgumentParser, repeat: bool) -> None:
+    """The keywords that change generated kernels, repeatable for precompile."""
+    many = dict(action="append") if repeat else {}
+    p.add_argument("--state-dtype", dest="state_dtypes", choices=STATE_DTYPES, **many,
+                   help="optimizers' state_dtype: a dtype, or param (each parameter's)"
+                   + (", repeatable (default: fp32)" if repeat else " (default: fp32)"))  # fmt: skip
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="optimizers built with stochastic_rounding=True (instead of without; "
+                   "precompile twice for both)")  # fmt: skip
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="loss rules: also the kernels of calls with process_group= "
+                   "(vocabulary-parallel)")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="print tracebacks of failures")  # fmt: skip
-    p = argparse.ArgumentParser(prog="fuser", description="fuser: compile, cache and inspect fused kernels",
-                                parents=[common])  # fmt: skip
+    p = _Parser(prog="fuser", description="fuser: compile, cache and inspect fused kernels",
+                parents=[common])  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     pre = sub.add_parser("precompile", help="compile rules ahead of time (no GPU needed)", parents=[common],
                          description="Render and compile every module-level fuser.Rule of each TARGET "
-                         "for each GPU target and dtype, into the cache (FUSER_CACHE_DIR).")  # fmt: skip
+                         "for each GPU target, dtype plan and state dtype, into the cache "
+                         "(FUSER_CACHE_DIR).", epilog=KERNEL_OPTIONS_NOTE)  # fmt: skip
     pre.add_argument("targets", nargs="*", metavar="TARGET", help="a .py file or a module name")
     pre.add_argument("--target", dest="gpu_targets", action="append", metavar="cuda:CC",
                      help=f"GPU target, repeatable (default: {' '.join(DEFAULT_TARGETS)})")  # fmt: skip
-    pre.add_argument("--dtype", dest="dtypes", action="append", choices=DTYPES,
-                     help="storage dtype of parameters (optimizers) or logits (losses), repeatable "
-                     f"(default: {' '.join(DTYPES)})")  # fmt: skip
-    pre.add_argument("--builtins", action="store_true", help="also every built-in rule of fuser")
+    pre.add_argument("--dtype", dest="dtypes", action="append", metavar="PLAN",
+                     help=f"{PLAN_HELP}; repeatable (default: {' '.join(DTYPES)})")  # fmt: skip
+    _kernel_options(pre, repeat=True)
+    pre.add_argument("--builtins", action="store_true",
+                     help="also every built-in rule of fuser (each variant that a built-in's "
+                     "keywords such as amsgrad select)")  # fmt: skip
     pre.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
                      help="compile in N processes (0: one per CPU; default 1)")  # fmt: skip
 
-    show = sub.add_parser("show", help="print the generated Triton source of rules", parents=[common])
+    show = sub.add_parser("show", help="print the generated Triton source of rules", parents=[common],
+                          epilog=KERNEL_OPTIONS_NOTE)  # fmt: skip
     show.add_argument("target", metavar="TARGET", help="a .py file or a module name")
     show.add_argument("--rule", help="only the rule of this name (rule name or module attribute)")
-    show.add_argument("--dtype", default="fp32", choices=DTYPES)
+    show.add_argument("--dtype", default="fp32", metavar="PLAN", help=f"{PLAN_HELP} (default: fp32)")
+    _kernel_options(show, repeat=False)
 
     cache = sub.add_parser("cache", help="inspect or clear the cache", parents=[common])
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
@@ -118,40 +159,51 @@ def precompile(args) -> int:
     except ValueError as e:
         _err(f"error: {e}")
         return 2
-    dtypes = list(dict.fromkeys(args.dtypes or DTYPES))
+    try:
+        plans = list(dict.fromkeys(clitools.parse_plan(t) for t in args.dtypes or DTYPES))
+    except ValueError as e:
+        _err(f"error: {e}")
+        return 2
+    state_dtypes = list(dict.fromkeys(args.state_dtypes or ["fp32"]))
     t0 = time.perf_counter()
     found, errors = clitools.collect(args.targets, args.builtins, _err)
     for e in errors:
         _err(f"error: {e}")
     if any(e.missing for e in errors):
         return 2
+    unused = _unused_options(args, {f.rule.kind for f in found})
+    if unused and not errors:
+        _err(f"error: {unused}")
+        return 2
 
     # Render everything first: rule errors show before any compiling, and the bar knows its total.
     failed: set[str] = set()
-    work = []  # (rule name, dtype, sources)
+    work = []  # (rule name, variant, sources)
     for f in found:
-        for dtype in dtypes:
+        for variant in clitools.variants(f.rule, plans, state_dtypes, args.stochastic_rounding,
+                                         args.vocab_parallel):  # fmt: skip
             try:
-                work.append((f.rule.name, dtype, clitools.kernel_sources(f.rule, dtype)))
+                work.append((f.rule.name, variant, clitools.kernel_sources(f.rule, variant)))
             except Exception as e:  # noqa: BLE001 - every failure becomes one line per rule
                 if isinstance(e, RuleError) and e.rule is None:
                     e = e.with_rule(f.rule.name)
-                what = "" if isinstance(e, RuleError) else f"rule {f.rule.name!r} ({dtype})"
+                what = "" if isinstance(e, RuleError) else f"rule {f.rule.name!r} ({variant})"
                 if f.rule.name not in failed:
                     _fail(args, what, e)
                 failed.add(f.rule.name)
                 break
-    # A dtype plan that several dtypes share (or two rules that render alike) compiles once.
+    # A kernel that several variants share (or two rules that render alike) compiles once.
     unique: dict[str, tuple] = {}
-    for name, _, sources in work:
+    for name, variant, sources in work:
         if name in failed:
             continue
         for s in sources:
-            unique.setdefault(s.digest, (name, s))
-    tasks = [(name, source) for name, source in unique.values() if name not in failed]
+            unique.setdefault(s.digest, (name, variant, s))
+    tasks = [task for task in unique.values() if task[0] not in failed]
     progress = clitools.Progress(len(tasks) * len(gpu_targets))
     rows, counts = {}, {"compiled": 0, "hit": 0}
-    for i, name, source, outcome in _compile_all(tasks, gpu_targets, args.jobs):
+    for i, outcome in _compile_all([source for _, _, source in tasks], gpu_targets, args.jobs):
+        name, variant, source = tasks[i]
         if isinstance(outcome, tuple):  # (one-line error, traceback text)
             progress.clear()
             if name not in failed:
@@ -164,12 +216,14 @@ def precompile(args) -> int:
         for r in outcome:
             counts[r.status] += 1
             dtypes_shown = dict(source.meta).get("dtypes", "-")
-            rows[i, r.target] = [name, source.entry, r.target, dtypes_shown, r.status, f"{r.seconds:.2f}"]
+            rows[i, r.target] = [name, source.entry, r.target, dtypes_shown, variant.options, r.status,
+                                 f"{r.seconds:.2f}"]  # fmt: skip
             progress.step(f"{name} {source.entry} {r.target} {r.status} {r.seconds:.2f}s")
     rows = [rows[k] for k in sorted(rows)]
     progress.clear()
     if rows:
-        print(clitools.table(["rule", "kernel", "target", "dtypes", "status", "seconds"], rows, right={5}))
+        header = ["rule", "kernel", "target", "dtypes", "options", "status", "seconds"]
+        print(clitools.table(header, rows, right={6}))
     total = time.perf_counter() - t0
     summary = (f"{len(rows)} binaries: {counts['compiled']} compiled, {counts['hit']} hits; "
                f"{len(failed) + len(errors)} failed; {total:.1f} s; cache {cache_dir()}")  # fmt: skip
@@ -177,23 +231,35 @@ def precompile(args) -> int:
     return 1 if failed or errors else 0
 
 
-def _compile_all(tasks, targets, jobs: int):
-    """Yield (index, rule name, source, results or (error line, traceback)) as each kernel
-    finishes, in this process or in ``jobs`` worker processes."""
-    if jobs == 1 or len(tasks) < 2:
-        for i, (name, source) in enumerate(tasks):
-            yield i, name, source, precompile_one(source, targets)
+def _unused_options(args, kinds: set[str]) -> str | None:
+    """The usage error of an option that applies to no rule found, if any."""
+    if not kinds:
+        return None
+    optim = ["--state-dtype"] if args.state_dtypes else []
+    optim += ["--stochastic-rounding"] if args.stochastic_rounding else []
+    if optim and "optim" not in kinds:
+        return f"{optim[0]} applies to optimizer rules, and only loss rules were found"
+    if args.vocab_parallel and "loss" not in kinds:
+        return "--vocab-parallel applies to loss rules, and only optimizer rules were found"
+    return None
+
+
+def _compile_all(sources, targets, jobs: int):
+    """Yield (index, results or (error line, traceback)) as each kernel finishes, in this
+    process or in ``jobs`` worker processes."""
+    if jobs == 1 or len(sources) < 2:
+        for i, source in enumerate(sources):
+            yield i, precompile_one(source, targets)
         return
     import concurrent.futures as cf
     import multiprocessing
 
-    jobs = min(jobs or os.cpu_count() or 1, len(tasks))
+    jobs = min(jobs or os.cpu_count() or 1, len(sources))
     # spawn: workers start clean (no forked Triton state), and without TRITON_INTERPRET.
     with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(precompile_one, source, targets): (i, name, source)
-                   for i, (name, source) in enumerate(tasks)}  # fmt: skip
+        futures = {pool.submit(precompile_one, source, targets): i for i, source in enumerate(sources)}
         for future in cf.as_completed(futures):
-            yield (*futures[future], future.result())
+            yield futures[future], future.result()
 
 
 def precompile_one(source, targets):
@@ -227,20 +293,31 @@ def show(args) -> int:
             _err(f"error: {args.target} has no rule {args.rule!r} (it has: {names})")
             return 1
         found = chosen
+    try:
+        plan = clitools.parse_plan(args.dtype)
+    except ValueError as e:
+        _err(f"error: {e}")
+        return 2
+    unused = _unused_options(args, {f.rule.kind for f in found})
+    if unused:
+        _err(f"error: {unused}")
+        return 2
     status = 0
     for f in found:
-        try:
-            sources = clitools.kernel_sources(f.rule, args.dtype)
-        except Exception as e:  # noqa: BLE001
-            _fail(args, "" if isinstance(e, RuleError) else f"rule {f.rule.name!r}", e)
-            status = 1
-            continue
-        for s in sources:
-            meta = dict(s.meta)
-            dtypes = meta.get("dtypes", args.dtype)
-            print(f"# ===== rule {f.rule.name}, kernel {s.entry}, dtypes {dtypes} =====")
-            print(s.text.rstrip("\n"))
-            print()
+        for variant in clitools.variants(f.rule, [plan], [args.state_dtypes], args.stochastic_rounding,
+                                         args.vocab_parallel):  # fmt: skip
+            try:
+                sources = clitools.kernel_sources(f.rule, variant)
+            except Exception as e:  # noqa: BLE001
+                _fail(args, "" if isinstance(e, RuleError) else f"rule {f.rule.name!r} ({variant})", e)
+                status = 1
+                break
+            for s in sources:
+                dtypes = dict(s.meta).get("dtypes", variant.dtype)
+                extra = "" if variant.options == "-" else f", {variant.options}"
+                print(f"# ===== rule {f.rule.name}, kernel {s.entry}, dtypes {dtypes}{extra} =====")
+                print(s.text.rstrip("\n"))
+                print()
     return status
 
 

@@ -18,6 +18,7 @@ from fuser.rules import Rule
 
 BUILTIN_MODULES = ("fuser.optim.builtins", "fuser.losses.builtins")
 DTYPES = ("fp32", "bf16", "fp16")
+STATE_DTYPES = (*DTYPES, "param")
 
 
 class TargetError(Exception):
@@ -118,19 +119,83 @@ def collect(targets: list[str], builtins: bool, note) -> tuple[list[Found], list
     return found, errors
 
 
-def kernel_sources(rule: Rule, dtype: str) -> list[KernelSource]:
-    """Every kernel the front-end of ``rule.kind`` launches for tensors stored in ``dtype``."""
+@dataclass(frozen=True)
+class Variant:
+    """One setting of the keywords that change a rule's kernels, as a job uses it.
+
+    Optimizers: parameters in ``dtype``, gradients in ``grad_dtype`` (``None``: ``dtype``),
+    states per ``state_dtype`` (fuser.compile's keyword: ``None`` is fp32, ``"param"`` each
+    parameter's dtype) and ``stochastic_rounding``. Losses: ``hidden`` and ``weight`` in
+    ``dtype``; ``vocab_parallel`` for the kernels of a call with ``process_group=``.
+    """
+
+    dtype: str = "fp32"
+    grad_dtype: str | None = None
+    state_dtype: str | None = None
+    stochastic_rounding: bool = False
+    vocab_parallel: bool = False
+
+    @property
+    def options(self) -> str:
+        """The keywords besides dtypes, as the summary table shows them."""
+        names = ["stochastic rounding"] if self.stochastic_rounding else []
+        names += ["vocab-parallel"] if self.vocab_parallel else []
+        return ", ".join(names) or "-"
+
+    def __str__(self) -> str:
+        text = self.dtype if self.grad_dtype in (None, self.dtype) else f"{self.dtype}:{self.grad_dtype}"
+        if self.state_dtype not in (None, "fp32"):
+            text += f", states {self.state_dtype}"
+        return text if self.options == "-" else f"{text}, {self.options}"
+
+
+def parse_plan(text: str) -> tuple[str, str | None]:
+    """``(param dtype, grad dtype or None)`` of a ``--dtype`` value: ``bf16`` (gradients
+    alike) or ``PARAM:GRAD`` such as ``bf16:fp32``. Raises ``ValueError`` with a message."""
+    parts = text.split(":")
+    if len(parts) > 2 or any(p not in DTYPES for p in parts):
+        raise ValueError(f"--dtype {text!r}: use one of {', '.join(DTYPES)}, or PARAM:GRAD such as bf16:fp32")
+    return parts[0], (parts[1] if len(parts) == 2 else None)
+
+
+def variants(
+    rule: Rule,
+    plans: list[tuple[str, str | None]],
+    state_dtypes: list[str | None] = (None,),
+    stochastic_rounding: bool = False,
+    vocab_parallel: bool = False,
+) -> list[Variant]:
+    """Every variant of ``rule`` to compile: for an optimizer, each dtype plan with each
+    state dtype; for a loss, each plan's parameter dtype, plain and (with ``vocab_parallel``)
+    vocabulary-parallel, since one compiled loss serves calls with and without a group."""
+    if rule.kind == "loss":
+        dtypes = dict.fromkeys(param for param, _ in plans)
+        sharded = (False, True) if vocab_parallel else (False,)
+        return [Variant(d, vocab_parallel=v) for d in dtypes for v in sharded]
+    return [Variant(param, grad, sd, stochastic_rounding) for param, grad in plans for sd in state_dtypes]
+
+
+def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSource]:
+    """Every kernel the front-end of ``rule.kind`` launches in ``variant``."""
     if rule.kind == "optim":
         from fuser.optim.factory import kernel_sources as sources
-    elif rule.kind == "loss":
+
+        found = sources(
+            rule,
+            variant.dtype,
+            grad_dtype=variant.grad_dtype,
+            state_dtype=variant.state_dtype,
+            stochastic_rounding=variant.stochastic_rounding,
+        )
+        return list(found)
+    if rule.kind == "loss":
         try:
             from fuser.losses import kernel_sources as sources
         except ImportError:
             raise RuleError("loss rules cannot be compiled ahead of time by this installation "
                             "(fuser.losses.kernel_sources is missing)", rule=rule.name) from None  # fmt: skip
-    else:
-        raise RuleError(f"unknown rule kind {rule.kind!r}", rule=rule.name)
-    return list(sources(rule, dtype))
+        return list(sources(rule, variant.dtype, vocab_parallel=variant.vocab_parallel))
+    raise RuleError(f"unknown rule kind {rule.kind!r}", rule=rule.name)
 
 
 # ---------------------------------------------------------------------------- terminal --

@@ -1,8 +1,9 @@
 """The ``fuser`` command: exit codes, messages, tables, and the cache it leaves.
 
 Most tests swap the rule -> kernel step for small hand-written kernels (so they test the
-command, not the optimizer's code generator); tests/cache/test_builtins.py runs the real
-pipeline for every built-in.
+command, not the optimizer's code generator); tests/cache/test_precompile_builtins.py runs
+the real pipeline for every built-in, tests/cache/test_precompile_options.py for the kernel
+options.
 """
 
 import os
@@ -16,6 +17,7 @@ import pytest
 import fuser
 from fuser import cli, clitools
 from fuser.cache import loader, store
+from fuser.clitools import Variant
 
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
 from cache_helpers import axpy, broken, files_state  # noqa: E402
@@ -34,6 +36,12 @@ also_sgd = sgd  # the same rule twice is compiled once
 not_a_rule = 3
 '''
 
+LOSSES = """
+import fuser
+
+ce = fuser.loss("loss = logsumexp(z) - z[y]", name="ce")
+"""
+
 BAD_RULE = '''
 import fuser
 
@@ -45,11 +53,11 @@ bad = fuser.rule("""
 '''
 
 
-def fake_sources(rule, dtype):
-    """One small kernel per (rule, dtype); a rule named broken* gets one that fails."""
+def fake_sources(rule, variant):
+    """One small kernel per (rule, variant); a rule named broken* gets one that fails."""
     if rule.name.startswith("broken"):
         return [broken(entry=f"{rule.name}_k")]
-    return [axpy(tag=f"{rule.name}/{dtype}", entry=f"{rule.name}_k", rule=rule.name)]
+    return [axpy(tag=f"{rule.name}/{variant}", entry=f"{rule.name}_k", rule=rule.name)]
 
 
 @pytest.fixture
@@ -90,12 +98,12 @@ def test_precompile_file_then_again(cache_root, fake, rules_file, capsys):
     assert len(rows) == 8
     assert {r[0] for r in rows} == {"sgd", "heavy_ball"}
     assert {r[2] for r in rows} == {"cuda:80", "cuda:90"}
-    assert {r[4] for r in rows} == {"compiled"}
+    assert {r[5] for r in rows} == {"compiled"}
     before = files_state(cache_root)
 
     assert cli.main(["precompile", str(rules_file), "--dtype", "fp32", "--dtype", "bf16"]) == 0
     rows = _rows(capsys.readouterr().out)
-    assert len(rows) == 8 and {r[4] for r in rows} == {"hit"}
+    assert len(rows) == 8 and {r[5] for r in rows} == {"hit"}
     assert files_state(cache_root) == before
 
 
@@ -168,10 +176,72 @@ def test_usage_errors_exit_2(cache_root, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_argparse_errors_exit_2(capsys):
+@pytest.mark.parametrize("plan", ["fp8", "bf16:fp8", "bf16:fp32:fp16", "bf16:", ""])
+def test_bad_dtype_plan_is_one_line_exit_2(cache_root, rules_file, capsys, plan):
+    for command in (["precompile", str(rules_file)], ["show", str(rules_file)]):
+        assert cli.main([*command, "--dtype", plan]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--dtype {plan!r}" in err[0] and "bf16:fp32" in err[0]
+
+
+def test_argparse_errors_exit_2_on_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["precompile", "x.py", "--dtype", "fp8"])
+        cli.main(["precompile", "x.py", "--state-dtype", "fp8"])
     assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--state-dtype" in err[0] and "param" in err[0]
+
+
+def _recording(monkeypatch) -> list:
+    seen = []
+
+    def sources(rule, variant):
+        seen.append((rule.name, variant))
+        return fake_sources(rule, variant)
+
+    monkeypatch.setattr(clitools, "kernel_sources", sources)
+    return seen
+
+
+def test_precompile_optimizer_options(cache_root, rules_file, capsys, monkeypatch):
+    seen = _recording(monkeypatch)
+    args = ["precompile", str(rules_file), "--target", "cuda:90", "--dtype", "bf16:fp32", "--dtype", "fp16",
+            "--state-dtype", "fp32", "--state-dtype", "param", "--stochastic-rounding"]  # fmt: skip
+    assert cli.main(args) == 0, capsys.readouterr().err
+    want = {Variant(p, g, sd, stochastic_rounding=True)
+            for p, g in (("bf16", "fp32"), ("fp16", None)) for sd in ("fp32", "param")}  # fmt: skip
+    assert {v for name, v in seen if name == "heavy_ball"} == want
+    rows = _rows(capsys.readouterr().out)
+    assert len(rows) == 2 * 4 and {r[4] for r in rows} == {"stochastic rounding"}
+
+
+def test_precompile_losses_plain_and_vocab_parallel(cache_root, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "losses.py"
+    path.write_text(LOSSES)
+    seen = _recording(monkeypatch)
+    args = ["precompile", str(path), "--dtype", "bf16:fp32", "--dtype", "bf16", "--vocab-parallel"]
+    assert cli.main(args) == 0
+    assert [v for _, v in seen] == [Variant("bf16"), Variant("bf16", vocab_parallel=True)]
+    rows = _rows(capsys.readouterr().out)
+    assert sorted(r[4] for r in rows) == ["-", "-", "vocab-parallel", "vocab-parallel"]
+
+
+@pytest.mark.parametrize(
+    "text, options, message",
+    [
+        (RULES, ["--vocab-parallel"], "--vocab-parallel applies to loss rules"),
+        (LOSSES, ["--stochastic-rounding"], "--stochastic-rounding applies to optimizer rules"),
+        (LOSSES, ["--state-dtype", "bf16"], "--state-dtype applies to optimizer rules"),
+    ],
+)
+def test_options_for_no_rule_found_exit_2(cache_root, fake, tmp_path, capsys, text, options, message):
+    path = tmp_path / "rules.py"
+    path.write_text(text)
+    for command in ("precompile", "show"):
+        assert cli.main([command, str(path), *options]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
+    assert not cache_root.exists() or not list(cache_root.rglob("*.cubin"))
 
 
 def test_cache_ls_clear(cache_root, fake, rules_file, capsys):
@@ -310,12 +380,12 @@ def test_four_concurrent_cli_precompiles(cache_root, rules_file, tmp_path):
     go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [e for _, e in outs]
-    statuses = [r[4] for out, _ in outs for r in _rows(out)]
+    statuses = [r[5] for out, _ in outs for r in _rows(out)]
     assert len(statuses) == 4 * 8
     assert statuses.count("compiled") == 8  # 2 rules x 2 dtypes x 2 targets, each compiled once
     rerun = subprocess.run([sys.executable, "-c", DRIVER, str(Path(__file__).parent), str(go), *args],
                            env=_env(cache_root), capture_output=True, text=True)  # fmt: skip
-    assert rerun.returncode == 0 and {r[4] for r in _rows(rerun.stdout)} == {"hit"}
+    assert rerun.returncode == 0 and {r[5] for r in _rows(rerun.stdout)} == {"hit"}
 
 
 def test_jobs_compile_in_worker_processes(cache_root, fake, rules_file, tmp_path, capsys, monkeypatch):
@@ -329,8 +399,8 @@ def test_jobs_compile_in_worker_processes(cache_root, fake, rules_file, tmp_path
     assert sorted((r[0], r[2]) for r in rows) == sorted(
         (name, t) for name in ("sgd", "heavy_ball") for t in ("cuda:80", "cuda:90") for _ in range(2)
     )
-    assert {r[4] for r in rows} == {"compiled"}
+    assert {r[5] for r in rows} == {"compiled"}
     errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "broken_two" in errors[0]
     assert cli.main(["precompile", str(rules_file), "--dtype", "fp32", "--dtype", "fp16", "-j", "0"]) == 0
-    assert {r[4] for r in _rows(capsys.readouterr().out)} == {"hit"}
+    assert {r[5] for r in _rows(capsys.readouterr().out)} == {"hit"}

@@ -1,11 +1,12 @@
 """Kernels on disk: content-addressed entries, ahead-of-time compilation, loading.
 
-load_kernel(source, device)   # launchable kernel(grid, *args), from the store if there
-precompile(sources, targets)  # write sources and compile binaries, no GPU needed
+load_kernel(source, device)    # launchable kernel(grid, *args), from the store if there
+precompile(sources, targets)   # write sources and compile binaries, no GPU needed
+stored_binary(source, target)  # the binary load_kernel would find, or None (writes nothing)
 """
 
 from fuser.cache.aot import CompileError
-from fuser.cache.entries import CacheWarning, Result, precompile
+from fuser.cache.entries import CacheWarning, Result, precompile, stored_binary
 from fuser.cache.keys import binary_key, entry_key, parse_target
 from fuser.cache.loader import load_kernel
 from fuser.cache.store import CacheError, cache_dir
@@ -21,4 +22,5 @@ __all__ = [
     "load_kernel",
     "parse_target",
     "precompile",
+    "stored_binary",
 ]

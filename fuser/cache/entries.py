@@ -107,23 +107,41 @@ def ensure_source(source: KernelSource) -> tuple[Path, bool]:
     return folder / name, hit
 
 
+def _binary_folder(source: KernelSource, target: str) -> tuple[Path, str]:
+    """(folder, key) of the binary of ``source`` for a canonical ``target``."""
+    folder = store.entry_dir(entry_key(source).digest) / target_dirname(target)
+    return folder, binary_key(source, target).digest
+
+
+def stored_binary(source: KernelSource, target: str) -> Binary | None:
+    """The verified binary of ``source`` for ``target`` that ``load_kernel`` would load
+    without compiling, or ``None`` when it is missing or damaged. Writes nothing."""
+    target = parse_target(target)
+    folder, key = _binary_folder(source, target)
+    try:
+        if store.read_folder(folder, key) is None:
+            return None
+    except store.CorruptEntry:
+        return None
+    return Binary(folder, key, target, f"{source.entry}.cubin", f"{source.entry}.json")
+
+
 def ensure_binary(source: KernelSource, target: str, path: Path) -> tuple[Binary, bool]:
     """(binary, served from disk?) of ``source`` for ``target``, compiling the source file
     at ``path`` (from ``ensure_source``) if needed."""
     from fuser.cache.aot import compile_binary
 
     target = parse_target(target)
-    key = binary_key(source, target)
-    folder = store.entry_dir(entry_key(source).digest) / target_dirname(target)
+    folder, digest = _binary_folder(source, target)
     cubin, metadata = f"{source.entry}.cubin", f"{source.entry}.json"
     meta = {**dict(source.meta), "kernel": source.entry, "target": target}
 
     def build():
         binary, md = compile_binary(source, path, target)
-        store.write_folder(folder, key, {cubin: binary, metadata: md}, meta)
+        store.write_folder(folder, binary_key(source, target), {cubin: binary, metadata: md}, meta)
 
-    _, hit = _get_or_build(folder, key.digest, build)
-    return Binary(folder, key.digest, target, cubin, metadata), hit
+    _, hit = _get_or_build(folder, digest, build)
+    return Binary(folder, digest, target, cubin, metadata), hit
 
 
 def precompile(sources: list[KernelSource], targets=("cuda:80", "cuda:90"), on_result=None) -> list[Result]:

@@ -174,13 +174,21 @@ def _dtype_plan(rule: Rule, options: Options, param_dtype: str, grad_dtype: str)
     return (("p", param_dtype), ("g", grad_dtype), *((s, sd) for s, _ in rule.state))
 
 
-def kernel_sources(rule: Rule, dtype: str = "fp32", **options) -> list[KernelSource]:
-    """Every kernel an optimizer compiled from ``rule`` launches when parameters and
-    gradients are stored in ``dtype`` (states per the ``state_dtype`` option)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+def kernel_sources(
+    rule: Rule, dtype: str = "fp32", *, grad_dtype: str | None = None, **options
+) -> list[KernelSource]:
+    """Every kernel an optimizer compiled from ``rule`` with ``options`` (``fuser.compile``'s
+    keywords) launches when parameters are stored in ``dtype`` and gradients in
+    ``grad_dtype`` (default ``dtype``; ``"fp32"`` for Megatron's ``main_grad`` beside bf16
+    parameters). Of the options, ``state_dtype`` and ``stochastic_rounding`` change the
+    kernels; ``grad_attr``, ``state_keys`` and ``seed`` do not."""
+    grad_dtype = dtype if grad_dtype is None else grad_dtype
+    for what, value in (("dtype", dtype), ("grad_dtype", grad_dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"{what} must be one of {DTYPES}, not {value!r}")
     opts = _options(**options)
-    return list(_plan_and_sources(rule, _dtype_plan(rule, opts, dtype, dtype), opts.stochastic_rounding)[1])
+    plan = _dtype_plan(rule, opts, dtype, grad_dtype)
+    return list(_plan_and_sources(rule, plan, opts.stochastic_rounding)[1])
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_builtins_precompile_for_sm80_and_sm90(cache_root, capsys):
     assert cli.main(args) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
     assert {r[0] for r in rows} == {r.name for r in rules}
-    assert {r[4] for r in rows} == {"compiled"}
+    assert {r[5] for r in rows} == {"compiled"}
     for rule in rules:
         # each dtype plan of each kernel, for both targets
         mine = [r for r in rows if r[0] == rule.name]
@@ -49,5 +49,5 @@ def test_builtins_precompile_for_sm80_and_sm90(cache_root, capsys):
     before = files_state(cache_root)
     assert cli.main(args) == 0
     again = _rows(capsys.readouterr().out)
-    assert len(again) == len(rows) and {r[4] for r in again} == {"hit"}
+    assert len(again) == len(rows) and {r[5] for r in again} == {"hit"}
     assert files_state(cache_root) == before

@@ -1,0 +1,130 @@
+"""``fuser precompile``'s kernel options cover what a job with the same keywords loads.
+
+After one precompile (real compiles, one target), an optimizer built with each combination
+of options, stepped on CPU with ``load_kernel`` recording instead of loading, asks only for
+kernels whose binaries are in the store under the loader's own keys; so does a compiled
+loss, plain and vocabulary-parallel. Options left out are misses, and a second run is all
+hits.
+"""
+
+import re
+
+import pytest
+import torch
+from cache_helpers import files_state
+
+import fuser
+import fuser.optim
+from fuser import cli, clitools
+from fuser.cache import stored_binary
+from fuser.optim import builtins, factory
+
+TARGET = "cuda:90"
+
+RULES = '''
+import fuser
+
+heavy_ball = fuser.rule("""
+    m = mu * m + g
+    p = p - lr * m
+""", name="heavy_ball", hyper=dict(lr=0.1, mu=0.9), state=dict(m=0.0))
+
+plain_ce = fuser.loss("loss = logsumexp(z) - z[y]", name="plain_ce")
+'''
+
+PLANS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)]  # (parameters, gradients)
+STATE_DTYPES = ["fp32", "param"]
+ARGS = ["--target", TARGET, "--dtype", "bf16:fp32", "--dtype", "fp16", "--state-dtype", "fp32",
+        "--state-dtype", "param", "--stochastic-rounding", "--vocab-parallel"]  # fmt: skip
+
+
+def _rows(out: str) -> list[list[str]]:
+    lines = out.strip().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("rule "))
+    return [re.split(r"\s{2,}", ln.strip()) for ln in lines[start + 1 : -1]]
+
+
+def _step_loads(monkeypatch, rule, param_dtype, grad_dtype, **options) -> list:
+    """The kernels one step of ``fuser.compile(rule, **options)`` loads on CPU tensors of
+    these dtypes, through the optimizer's own rebuild; nothing is loaded or launched."""
+    loaded = []
+
+    def record(source, device):
+        loaded.append(source)
+        return lambda grid, *args: None
+
+    monkeypatch.setattr(factory, "load_kernel", record)
+    attr = "grad" if grad_dtype == param_dtype else "main_grad"
+    params = [torch.randn(37, 5, dtype=param_dtype), torch.randn(11, dtype=param_dtype)]
+    for p in params:
+        setattr(p, attr, torch.randn(p.shape, dtype=grad_dtype))
+    opt = fuser.compile(rule, grad_attr=attr, **options)(params)
+    opt.step()
+    assert loaded
+    return loaded
+
+
+def _missing(sources) -> list[str]:
+    return [s.entry for s in sources if stored_binary(s, TARGET) is None]
+
+
+def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "job_rules.py"
+    path.write_text(RULES)
+    assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
+    rows = _rows(capsys.readouterr().out)
+    # 2 plans x 2 state dtypes for the optimizer; per dtype, 1 plain + 2 vocab-parallel loss kernels
+    assert len(rows) == 4 + 2 * 3 and {r[5] for r in rows} == {"compiled"}
+    assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
+    assert sorted(r[4] for r in rows if r[0] == "plain_ce") == ["-"] * 2 + ["vocab-parallel"] * 4
+    assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
+        "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
+    }  # fmt: skip
+
+    module = clitools.load_module(str(path))
+    for param_dtype, grad_dtype in PLANS:
+        for state_dtype in STATE_DTYPES:
+            loads = _step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype,
+                                state_dtype=state_dtype, stochastic_rounding=True, seed=7)  # fmt: skip
+            assert _missing(loads) == [], (param_dtype, grad_dtype, state_dtype)
+        # Not precompiled: without stochastic rounding, or with gradients like the parameters.
+        assert _missing(_step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype))
+    assert _missing(_step_loads(monkeypatch, module.heavy_ball, torch.bfloat16, torch.bfloat16,
+                                stochastic_rounding=True))  # fmt: skip
+
+    loss = fuser.compile(module.plain_ce)
+    for dtype in ("bf16", "fp16"):
+        assert _missing([loss.kernel_source(dtype), *loss.sharded_kernel_sources(dtype)[0]]) == []
+    assert _missing([loss.kernel_source("fp32")])
+
+    before = files_state(cache_root)
+    assert cli.main(["precompile", str(path), *ARGS]) == 0
+    again = _rows(capsys.readouterr().out)
+    assert len(again) == len(rows) and {r[5] for r in again} == {"hit"}
+    assert files_state(cache_root) == before
+
+
+# Constructor keywords that pick each rule variant of a built-in (the rest have one rule).
+VARIANT_KEYWORDS = {
+    "SGD": [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}],
+    "Adam": [{}, {"amsgrad": True}, {"decoupled_weight_decay": True, "amsgrad": True}],
+    "AdamW": [{}, {"amsgrad": True}],
+    "RMSprop": [{}, {"centered": True}, {"momentum": 0.9}, {"centered": True, "momentum": 0.9}],
+    "Adan": [{}, {"max_grad_norm": 1.0}],
+}
+
+
+@pytest.mark.parametrize("name", [n for n in fuser.optim.__all__ if n[0].isupper() and n != "FuserOptimizer"])
+def test_builtins_cover_every_variant_with_its_defaults(cache_root, name):
+    """``--builtins`` collects every rule a built-in's keywords select, and the class's own
+    options (state keys, say) render the kernels that precompile renders for that rule."""
+    collected = {id(f.rule) for f in clitools.collect([], True, print)[0]}
+    cls = getattr(fuser.optim, name)
+    assert issubclass(cls, builtins._Builtin)
+    for keywords in VARIANT_KEYWORDS.get(name, [{}]):
+        opt = cls([torch.zeros(3, requires_grad=True)], lr=0.1, **keywords)
+        assert id(opt.rule) in collected, (name, keywords, opt.rule.name)
+        plan = factory._dtype_plan(opt.rule, opt.options, "bf16", "bf16")
+        launched = factory._plan_and_sources(opt.rule, plan, opt.options.stochastic_rounding)[1]
+        compiled = clitools.kernel_sources(opt.rule, clitools.Variant("bf16"))
+        assert [s.digest for s in launched] == [s.digest for s in compiled]
