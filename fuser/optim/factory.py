@@ -217,6 +217,11 @@ def _weak(g):
 
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_numel = torch.Tensor.numel
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return t.dtype, t.device
 
 
 class _Flag:
@@ -272,7 +277,9 @@ class _Snapshot:
     grad_refs: list  # per parameter: weakref to its gradient, or _no_grad
     has_grad: list  # per parameter: bool
     param_ptrs: list  # data_ptr() of each parameter that has a gradient (its local shard's)
+    param_layouts: list  # (stride(), numel()) of each of those parameters (local shards)
     grad_strides: list  # stride() of each of those gradients (local shards)
+    grad_kinds: list | None  # (dtype, device) of each gradient where torch does not check them
     grad_layouts: list | None  # DTensor (placements, mesh) of each of those gradients; None: no DTensor
     states: list  # optimizer.state[p] of each of those parameters (a _ParamState)
     flag: _Flag  # set by any assignment to one of those states
@@ -451,7 +458,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         if not all(map(operator.is_, grads, map(operator.call, snap.grad_refs))):
             # New gradient objects (set to None between steps): same parameters with and
             # without one, and the same strides (torch checks size, dtype and device when
-            # a gradient is assigned); then only their addresses may have moved.
+            # a .grad is assigned; another attribute gets them checked here); then only
+            # their addresses may have moved.
             if list(map(operator.is_not, grads, repeat(None))) != snap.has_grad:
                 return False
             present = list(compress(grads, snap.has_grad))
@@ -459,6 +467,11 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 if list(map(distributed.layout, present)) != snap.grad_layouts:
                     return False
                 present = list(map(local, present))
+            if snap.grad_kinds is not None and (
+                list(map(_kind, present)) != snap.grad_kinds
+                or list(map(_numel, present)) != [n for _, n in snap.param_layouts]
+            ):
+                return False
             try:
                 if list(map(_stride, present)) != snap.grad_strides:
                     return False
@@ -472,6 +485,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
         if list(map(_data_ptr, locals_)) != snap.param_ptrs:
             return False
+        if list(zip(map(_stride, locals_), map(_numel, locals_))) != snap.param_layouts:
+            return False  # same storage, another view of it (p.data = p.data.t())
         # A state dict replaced (optimizer.state[p] = {...}); assignments inside one set the flag.
         return all(map(operator.is_, map(self.state.get, present_params), snap.states))
 
@@ -508,7 +523,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             grad_refs=list(map(_weak, grads)),
             has_grad=[g is not None for g in grads],
             param_ptrs=[local(p).data_ptr() for p, _ in present],
+            param_layouts=[(local(p).stride(), local(p).numel()) for p, _ in present],
             grad_strides=[local(g).stride() for _, g in present],
+            grad_kinds=None if attr == "grad" else [_kind(g) for _, g in present],
             grad_layouts=[distributed.layout(g) for _, g in present] if dtensors else None,
             states=states,
             flag=flag,

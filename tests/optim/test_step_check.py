@@ -208,3 +208,35 @@ def test_state_assignment_is_seen_even_when_static_and_states_pickle_as_dicts(de
     assert all(type(st) is dict for st in saved["state"].values())
     assert type(pickle.loads(pickle.dumps(opt.state[ours[2]]))) is dict
     assert torch.equal(saved["state"][2]["exp_avg_sq"], opt.state[ours[2]]["exp_avg_sq"])
+
+
+def test_a_transposed_view_of_the_same_storage_is_seen(device):
+    ours, opt, theirs, ref = pair(device)
+    extra = torch.nn.Parameter(torch.randn(5, 5, device=device))
+    extra_ref = torch.nn.Parameter(extra.detach().clone())
+    opt.add_param_group({"params": [extra]})
+    ref.add_param_group({"params": [extra_ref]})
+    ours, theirs = ours + [extra], theirs + [extra_ref]
+    step_both(ours, opt, theirs, ref)
+    ours[-1].data, theirs[-1].data = ours[-1].data.t(), theirs[-1].data.t()  # same storage, new strides
+    with pytest.raises(ValueError, match="strides"):  # the kept gradient no longer lines up
+        opt.step()
+    grads = [torch.empty_like(p).copy_(torch.randn(p.shape, device=device)) for p in ours]
+    step_both(ours, opt, theirs, ref, grads)
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_a_main_grad_of_another_dtype_is_seen(device):
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
+    start = [p.detach().double().clone() for p in params]
+    opt = fuser.optim.SGD(params, lr=0.1, grad_attr="main_grad")
+    for p in params:
+        p.main_grad = torch.randn(p.shape, device=device)
+    opt.step()
+    first = [p.main_grad.double() for p in params]
+    for p in params:  # same shape and strides, half the bytes per element
+        p.main_grad = torch.randn(p.shape, device=device).to(torch.bfloat16)
+    opt.step()
+    for p, s, g1 in zip(params, start, first):
+        want = s - 0.1 * g1 - 0.1 * p.main_grad.double()
+        assert rel_err(p.detach(), want) < 1e-6
