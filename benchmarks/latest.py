@@ -2,6 +2,8 @@
 
     python benchmarks/latest.py RESULT.json... [--out benchmarks/results/latest.json]
 
+Where two files hold the same (workload, impl), the later file's row is kept.
+
 Reads what ``optim_bench.py``, ``loss_bench.py`` and ``first_step.py`` wrote and emits one
 list of rows with ``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median),
 ``peak_mib`` where memory matters, ``device``, and the source file. ``ms`` of
@@ -93,7 +95,9 @@ def main(argv=None):
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default=os.path.join(here, "results", "latest.json"))
     args = ap.parse_args(argv)
-    rows = [row for path in args.files for row in rows_of(path)]
+    # A later file's row replaces an earlier one of the same workload and implementation.
+    latest = {(row["workload"], row["impl"]): row for path in args.files for row in rows_of(path)}
+    rows = list(latest.values())
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {len(rows)} rows to {args.out}")
