@@ -276,6 +276,7 @@ class _Snapshot:
     grad_of: object  # parameter -> its gradient (an attrgetter of grad_attr)
     grad_refs: list  # per parameter: weakref to its gradient, or _no_grad
     has_grad: list  # per parameter: bool
+    every_grad: bool  # all of has_grad
     param_ptrs: list  # data_ptr() of each parameter that has a gradient (its local shard's)
     param_layouts: list  # (stride(), numel()) of each of those parameters (local shards)
     grad_strides: list  # stride() of each of those gradients (local shards)
@@ -481,7 +482,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             eng = self._fuser
             if ptrs != eng.grad_ptrs:
                 self._refresh_grad_column(ptrs)
-            snap.grad_refs = list(map(_weak, grads))
+            # weakref.ref itself runs in C; _weak (Python, once per tensor) only where some are None.
+            snap.grad_refs = list(map(weakref.ref if snap.every_grad else _weak, grads))
         locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
         if list(map(_data_ptr, locals_)) != snap.param_ptrs:
             return False
@@ -522,6 +524,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             grad_of=operator.attrgetter(attr),
             grad_refs=list(map(_weak, grads)),
             has_grad=[g is not None for g in grads],
+            every_grad=len(present) == len(params),
             param_ptrs=[local(p).data_ptr() for p, _ in present],
             param_layouts=[(local(p).stride(), local(p).numel()) for p, _ in present],
             grad_strides=[local(g).stride() for _, g in present],
