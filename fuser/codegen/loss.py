@@ -98,17 +98,26 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
     """
     i = acc.index
     if acc.op == "logsumexp":
-        # Online logsumexp: a running max and the sum of exp(a - max), rescaled when the
-        # max grows, so one sweep suffices and nothing overflows.
+        # Online logsumexp per lane: each lane keeps a running max and the sum of
+        # exp(a - max), rescaled when its max grows, so one sweep suffices, nothing
+        # overflows, and the loop carries no cross-lane reduction (the lanes are combined
+        # once at the end). A lane that has seen only masked columns holds max -inf and
+        # sum 0; ``s`` stands in 0 for its max so that no -inf - -inf appears.
         return (
-            [f'lm{i} = tl.full((), float("-inf"), tl.float32)', f"ls{i} = tl.full((), 0.0, tl.float32)"],
+            [f'lm{i} = tl.full((BLOCK,), float("-inf"), tl.float32)', f"ls{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
             [
                 f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                f"nm{i} = tl.maximum(lm{i}, {_max(f'a{i}')})",
-                f"ls{i} = ls{i} * tl.exp(lm{i} - nm{i}) + {_sum(f'tl.exp(a{i} - nm{i})')}",
+                f"nm{i} = tl.maximum(lm{i}, a{i})",
+                f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
+                f"ls{i} = ls{i} * tl.exp(lm{i} - sm{i}) + tl.exp(a{i} - sm{i})",
                 f"lm{i} = nm{i}",
             ],
-            [f"r{i} = tl.where(live, lm{i}, 0.0) + tl.log(tl.where(live, ls{i}, 1.0))"],
+            [
+                f"mm{i} = {_max(f'lm{i}')}",
+                f'mm{i} = tl.where(mm{i} == float("-inf"), 0.0, mm{i})',
+                f"ss{i} = {_sum(f'ls{i} * tl.exp(lm{i} - mm{i})')}",
+                f"r{i} = tl.where(live, mm{i}, 0.0) + tl.log(tl.where(live, ss{i}, 1.0))",
+            ],
         )
     if acc.op == "sum":
         # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
