@@ -8,10 +8,12 @@ inputs, the weight and their existing `.grad` (and `main_grad`). Every variant r
 process on this GPU; each is checked against a float64 reference (the loss; `grad_weight`
 on a slice of vocabulary rows and `grad_hidden` on a slice of tokens, from the whole batch).
 
-    python benchmarks/loss_bench.py [gist llama8b] [--out DIR] [--sweep]
+    python benchmarks/loss_bench.py [gist llama8b] [--out DIR] [--sweep] [--schedules chunks whole vocab]
+                                    [--tag _v3]
 
 `--sweep` also times a few (chunk, block, warps) settings of fuser's kernel, to pick the
-defaults. Writes `loss_<date>.json` and `.md` under --out (default benchmarks/results).
+defaults; `--schedules` times fuser with each schedule forced (`auto` picks one by memory).
+Writes `loss_<date><tag>.json` and `.md` under --out (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def measure(name, fn, x, w, y, ref, cfg, main_grad=False):
     return row
 
 
-def run(cfg, sweep, rows_out):
+def run(cfg, sweep, rows_out, schedules=()):
     t, h, v = CONFIGS[cfg]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -176,6 +178,9 @@ def run(cfg, sweep, rows_out):
         cce = None
     if cce is not None:
         guarded("CCE (cce)", lambda x, w, y: cce(x, w, y, impl="cce"))
+    for schedule in schedules:
+        f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=schedule)
+        guarded(f"fuser schedule={schedule}", f)
     if sweep:
         for chunk in (1024, 2048, 4096):
             for block, warps in ((4096, 8), (4096, 16), (8192, 16), (16384, 32)):
@@ -190,6 +195,9 @@ def main(argv=None):
     ap.add_argument("configs", nargs="*", default=["gist", "llama8b"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--schedules", nargs="*", default=[], choices=["chunks", "whole", "vocab"],
+                    help="also time fuser with each of these schedules forced")  # fmt: skip
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
     args = ap.parse_args(argv)
     meta = dict(
         gpu=torch.cuda.get_device_name(),
@@ -201,10 +209,11 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     rows = []
     for cfg in args.configs:
-        run(cfg, args.sweep, rows)
+        run(cfg, args.sweep, rows, args.schedules)
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
-    with open(os.path.join(args.out, f"loss_{date}.json"), "w") as f:
+    stem = f"loss_{date}{args.tag}"
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [
         f"# Linear + cross-entropy, forward + backward, bf16 ({meta['gpu']})",
@@ -229,7 +238,7 @@ def main(argv=None):
             f"{r['extra_peak_GiB']} | {r['loss_abs_err']:.2e} | {r['grad_weight_rel_err']:.2e} | "
             f"{r['grad_hidden_rel_err']:.2e} |"
         )
-    with open(os.path.join(args.out, f"loss_{date}.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

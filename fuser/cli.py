@@ -56,8 +56,8 @@ def _kernel_options(p: argparse.ArgumentParser, repeat: bool) -> None:
                    help="optimizers built with stochastic_rounding=True (instead of without; "
                    "precompile twice for both)")  # fmt: skip
     p.add_argument("--vocab-parallel", action="store_true",
-                   help="loss rules: also the kernels of calls with process_group= "
-                   "(vocabulary-parallel)")  # fmt: skip
+                   help="loss rules: accepted for older scripts; the kernels of calls with "
+                   "process_group= are always compiled (one-device calls use them too)")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:

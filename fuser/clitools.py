@@ -166,12 +166,10 @@ def variants(
     vocab_parallel: bool = False,
 ) -> list[Variant]:
     """Every variant of ``rule`` to compile: for an optimizer, each dtype plan with each
-    state dtype; for a loss, each plan's parameter dtype, plain and (with ``vocab_parallel``)
-    vocabulary-parallel, since one compiled loss serves calls with and without a group."""
+    state dtype; for a loss, each plan's parameter dtype (its kernels include those of calls
+    with ``process_group=``, so ``vocab_parallel`` adds nothing)."""
     if rule.kind == "loss":
-        dtypes = dict.fromkeys(param for param, _ in plans)
-        sharded = (False, True) if vocab_parallel else (False,)
-        return [Variant(d, vocab_parallel=v) for d in dtypes for v in sharded]
+        return [Variant(d) for d in dict.fromkeys(param for param, _ in plans)]
     return [Variant(param, grad, sd, stochastic_rounding) for param, grad in plans for sd in state_dtypes]
 
 

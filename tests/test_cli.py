@@ -215,15 +215,20 @@ def test_precompile_optimizer_options(cache_root, rules_file, capsys, monkeypatc
     assert len(rows) == 2 * 4 and {r[4] for r in rows} == {"stochastic rounding"}
 
 
-def test_precompile_losses_plain_and_vocab_parallel(cache_root, tmp_path, capsys, monkeypatch):
+def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
+    # the row kernel and the staged sequence (process_group= calls and the one-device
+    # whole / vocab schedules), with or without the older --vocab-parallel flag
     path = tmp_path / "losses.py"
     path.write_text(LOSSES)
     seen = _recording(monkeypatch)
     args = ["precompile", str(path), "--dtype", "bf16:fp32", "--dtype", "bf16", "--vocab-parallel"]
     assert cli.main(args) == 0
-    assert [v for _, v in seen] == [Variant("bf16"), Variant("bf16", vocab_parallel=True)]
+    assert [v for _, v in seen] == [Variant("bf16")]
     rows = _rows(capsys.readouterr().out)
-    assert sorted(r[4] for r in rows) == ["-", "-", "vocab-parallel", "vocab-parallel"]
+    assert rows and {r[4] for r in rows} == {"-"}
+    ce = fuser.loss("loss = logsumexp(z) - z[y]", name="ce")
+    entries = [s.entry for s in fuser.losses.kernel_sources(ce, "bf16")]
+    assert entries == ["ce_loss_rows", "ce_loss_rows_vp0", "ce_loss_rows_vp1"]
 
 
 @pytest.mark.parametrize(

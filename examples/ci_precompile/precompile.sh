@@ -17,7 +17,6 @@ PYTHON="${PYTHON:-python}"
 #   bf16 parameters, fp32 main_grad      --dtype bf16:fp32
 #   state_dtype=torch.bfloat16, "param"  --state-dtype bf16, --state-dtype param
 #   stochastic_rounding=True             --stochastic-rounding (run once more for both)
-#   losses called with process_group=    --vocab-parallel
 # shellcheck disable=SC2206 # PRECOMPILE_FLAGS is a list of flags
 flags=(--builtins --target cuda:80 --target cuda:90 --dtype fp32 --dtype bf16 ${PRECOMPILE_FLAGS:-})
 "$PYTHON" -m fuser precompile "$here/my_rules.py" "${flags[@]}"

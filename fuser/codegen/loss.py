@@ -104,7 +104,10 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
         # once at the end). A lane that has seen only masked columns holds max -inf and
         # sum 0; ``s`` stands in 0 for its max so that no -inf - -inf appears.
         return (
-            [f'lm{i} = tl.full((BLOCK,), float("-inf"), tl.float32)', f"ls{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
+            [
+                f'lm{i} = tl.full((BLOCK,), float("-inf"), tl.float32)',
+                f"ls{i} = tl.full((BLOCK,), 0.0, tl.float32)",
+            ],
             [
                 f'a{i} = tl.where(mask, {arg}, float("-inf"))',
                 f"nm{i} = tl.maximum(lm{i}, a{i})",

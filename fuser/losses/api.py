@@ -9,7 +9,8 @@ import torch
 from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
-from fuser.losses.ops import Chunked, LinearLoss, ShardedChunked, chunk_rows, dtype_name
+from fuser.losses.ops import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.losses.staged import SCHEDULES, ShardedChunked, Staged, choose_schedule, forward_rows, vocab_cols
 from fuser.rules.rule import Rule
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -43,11 +44,15 @@ class CompiledLoss:
         chunk_size: int | None = None,
         block: int = DEFAULT_BLOCK,
         num_warps: int = DEFAULT_WARPS,
+        schedule: str = "auto",
     ):
         if rule.kind != "loss":
             raise TypeError(f"a loss needs a loss rule (fuser.loss), not a {rule.kind} rule")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int, not {chunk_size!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+        self.schedule = schedule
         self.rule = rule
         self.hyper_defaults = dict(rule.hyper)
         self.chunk_size = chunk_size
@@ -181,12 +186,39 @@ class CompiledLoss:
         y = target.reshape(-1).to(torch.int64).contiguous()
         n_tokens, hid, vocab = x.shape[0], x.shape[1], weight.shape[0]
         hyper = self._hyper_row(hyper_overrides, device)
+        want_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        )
+        es = hidden.element_size()
         if process_group is None:
-            chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, hidden.element_size())
-            run = Chunked(self.kernel_source(dtype), device, hyper, ignore_index, chunk)
+            chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, es)
+            plan = self.schedule
+            if plan == "auto":
+                plan = choose_schedule(
+                    n_tokens,
+                    hid,
+                    vocab,
+                    es,
+                    chunk=chunk,
+                    main_grad=main_grad and weight.requires_grad,
+                    weight_fp32=weight.dtype == torch.float32,
+                )
+            if not want_grad or plan == "chunks":
+                run = Chunked(self.kernel_source(dtype), device, hyper, ignore_index, chunk)
+            else:
+                sources, layout, zy_first = self.sharded_kernel_sources(dtype)
+                if plan == "vocab":
+                    chunk = min(chunk, forward_rows(vocab, es))
+                run = Staged(sources, layout, zy_first, device, hyper, ignore_index, chunk)
+                run.schedule, run.cols = plan, vocab_cols(n_tokens, hid, es)
         else:
             import torch.distributed as dist
 
+            if self.schedule not in ("auto", "chunks"):
+                raise ValueError(
+                    f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
+                    "(process_group=) runs in chunks of tokens"
+                )
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(
                     "process_group= (a vocabulary-parallel loss) needs torch.distributed "
@@ -211,9 +243,6 @@ class CompiledLoss:
                 sum(sizes[:rank]),
                 total,
             )
-        want_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, weight, bias)
-        )
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if reduction == "none":
             out = out.reshape(lead)
@@ -231,16 +260,18 @@ class CompiledLoss:
 
 def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
-    chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``."""
+    chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``,
+    ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"`` or ``"vocab"``: see
+    ``fuser.losses.staged``; ``auto`` picks by memory)."""
     return CompiledLoss(rule, **options)
 
 
 def kernel_sources(
     rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
 ) -> list[KernelSource]:
-    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``; with
-    ``vocab_parallel=True``, those of a call with ``process_group=`` instead."""
+    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel and
+    the staged sequence (which calls with ``process_group=`` and the ``whole`` and
+    ``vocab`` schedules launch); with ``vocab_parallel=True``, the staged sequence only."""
     f = CompiledLoss(rule, **options)
-    if vocab_parallel:
-        return list(f.sharded_kernel_sources(dtype)[0])
-    return [f.kernel_source(dtype)]
+    staged = list(f.sharded_kernel_sources(dtype)[0])
+    return staged if vocab_parallel else [f.kernel_source(dtype), *staged]

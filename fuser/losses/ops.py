@@ -1,4 +1,5 @@
-"""Fused ``linear + loss``: the chunked driver and its autograd ``Function``.
+"""Fused ``linear + loss``: the row kernel's chunked driver and the autograd ``Function``
+(which also runs the staged schedules of ``fuser.losses.staged``).
 
 For each chunk of tokens, the logits ``x_chunk @ W.T (+ b)`` are computed by torch (cuBLAS
 on a GPU) in the input dtype into one reused buffer; the rule's generated row kernel then
@@ -45,15 +46,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int:
-    """Tokens per chunk: the chunk's logits get about twice the weight's bytes, within
-    [256 MiB, 1 GiB].
+    """Tokens per chunk: the chunk's logits get what 1 GiB leaves after the fp32 ``[V, H]``
+    weight-gradient accumulator and ``grad_hidden``, but at least twice the weight's bytes,
+    within [256 MiB, 1 GiB].
 
-    The weight-gradient matmul ``dlogits.T @ x`` reads and writes the fp32 ``[V, H]``
-    accumulator once per chunk, so a chunk must be long (its K dimension) for that traffic
-    to hide behind the multiply; but the chunk's logits are the one large temporary. For
-    V = 128256 in bf16: H = 768 gives 1536 tokens (394 MB), H = 4096 gives 4096 (1 GiB).
+    The weight-gradient matmul ``dlogits.T @ x`` reads and writes the fp32 accumulator once
+    per chunk, so a chunk must be long (its K dimension) for that traffic to hide behind the
+    multiply; but the chunk's logits are the one large temporary. For V = 128256 in bf16:
+    H = 768 and 32768 tokens give 2304 tokens (591 MB), H = 4096 gives 4096 (1 GiB).
     """
-    budget = min(max(2 * vocab * hidden * element_size, 256 * MIB), 1024 * MIB)
+    rest = 1024 * MIB - 4 * vocab * hidden - n_tokens * hidden * element_size
+    budget = min(max(2 * vocab * hidden * element_size, rest, 256 * MIB), 1024 * MIB)
     rows = budget // max(vocab * element_size, 1)
     if rows >= 256:
         rows = rows // 256 * 256
@@ -63,28 +66,34 @@ def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int
 _addmm_out_dtype_ok: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
-    """``gw += dlogits.T @ x`` with ``gw`` fp32, with no ``[V, H]`` temporary.
+def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` fp32 and ``a``, ``b`` of the input dtype, with no
+    temporary of ``out``'s size.
 
-    fp16/bf16 on CUDA: ``addmm(..., out_dtype=float32, out=gw)`` multiplies in the input
+    fp16/bf16 on CUDA: ``addmm(..., out_dtype=float32, out=out)`` multiplies in the input
     dtype and accumulates into fp32. Elsewhere (CPU, older torch), the product is taken in
-    fp32 over vocabulary slices, so temporaries stay chunk-sized.
+    fp32 over slices of ``out``'s rows, so temporaries stay slice-sized.
     """
-    if dlogits.dtype == gw.dtype:
-        gw.addmm_(dlogits.t(), x)
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
         return
-    key = (dlogits.device.type, dlogits.dtype)
-    if dlogits.is_cuda and _addmm_out_dtype_ok.get(key, True):
+    key = (a.device.type, a.dtype)
+    if a.is_cuda and _addmm_out_dtype_ok.get(key, True):
         try:
-            torch.addmm(gw, dlogits.t(), x, out_dtype=gw.dtype, out=gw)
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
             _addmm_out_dtype_ok[key] = True
             return
         except (RuntimeError, NotImplementedError, TypeError):
             _addmm_out_dtype_ok[key] = False
-    xf = x.float()
+    bf = b.float()
     step = 8192
-    for v0 in range(0, dlogits.shape[1], step):
-        gw[v0 : v0 + step].addmm_(dlogits[:, v0 : v0 + step].t().float(), xf)
+    for r0 in range(0, a.shape[0], step):
+        out[r0 : r0 + step].addmm_(a[r0 : r0 + step].float(), bf)
+
+
+def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
+    """``gw += dlogits.T @ x`` with ``gw`` fp32 (``accumulate_mm``)."""
+    accumulate_mm(gw, dlogits.t(), x)
 
 
 class Chunked:
@@ -139,137 +148,6 @@ class Chunked:
                 gb.add_(logits.sum(0, dtype=torch.float32))
 
 
-class ShardedChunked(Chunked):
-    """``Chunked`` for a vocabulary-parallel loss: ``weight`` (and ``bias``) hold this rank's
-    contiguous slice ``[col_offset, col_offset + V_r)`` of a vocabulary of ``vocab_total``
-    columns, split over ``group`` in rank order; every rank passes the same ``x`` and targets.
-
-    Each chunk runs one launch per reduction pass of the plan; after each, the per-token
-    partials of every rank are gathered with ONE collective and combined (sum: added;
-    logsumexp: logsumexp of the ranks' values; max: the largest, its argmax kept by the
-    first rank holding it, as the unsharded kernel keeps the first column). ``z[y]`` is read
-    by the target's owner and summed across the group, in the first collective when no
-    sweep needs it before. The last launch computes the same per-token loss on every rank and
-    this rank's columns of the logit gradient. ``grad_weight``/``grad_bias`` stay local;
-    ``grad_hidden`` is summed across the group (Megatron's backward of the column-parallel
-    head).
-    """
-
-    def __init__(
-        self,
-        sources,
-        layout,
-        zy_first: bool,
-        device,
-        hyper,
-        ignore_index,
-        chunk,
-        group,
-        col_offset: int,
-        vocab_total: int,
-    ):
-        import torch.distributed as dist
-
-        self.kernels = [load_kernel(s, device) for s in sources]
-        self.layout = layout
-        self.zy_first = zy_first  # a sweep reads z[y]: combine it before the first launch
-        self.hyper = hyper
-        self.ignore_index = int(ignore_index)
-        self.chunk = chunk
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.col_offset = int(col_offset)
-        self.vocab_total = int(vocab_total)
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
-        return out
-
-    def _combine(self, stage: int, gathered: torch.Tensor, red: torch.Tensor) -> None:
-        for i, op, c in self.layout.part_cols[stage]:
-            rc = self.layout.red_cols[i]
-            vals = gathered[:, :, c]
-            if op == "sum":
-                red[:, rc] = vals.sum(0)
-            elif op == "logsumexp":
-                red[:, rc] = torch.logsumexp(vals, 0)
-            else:
-                best, owner = vals.max(0)  # the first rank holding the maximum
-                red[:, rc] = best
-                red[:, rc + 1] = torch.where(owner == self.rank, gathered[self.rank, :, c + 1], -1.0)
-
-    def run(self, x, weight, bias, target, loss_tok, *, scale=None, gx=None, gw=None, gb=None) -> None:
-        import torch.distributed as dist
-
-        n_tokens, vocab = x.shape[0], weight.shape[0]
-        if n_tokens == 0:
-            return
-        grad = scale is not None
-        rows = min(self.chunk, n_tokens)
-        buf = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
-        red = torch.empty(rows, self.layout.red_width, dtype=torch.float32, device=x.device)
-        n_passes = len(self.layout.part_cols)
-        parts = [torch.empty(rows, w, dtype=torch.float32, device=x.device) for w in self.layout.part_widths]
-        scale_stride = 0 if not grad or scale.numel() == 1 else 1
-        for s in range(0, n_tokens, self.chunk):
-            e = min(s + self.chunk, n_tokens)
-            n = e - s
-            xc, logits, r = x[s:e], buf[:n], red[:n]
-            if bias is not None:
-                torch.addmm(bias, xc, weight.t(), out=logits)
-            else:
-                torch.mm(xc, weight.t(), out=logits)
-            # z[y] where this rank holds the target's column, 0 elsewhere.
-            yl = target[s:e] - self.col_offset
-            mine = (yl >= 0) & (yl < vocab) & (target[s:e] != self.ignore_index)
-            zy = torch.where(
-                mine,
-                logits.gather(1, yl.clamp(0, max(vocab - 1, 0))[:, None])[:, 0].float()
-                if vocab
-                else torch.zeros(n, device=x.device),
-                0.0,
-            )
-            if self.zy_first:
-                dist.all_reduce(zy, group=self.group)
-                r[:, 0] = zy
-            row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
-            args = (
-                logits,
-                vocab,
-                target[s:e],
-                loss_tok[s:e],
-                row_scale,
-                scale_stride,
-                self.hyper,
-                vocab,
-                self.ignore_index,
-            )
-            for k in range(n_passes):
-                part = parts[k][:n]
-                self.kernels[k]((n,), *args, 0, r, part, self.col_offset, self.vocab_total)
-                if k == 0 and not self.zy_first:
-                    part[:, -1] = zy
-                gathered = self._gather(part)
-                if k == 0 and not self.zy_first:
-                    r[:, 0] = gathered[:, :, -1].sum(0)
-                self._combine(k, gathered, r)
-            self.kernels[n_passes]((n,), *args, int(grad), r, r, self.col_offset, self.vocab_total)
-            if not grad:
-                continue
-            if gx is not None:
-                torch.mm(logits, weight, out=gx[s:e])
-            if gw is not None:
-                accumulate_weight_grad(gw, logits, xc)
-            if gb is not None:
-                gb.add_(logits.sum(0, dtype=torch.float32))
-        if grad and gx is not None:
-            dist.all_reduce(gx, group=self.group)
-
-
 def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:
     if reduction == "mean":
         return loss_tok.sum() / count.clamp(min=1)
@@ -294,8 +172,15 @@ class LinearLoss(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        ctx.eager = want_grad and reduction != "none" and not main_grad
-        if ctx.eager:
+        ctx.schedule = getattr(run, "schedule", "chunks") if want_grad else "chunks"
+        ctx.eager = want_grad and reduction != "none" and not main_grad and ctx.schedule == "chunks"
+        if ctx.schedule == "whole":
+            ctx.kept = run.forward_whole(x, weight, bias, target, loss_tok)
+            ctx.save_for_backward(x, weight, bias, target, count)
+        elif ctx.schedule == "vocab":
+            red = run.forward_reductions(x, weight, bias, target, loss_tok)
+            ctx.save_for_backward(x, weight, bias, target, count, red)
+        elif ctx.eager:
             scale = (
                 1.0 / count.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=x.device)
             ).reshape(1)
@@ -315,10 +200,7 @@ class LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.eager:
             if ctx.grads is None:
-                raise RuntimeError(
-                    "the gradients of a fused linear + loss were computed in its forward pass "
-                    "and already handed out: backward can run through it once"
-                )
+                raise RuntimeError(_ONCE)
             gx, gw, gb = ctx.grads
             ctx.grads = None
             go = grad_out.float()
@@ -334,29 +216,50 @@ class LinearLoss(torch.autograd.Function):
                 None,
                 None,
             )
-        x, weight, bias, target, count = ctx.saved_tensors
         run = ctx.run
-        go = grad_out.float()
-        if ctx.reduction == "none":
-            scale = go.reshape(-1).contiguous()
-        elif ctx.reduction == "mean":
-            scale = (go / count.clamp(min=1)).reshape(1)
+        x, weight, bias, target, count, *red = ctx.saved_tensors
+        scale = _grad_scale(grad_out, ctx.reduction, count)
+        main_grad = ctx.main_grad and need_w
+        if ctx.schedule in ("whole", "vocab"):
+            flags = dict(need_x=need_x, need_w=need_w, need_b=need_b, main_grad=main_grad)
+            if ctx.schedule == "whole":
+                if ctx.kept is None:
+                    raise RuntimeError(_ONCE)
+                (logits, kept_red), ctx.kept = ctx.kept, None
+                gx, gw, gb = run.backward_whole(logits, kept_red, x, weight, target, scale, **flags)
+            else:
+                gx, gw, gb = run.backward_vocab(red[0], x, weight, bias, target, scale, run.cols, **flags)
         else:
-            scale = go.reshape(1)
-        gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-        if ctx.main_grad and need_w:
-            gw = weight.main_grad
-        else:
-            gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
-        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
-        loss_tok = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        run.run(x, weight, bias, target, loss_tok, scale=scale, gx=gx, gw=gw, gb=gb)
-        if ctx.main_grad and need_w:
+            gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+            if main_grad:
+                gw = weight.main_grad
+            else:
+                gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+            gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
+            loss_tok = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+            run.run(x, weight, bias, target, loss_tok, scale=scale, gx=gx, gw=gw, gb=gb)
+        if main_grad:
             gw = main_grad_return(weight)
         elif gw is not None:
             gw = _as(gw, weight.dtype)
         gb = _as(gb, bias.dtype) if gb is not None else None
         return gx, gw, gb, None, None, None, None, None
+
+
+_ONCE = (
+    "the gradients of a fused linear + loss were computed in its forward pass, or its logits "
+    "kept for one backward, and already used: backward can run through it once"
+)
+
+
+def _grad_scale(grad_out: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:
+    """fp32 factor of each token's ``d loss / d logits``: one value, or one per token."""
+    go = grad_out.float()
+    if reduction == "none":
+        return go.reshape(-1).contiguous()
+    if reduction == "mean":
+        return (go / count.clamp(min=1)).reshape(1)
+    return go.reshape(1)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

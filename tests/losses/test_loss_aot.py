@@ -30,9 +30,9 @@ def test_loss_kernel_compiles_ahead_of_time(name, dtype, capability):
 
 @pytest.mark.parametrize("capability", [80, 90])
 def test_fp16_cross_entropy_compiles(capability):
-    (source,) = fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "fp16")
-    cubin = compile_for(source, capability)
-    assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+    for source in fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "fp16"):
+        cubin = compile_for(source, capability)
+        assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
 
 
 @pytest.mark.parametrize("capability", [80, 90])

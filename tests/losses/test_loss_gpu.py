@@ -5,7 +5,9 @@ import torch
 
 import fuser
 import fuser.losses
+from fuser.losses import api
 from fuser.losses.ops import accumulate_weight_grad
+from fuser.losses.staged import MAIN_GRAD_BUDGET
 
 from .reference import assert_close, cross_entropy, make_inputs, reference
 
@@ -63,7 +65,7 @@ def test_extra_peak_memory_is_one_chunk_and_the_fp32_weight_grad():
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
     y = torch.randint(0, v, (t,), device="cuda")
     x.grad, w.grad = torch.zeros_like(x), torch.zeros_like(w)
-    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=1024)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=1024, schedule="chunks")
     f(x, w, y).backward()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -73,3 +75,44 @@ def test_extra_peak_memory_is_one_chunk_and_the_fp32_weight_grad():
     extra = torch.cuda.max_memory_allocated() - base
     budget = v * h * 4 + v * h * 2 + 1024 * v * 2 + t * h * 2 + (64 << 20)
     assert extra < budget, f"extra peak {extra >> 20} MiB over {budget >> 20} MiB"
+
+
+@pytest.mark.parametrize("schedule", ["chunks", "whole", "vocab"])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_every_schedule_on_gpu_against_float64(schedule, main_grad, monkeypatch):
+    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
+    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, shape=(603,), v=5003, h=96)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    start = torch.randn(weight.shape, device="cuda")
+    if main_grad:
+        w.main_grad = start.clone()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=256, schedule=schedule)
+    out = f(x, w, target.cuda(), accumulate_into="main_grad" if main_grad else None)
+    (out * 0.7).backward()
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=torch.tensor(0.7),
+                    round_logits_to=torch.bfloat16)  # fmt: skip
+    assert_close(out.cpu(), ref[0], 2e-2, "loss")
+    assert_close(x.grad.cpu(), ref[1], 2e-2, "hidden")
+    if main_grad:
+        assert w.grad is None
+        assert_close((w.main_grad - start).cpu(), ref[2], 1e-2, "main_grad increment")
+    else:
+        assert_close(w.grad.cpu(), ref[2], 2e-2, "weight")
+
+
+def test_main_grad_schedule_stays_within_its_budget():
+    t, h, v = 8192, 1024, 50000
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    w.main_grad = torch.zeros(v, h, device="cuda")
+    y = torch.randint(0, v, (t,), device="cuda")
+    x.grad = torch.zeros_like(x)
+    f = fuser.losses.cross_entropy
+    f(x, w, y, accumulate_into="main_grad").backward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    f(x, w, y, accumulate_into="main_grad").backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < MAIN_GRAD_BUDGET + (16 << 20), f"extra peak {extra >> 20} MiB"

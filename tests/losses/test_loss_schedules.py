@@ -1,0 +1,162 @@
+"""Every schedule of the fused linear + loss against float64 autograd, on the CPU interpreter.
+
+``chunks`` (the row kernel), ``whole`` (every token's logits kept for backward) and ``vocab``
+(backward recomputes the logits in slices of vocabulary rows) must agree with the reference
+for rules with one or several sweeps and with an argmax; ``vocab`` runs with slices of 64
+rows so that V = 211 is crossed in four slices, the last one short.
+"""
+
+import pytest
+import torch
+
+import fuser
+import fuser.losses
+from fuser.losses import api
+from fuser.losses.ops import chunk_rows
+from fuser.losses.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
+
+from .reference import T, V, assert_close, cross_entropy, make_inputs, reference
+from .test_loss_values import USER_RULES, check, run
+
+SCHEDULES = ["chunks", "whole", "vocab"]
+
+
+@pytest.fixture
+def short_slices(monkeypatch):
+    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 64)
+
+
+def _label_smoothed(eps):
+    def per_token(z, y):
+        lse = torch.logsumexp(z, 1)
+        return (1 - eps) * (lse - z.gather(1, y[:, None])[:, 0]) + eps * (lse - z.mean(1))
+
+    return per_token
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_every_schedule(schedule, reduction, short_slices):
+    hidden, weight, b, target = make_inputs(bias=reduction != "sum")
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(1.7)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, chunk_size=16, schedule=schedule)
+    got = run(f, hidden, weight, b, target, reduction=reduction, grad_out=grad_out, label_smoothing=0.1)
+    ref = reference(_label_smoothed(0.1), hidden, weight, b, target, reduction=reduction, grad_out=grad_out)
+    check(got, ref, 5e-5, torch.float32)
+
+
+@pytest.mark.parametrize("schedule", ["whole", "vocab"])
+@pytest.mark.parametrize("name", ["max_margin", "max_of_scaled", "lse_of_lse", "softcap_zloss"])
+def test_user_rules_every_schedule(schedule, name, short_slices):
+    # max_*: the argmax column must follow the slice in ``vocab``; lse_of_lse: two sweeps
+    text, hyper, per_token = USER_RULES[name]
+    f = fuser.compile(fuser.loss(text, name=name, hyper=hyper), chunk_size=16, schedule=schedule)
+    hidden, weight, b, target = make_inputs()
+    grad_out = torch.rand(T) + 0.5
+    got = run(f, hidden, weight, b, target, reduction="none", grad_out=grad_out)
+    ref = reference(per_token, hidden, weight, b, target, reduction="none", grad_out=grad_out)
+    check(got, ref, 5e-5, torch.float32)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bf16_every_schedule(schedule, short_slices):
+    hidden, weight, b, target = make_inputs(torch.bfloat16)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    got = run(f, hidden, weight, b, target, grad_out=torch.tensor(0.3))
+    ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3),
+                    round_logits_to=torch.bfloat16)  # fmt: skip
+    check(got, ref, 2e-2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_main_grad_every_schedule(schedule, reduction, short_slices):
+    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    start = torch.randn(V, hidden.shape[-1], dtype=torch.float32)
+    w.main_grad = start.clone()
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(2.5)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    out = f(x, w, target, reduction=reduction, accumulate_into="main_grad")
+    (out * grad_out.to(out.dtype)).sum().backward()
+    ref = reference(cross_entropy, hidden, weight, None, target, reduction=reduction,
+                    grad_out=grad_out.to(torch.bfloat16).float(), round_logits_to=torch.bfloat16)  # fmt: skip
+    assert w.grad is None
+    assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad increment")
+    assert_close(x.grad, ref[1], 2e-2, "grad hidden")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_all_ignored_every_schedule(schedule, short_slices):
+    hidden, weight, b, target = make_inputs(ignore="all")
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    loss, gx, gw, gb = run(f, hidden, weight, b, target)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for g in (gx, gw, gb):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_whole_schedule_backward_runs_once():
+    hidden, weight, b, target = make_inputs()
+    w = weight.clone().requires_grad_()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="whole")
+    loss = f(hidden, w, target, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
+
+
+def test_vocab_schedule_backward_can_run_twice(short_slices):
+    # it keeps only per-token values: a second backward recomputes and adds again
+    hidden, weight, b, target = make_inputs()
+    w = weight.clone().requires_grad_()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="vocab")
+    loss = f(hidden, w, target, b)
+    loss.backward(retain_graph=True)
+    first = w.grad.clone()
+    loss.backward()
+    assert_close(w.grad, 2 * first.double(), 1e-6, "grad weight after two backwards")
+
+
+def test_schedule_option_is_checked():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="fast")
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="whole")
+    hidden, weight, b, target = make_inputs()
+    with pytest.raises(ValueError, match="for one device"):
+        f(hidden, weight, target, b, process_group=object())
+
+
+# --- which schedule, and how big its pieces are ---------------------------------------------------
+
+GIST = (32768, 768, 128256)
+LLAMA8B = (8192, 4096, 128256)
+
+
+def test_auto_schedule_at_the_benchmark_shapes():
+    for (t, h, v), plain, with_main_grad in ((GIST, "chunks", "vocab"), (LLAMA8B, "whole", "vocab")):
+        chunk = chunk_rows(t, h, v, 2)
+        assert choose_schedule(t, h, v, 2, chunk=chunk, main_grad=False, weight_fp32=False) == plain
+        assert choose_schedule(t, h, v, 2, chunk=chunk, main_grad=True, weight_fp32=False) == with_main_grad
+    # whole: its logits are no bigger than a chunk plus the fp32 [V, H] accumulator
+    assert choose_schedule(8192, 4096, 128256, 2, chunk=4096, main_grad=False, weight_fp32=True) == "chunks"
+    assert choose_schedule(100, 64, 1000, 2, chunk=100, main_grad=True, weight_fp32=False) == "whole"
+
+
+@pytest.mark.parametrize("t, h, v", [GIST, LLAMA8B, (4096, 8192, 256000), (37, 24, 211)])
+def test_vocab_schedule_memory_stays_in_its_budget(t, h, v):
+    cols = vocab_cols(t, h, 2)
+    assert cols % 256 == 0 and cols >= 256
+    assert t * min(cols, v) * 2 + 4 * t * h <= MAIN_GRAD_BUDGET or cols == 256
+    rows = forward_rows(v, 2)
+    assert rows * v * 2 <= MAIN_GRAD_BUDGET and rows % 64 == 0
+
+
+def test_chunk_rows_leaves_room_for_the_accumulator():
+    # gist: 1 GiB minus the fp32 [V, H] accumulator and grad_hidden, in steps of 256 tokens
+    t, h, v = GIST
+    rows = chunk_rows(t, h, v, 2)
+    assert rows * v * 2 + 4 * v * h + t * h * 2 <= 1 << 30
+    assert (rows + 256) * v * 2 + 4 * v * h + t * h * 2 > 1 << 30
+    assert chunk_rows(*LLAMA8B, 2) == 4096  # twice the weight's bytes, capped at 1 GiB
