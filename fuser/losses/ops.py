@@ -63,6 +63,14 @@ def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int
     return int(max(1, min(n_tokens, max(rows, 16))))
 
 
+def logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised ``[rows, cols]`` buffer in ``like``'s dtype and device whose rows are
+    a multiple of 8 elements apart, so that every row is 16-byte aligned (the loss kernels
+    load and store full blocks 16 bytes at a time, and assume it)."""
+    width = -(-cols // 8) * 8
+    return torch.empty(rows, width, dtype=like.dtype, device=like.device)[:, :cols]
+
+
 _addmm_out_dtype_ok: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -115,7 +123,7 @@ class Chunked:
         if n_tokens == 0:
             return
         grad = scale is not None
-        buf = torch.empty(min(self.chunk, n_tokens), vocab, dtype=x.dtype, device=x.device)
+        buf = logits_buffer(min(self.chunk, n_tokens), vocab, x)
         scale_stride = 0 if not grad or scale.numel() == 1 else 1
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
@@ -128,7 +136,7 @@ class Chunked:
             self.kernel(
                 (e - s,),
                 logits,
-                vocab,
+                logits.stride(0),
                 target[s:e],
                 loss_tok[s:e],
                 row_scale,

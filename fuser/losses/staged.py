@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from fuser.cache import load_kernel
-from fuser.losses.ops import MIB, Chunked, accumulate_mm, accumulate_weight_grad
+from fuser.losses.ops import MIB, Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
 
 
 class Staged(Chunked):
@@ -142,7 +142,7 @@ class Staged(Chunked):
             return
         grad = scale is not None
         rows = min(self.chunk, n_tokens)
-        buf = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+        buf = logits_buffer(rows, vocab, x)
         red, parts = self._buffers(rows, x.device)
         per_token = grad and scale.numel() > 1
         for s in range(0, n_tokens, self.chunk):
@@ -175,7 +175,7 @@ class Staged(Chunked):
     def forward_whole(self, x, weight, bias, target, loss_tok):
         """The loss into ``loss_tok``; returns ``(logits, red)`` for ``backward_whole``."""
         n_tokens, vocab = x.shape[0], weight.shape[0]
-        logits = torch.empty(n_tokens, vocab, dtype=x.dtype, device=x.device)
+        logits = logits_buffer(n_tokens, vocab, x)
         red, parts = self._buffers(n_tokens, x.device)
         if n_tokens:
             self._logits(x, weight, bias, logits)
@@ -210,7 +210,7 @@ class Staged(Chunked):
         if n_tokens == 0:
             return red
         rows = min(self.chunk, n_tokens)
-        buf = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+        buf = logits_buffer(rows, vocab, x)
         _, parts = self._buffers(rows, x.device)
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
@@ -234,7 +234,7 @@ class Staged(Chunked):
             gb = torch.empty(vocab, dtype=torch.float32, device=x.device)
         if n_tokens == 0 or vocab == 0:
             return self._finish_x(gx, x), gw, gb.zero_() if gb is not None else None
-        buf = torch.empty(n_tokens, min(cols, vocab), dtype=x.dtype, device=x.device)
+        buf = logits_buffer(n_tokens, min(cols, vocab), x)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
         layout = self.layout
         argmax_cols = [layout.red_cols[i] + 1 for p in layout.part_cols for i, op, _ in p if op == "max"]

@@ -160,3 +160,32 @@ def test_chunk_rows_leaves_room_for_the_accumulator():
     assert rows * v * 2 + 4 * v * h + t * h * 2 <= 1 << 30
     assert (rows + 256) * v * 2 + 4 * v * h + t * h * 2 > 1 << 30
     assert chunk_rows(*LLAMA8B, 2) == 4096  # twice the weight's bytes, capped at 1 GiB
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_launch_gets_16_byte_aligned_rows(schedule, short_slices, monkeypatch):
+    # the kernels load full blocks 16 bytes at a time and assume aligned rows: V = 211 is
+    # not a multiple of 8, so every driver must pad its buffers' rows
+    from fuser.losses import ops, staged
+
+    seen = []
+
+    def checking(load):
+        def wrapped(source, device):
+            kernel = load(source, device)
+
+            def launch(grid, logits, stride, *rest):
+                seen.append((logits.data_ptr() % 16, stride % 8, logits.stride(0) == stride))
+                return kernel(grid, logits, stride, *rest)
+
+            return launch
+
+        return wrapped
+
+    monkeypatch.setattr(ops, "load_kernel", checking(ops.load_kernel))
+    monkeypatch.setattr(staged, "load_kernel", checking(staged.load_kernel))
+    hidden, weight, b, target = make_inputs()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    got = run(f, hidden, weight, b, target)
+    check(got, reference(cross_entropy, hidden, weight, b, target), 5e-5, torch.float32)
+    assert seen and set(seen) == {(0, 0, True)}
