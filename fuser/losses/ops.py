@@ -66,9 +66,14 @@ def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int
 def logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised ``[rows, cols]`` buffer in ``like``'s dtype and device whose rows are
     a multiple of 8 elements apart, so that every row is 16-byte aligned (the loss kernels
-    load and store full blocks 16 bytes at a time, and assume it)."""
+    load and store full blocks 16 bytes at a time, and assume it). The padding is zeroed:
+    a matmul may read a row's padding along with it (CPU bf16 GEMMs do), and uninitialised
+    memory can hold NaN, which zeros elsewhere would not cancel."""
     width = -(-cols // 8) * 8
-    return torch.empty(rows, width, dtype=like.dtype, device=like.device)[:, :cols]
+    buf = torch.empty(rows, width, dtype=like.dtype, device=like.device)
+    if width != cols:
+        buf[:, cols:].zero_()
+    return buf[:, :cols]
 
 
 _addmm_out_dtype_ok: dict[tuple[str, torch.dtype], bool] = {}
