@@ -210,7 +210,7 @@ class CompiledLoss:
                 if plan == "vocab":
                     chunk = min(chunk, forward_rows(vocab, es))
                 run = Staged(sources, layout, zy_first, device, hyper, ignore_index, chunk)
-                run.schedule, run.cols = plan, vocab_cols(n_tokens, hid, es)
+                run.schedule, run.cols = plan, vocab_cols(n_tokens, hid, es, self.block)
         else:
             import torch.distributed as dist
 

@@ -285,10 +285,17 @@ def choose_schedule(
     """``"whole"``, ``"vocab"`` or ``"chunks"`` (the row kernel's) for a call that needs
     gradients: whole when every token's logits take no more memory than the other schedule
     would (``main_grad``: ``MAIN_GRAD_BUDGET``; otherwise a chunk of logits plus, for a
-    low-precision weight, the fp32 ``[V, H]`` accumulator)."""
+    low-precision weight, the fp32 ``[V, H]`` accumulator). When every token fits in one
+    chunk, the row kernel does in one launch what whole does in two, with the same matmuls
+    and memory, so chunks is chosen."""
     whole = n_tokens * vocab * element_size
+    one_chunk = n_tokens <= chunk
     if main_grad:
-        return "whole" if whole <= MAIN_GRAD_BUDGET else "vocab"
+        if whole > MAIN_GRAD_BUDGET:
+            return "vocab"
+        return "chunks" if one_chunk else "whole"
+    if one_chunk:
+        return "chunks"
     chunked = min(chunk, n_tokens) * vocab * element_size + (0 if weight_fp32 else 4 * vocab * hidden)
     return "whole" if whole <= chunked else "chunks"
 
@@ -300,12 +307,16 @@ def forward_rows(vocab: int, element_size: int, budget: int = MAIN_GRAD_BUDGET) 
     return int(max(64, rows // 64 * 64))
 
 
-def vocab_cols(n_tokens: int, hidden: int, element_size: int, budget: int = MAIN_GRAD_BUDGET) -> int:
+def vocab_cols(
+    n_tokens: int, hidden: int, element_size: int, block: int, budget: int = MAIN_GRAD_BUDGET
+) -> int:
     """Vocabulary rows per slice of ``backward_vocab``: the ``[T, slice]`` logits and the fp32
-    ``[T, H]`` hidden gradient within ``budget``; a multiple of 256, at least 256."""
+    ``[T, H]`` hidden gradient within ``budget``; a multiple of the kernel's ``block`` (the
+    kernel's full blocks take its fast path) where that fits, else of 256, at least 256."""
     room = budget - 4 * n_tokens * hidden
     cols = room // max(n_tokens * element_size, 1)
-    return int(max(256, cols // 256 * 256))
+    step = block if cols >= block else 256
+    return int(max(256, cols // step * step))
 
 
 class ShardedChunked(Staged):

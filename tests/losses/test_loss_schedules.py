@@ -141,13 +141,18 @@ def test_auto_schedule_at_the_benchmark_shapes():
         assert choose_schedule(t, h, v, 2, chunk=chunk, main_grad=True, weight_fp32=False) == with_main_grad
     # whole: its logits are no bigger than a chunk plus the fp32 [V, H] accumulator
     assert choose_schedule(8192, 4096, 128256, 2, chunk=4096, main_grad=False, weight_fp32=True) == "chunks"
-    assert choose_schedule(100, 64, 1000, 2, chunk=100, main_grad=True, weight_fp32=False) == "whole"
+    assert choose_schedule(100, 64, 1000, 2, chunk=50, main_grad=True, weight_fp32=False) == "whole"
+    assert choose_schedule(100, 64, 1000, 2, chunk=50, main_grad=False, weight_fp32=False) == "whole"
+    # every token in one chunk: the row kernel's single launch, whatever the memory rule says
+    for main_grad in (False, True):
+        assert choose_schedule(100, 64, 1000, 2, chunk=100, main_grad=main_grad, weight_fp32=False) == "chunks"
 
 
 @pytest.mark.parametrize("t, h, v", [GIST, LLAMA8B, (4096, 8192, 256000), (37, 24, 211)])
 def test_vocab_schedule_memory_stays_in_its_budget(t, h, v):
-    cols = vocab_cols(t, h, 2)
+    cols = vocab_cols(t, h, 2, 2048)
     assert cols % 256 == 0 and cols >= 256
+    assert cols % 2048 == 0 or cols < 2048
     assert t * min(cols, v) * 2 + 4 * t * h <= MAIN_GRAD_BUDGET or cols == 256
     rows = forward_rows(v, 2)
     assert rows * v * 2 <= MAIN_GRAD_BUDGET and rows % 64 == 0
