@@ -238,6 +238,9 @@ def main(argv=None):
             f"{r['extra_peak_GiB']} | {r['loss_abs_err']:.2e} | {r['grad_weight_rel_err']:.2e} | "
             f"{r['grad_hidden_rel_err']:.2e} |"
         )
+    lines += ["", "`loss err` is absolute: fuser returns the loss in the input dtype (bf16), as torch's "
+              "losses do; Liger and CCE return fp32.", "",
+              f"Command: `python {' '.join(['benchmarks/loss_bench.py', *sys.argv[1:]])}`"]  # fmt: skip
     with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
