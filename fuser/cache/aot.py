@@ -22,7 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuser.cache.keys import gpu_target
+from fuser.cache.compilekey import cheap_cache_key
+from fuser.cache.keys import binary_key, gpu_target
 from fuser.codegen.source import KernelSource
 
 
@@ -106,16 +107,21 @@ def compile_function(source: KernelSource, fn, target: str) -> tuple[bytes, byte
     """Compile ``fn`` (a ``JITFunction``) for ``target``: (cubin, metadata JSON).
 
     Triton's own file cache is pointed at a temporary folder for the call, so the result
-    never comes from, or depends on, files outside fuser's store.
+    never comes from, or depends on, files outside fuser's store; within it the kernel is
+    keyed by fuser's binary key (``compilekey``), sparing the hash of Triton's sources.
+    The target is passed explicitly, so Triton never asks its driver for the device's.
     """
     import triton
     from triton import knobs
 
     spec = compile_spec(source, fn.arg_names)
-    with tempfile.TemporaryDirectory(prefix="fuser-triton-") as tmp, knobs.cache.scope():
+    src = spec.ast_source(fn)
+    key = binary_key(source, target).digest
+    tmp_cache = tempfile.TemporaryDirectory(prefix="fuser-triton-")
+    with tmp_cache as tmp, knobs.cache.scope(), cheap_cache_key(src, key):
         knobs.cache.dir = tmp
         try:
-            compiled = triton.compile(spec.ast_source(fn), target=gpu_target(target), options=spec.options)
+            compiled = triton.compile(src, target=gpu_target(target), options=spec.options)
         except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean the same here
             raise CompileError(f"kernel {source.entry} does not compile for {target}: {_one_line(e)}") from e
         metadata = Path(compiled.metadata_group[f"{compiled.name}.json"]).read_bytes()
