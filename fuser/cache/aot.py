@@ -2,9 +2,10 @@
 
 ``compile_spec`` is the one place that turns a ``KernelSource`` into what Triton's
 compiler and launcher take (signature, constexprs, attrs, options); precompilation on a
-CPU machine and compile-on-miss on a GPU both go through it, and so does the loader that
-builds a ``CompiledKernel`` from stored files, so the binary and its launcher can never
-disagree about the arguments.
+CPU machine and compile-on-miss on a GPU both go through it, and so does the loader (it
+checks the ``KernelSource`` signature that the ctypes launcher packs against the kernel's
+parameters, and builds Triton's ``CompiledKernel`` from it where Triton launches), so the
+binary and its launcher can never disagree about the arguments.
 
 No ``tt.divisibility`` attributes are passed: the binary assumes nothing about the
 alignment of pointers or the value of integers, so it is launchable with any arguments.

@@ -14,8 +14,9 @@ pointers Triton appends to every kernel, global and profile scratch, which stay 
 
 ``fallback_reason`` names what a kernel needs that only Triton's launcher does (thread
 block clusters, cooperative or PDL launches, scratch memory, tensor descriptors, 16-bit
-float scalars, Triton's load hooks); ``launch_hooks_set`` says when Triton's launch hooks
-must run. The loader then launches through Triton's ``CompiledKernel`` instead.
+float scalars, Triton's load hooks); ``launch_hooks_set`` says when a launch must go
+through Triton because one of its launch hooks is set. The loader then launches through
+Triton's ``CompiledKernel`` instead.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def fallback_reason(metadata: dict, types, runtime_knobs=None) -> str | None:
     """Why a kernel must be launched by Triton's launcher, or ``None`` when it can be
     launched here. ``metadata`` is the stored Triton metadata JSON, ``types`` the Triton
     types of its runtime arguments in order (constexprs left out), ``runtime_knobs``
-    ``triton.knobs.runtime`` (its load and launch hooks)."""
+    ``triton.knobs.runtime``: Triton calls its load hooks when it loads a binary. (Its
+    launch hooks are for each launch to check: ``launch_hooks_set``.)"""
     if os.environ.get(ENV_TRITON_LAUNCHER) == "1":
         return f"{ENV_TRITON_LAUNCHER}=1"
     target = metadata.get("target") or {}
@@ -100,8 +102,6 @@ def fallback_reason(metadata: dict, types, runtime_knobs=None) -> str | None:
     if runtime_knobs is not None:
         if _hooks_set(runtime_knobs.kernel_load_start_hook, runtime_knobs.kernel_load_end_hook):
             return "a kernel load hook is set"
-        if launch_hooks_set(runtime_knobs):
-            return "a launch hook is set"
     return None
 
 

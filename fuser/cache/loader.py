@@ -5,8 +5,9 @@
 - CUDA: the entry's binary for the device's target (``cuda:90`` on an H100) is loaded
   from the stored cubin and metadata JSON with the CUDA driver API and launched with
   ``cuLaunchKernel`` (``fuser.cache.launcher``): no compilation, and no C launcher for
-  gcc to build. Kernels that need Triton's own launcher (see ``launcher.fallback_reason``)
-  are loaded as a ``triton.compiler.CompiledKernel`` instead. On a miss the binary is
+  gcc to build. Kernels that need Triton's own launcher (``launcher.fallback_reason``),
+  and launches made while a Triton launch hook is set, go through a
+  ``triton.compiler.CompiledKernel`` of the same files instead. On a miss the binary is
   compiled first (under the key's lock) and stored, then loaded from the store like any
   other.
 

@@ -1,5 +1,6 @@
-"""Decision 6 on a real GPU: stored binaries are loaded as ``CompiledKernel`` and launched
-with no compilation; a miss compiles once, stores, and loads from the store."""
+"""Decision 6 on a real GPU: stored binaries are loaded and launched with no compilation
+(through ``fuser.cache.launcher``: see test_gpu_launcher.py); a miss compiles once,
+stores, and loads from the store."""
 
 import subprocess
 import sys

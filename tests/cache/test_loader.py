@@ -1,5 +1,6 @@
 """Loading kernels: the interpreter path on CPU, and Triton's CompiledKernel built from
-stored files (its launch needs a GPU: see test_gpu.py)."""
+stored files (its launch needs a GPU: see test_gpu.py; fuser's own ctypes launcher:
+test_launcher.py)."""
 
 import json
 import subprocess
