@@ -283,11 +283,19 @@ _driver_lock = threading.Lock()
 
 
 def cuda_driver() -> CudaDriver:
-    """The process's ``CudaDriver``; raises ``OSError`` when libcuda cannot be loaded."""
+    """The process's ``CudaDriver``; raises ``OSError`` when libcuda cannot be loaded (from
+    the loader's search path, or the folder ``TRITON_LIBCUDA_PATH`` names, as Triton)."""
     global _driver
     with _driver_lock:
         if _driver is None:
-            _driver = CudaDriver(ctypes.CDLL("libcuda.so.1"))
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                folder = os.environ.get("TRITON_LIBCUDA_PATH")
+                if not folder:
+                    raise
+                lib = ctypes.CDLL(os.path.join(folder, "libcuda.so.1"))
+            _driver = CudaDriver(lib)
         return _driver
 
 
