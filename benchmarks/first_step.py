@@ -4,12 +4,14 @@ Each sample is a fresh Python process; the parent notes the wall clock just befo
 starts the child, the child reports the wall clock after its imports, after building the
 parameters, and after its first ``step()`` has finished on the device. Modes:
 
-- ``fuser-cold``: empty fuser cache and empty Triton cache (compiles the kernel, builds
-  Triton's C launcher).
+- ``fuser-cold``: empty fuser cache and empty Triton cache (compiles the kernel; before
+  ``fuser.cache.launcher``, also built Triton's C launcher).
 - ``fuser-warm``: both caches as a previous process on this host left them.
 - ``fuser-precompiled``: a fuser cache made by ``fuser precompile`` with no GPU visible
-  (as on a CPU CI runner), on a host whose Triton cache is empty (the launcher is built).
-- ``fuser-precompiled-launcher``: the same cache, Triton's launcher already built here.
+  (as on a CPU CI runner), on a host whose Triton cache is empty (before
+  ``fuser.cache.launcher``, Triton's launcher was built then).
+- ``fuser-precompiled-launcher``: the same cache, Triton's launcher already built here
+  (the same as ``fuser-precompiled`` now that nothing is built).
 - ``torch-compile-cold`` / ``-warm``: ``torch.compile`` of ``opt.step`` (torch.optim.AdamW,
   foreach) with empty / warm Inductor and Triton caches.
 - ``torch-fused``: eager ``torch.optim.AdamW(fused=True)``, no compiler (the floor).

@@ -2,9 +2,10 @@
 
 ``compile_spec`` is the one place that turns a ``KernelSource`` into what Triton's
 compiler and launcher take (signature, constexprs, attrs, options); precompilation on a
-CPU machine and compile-on-miss on a GPU both go through it, and so does the loader that
-builds a ``CompiledKernel`` from stored files, so the binary and its launcher can never
-disagree about the arguments.
+CPU machine and compile-on-miss on a GPU both go through it, and so does the loader (it
+checks the ``KernelSource`` signature that the ctypes launcher packs against the kernel's
+parameters, and builds Triton's ``CompiledKernel`` from it where Triton launches), so the
+binary and its launcher can never disagree about the arguments.
 
 No ``tt.divisibility`` attributes are passed: the binary assumes nothing about the
 alignment of pointers or the value of integers, so it is launchable with any arguments.
@@ -22,7 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuser.cache.keys import gpu_target
+from fuser.cache.compilekey import cheap_cache_key
+from fuser.cache.keys import binary_key, gpu_target
 from fuser.codegen.source import KernelSource
 
 
@@ -106,16 +108,21 @@ def compile_function(source: KernelSource, fn, target: str) -> tuple[bytes, byte
     """Compile ``fn`` (a ``JITFunction``) for ``target``: (cubin, metadata JSON).
 
     Triton's own file cache is pointed at a temporary folder for the call, so the result
-    never comes from, or depends on, files outside fuser's store.
+    never comes from, or depends on, files outside fuser's store; within it the kernel is
+    keyed by fuser's binary key (``compilekey``), sparing the hash of Triton's sources.
+    The target is passed explicitly, so Triton never asks its driver for the device's.
     """
     import triton
     from triton import knobs
 
     spec = compile_spec(source, fn.arg_names)
-    with tempfile.TemporaryDirectory(prefix="fuser-triton-") as tmp, knobs.cache.scope():
+    src = spec.ast_source(fn)
+    key = binary_key(source, target).digest
+    tmp_cache = tempfile.TemporaryDirectory(prefix="fuser-triton-")
+    with tmp_cache as tmp, knobs.cache.scope(), cheap_cache_key(src, key):
         knobs.cache.dir = tmp
         try:
-            compiled = triton.compile(spec.ast_source(fn), target=gpu_target(target), options=spec.options)
+            compiled = triton.compile(src, target=gpu_target(target), options=spec.options)
         except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean the same here
             raise CompileError(f"kernel {source.entry} does not compile for {target}: {_one_line(e)}") from e
         metadata = Path(compiled.metadata_group[f"{compiled.name}.json"]).read_bytes()

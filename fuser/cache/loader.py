@@ -2,10 +2,14 @@
 
 - CPU tensors (or ``TRITON_INTERPRET=1``): the entry's source file is imported with
   Triton's interpreter on.
-- CUDA: the entry's binary for the device's target (``cuda:90`` on an H100) is loaded as
-  a ``triton.compiler.CompiledKernel`` from the stored cubin and metadata JSON and
-  launched directly, with no compilation. On a miss it is compiled first (under the key's
-  lock) and stored, then loaded from the store like any other.
+- CUDA: the entry's binary for the device's target (``cuda:90`` on an H100) is loaded
+  from the stored cubin and metadata JSON with the CUDA driver API and launched with
+  ``cuLaunchKernel`` (``fuser.cache.launcher``): no compilation, and no C launcher for
+  gcc to build. Kernels that need Triton's own launcher (``launcher.fallback_reason``),
+  and launches made while a Triton launch hook is set, go through a
+  ``triton.compiler.CompiledKernel`` of the same files instead. On a miss the binary is
+  compiled first (under the key's lock) and stored, then loaded from the store like any
+  other.
 
 Counters: ``cache_hits`` when the kernel came from disk, ``cache_misses`` and
 ``compiles`` when this process had to write (interpreter) or compile (GPU) it,
@@ -14,8 +18,11 @@ Counters: ``cache_hits`` when the kernel came from disk, ``cache_misses`` and
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 
+from fuser.cache import launcher
 from fuser.cache.aot import compile_spec, import_kernel
 from fuser.cache.entries import ensure_binary, ensure_source
 from fuser.codegen.source import KernelSource
@@ -46,46 +53,78 @@ class JitKernel:
 
 
 class BinaryKernel:
-    """A stored binary loaded as Triton's ``CompiledKernel``, launched with no compilation.
+    """A stored binary, launched with no compilation.
 
-    The launch is what ``JITFunction.run`` does after its cache lookup: every parameter
-    in order (constexpr values included; the C launcher skips them) after the grid, the
-    stream, the function handle, the packed metadata and the launch hooks.
+    Launched by ``fuser.cache.launcher`` (``cuLaunchKernel`` through ctypes: nothing for
+    gcc to build) unless ``launcher.fallback_reason`` names something only Triton's launcher
+    does, libcuda cannot be loaded, or a Triton launch hook is set at launch time. Those
+    launches go through Triton's ``CompiledKernel`` (built on first need; Triton builds its
+    C launcher with gcc then), as ``JITFunction.run`` does after its cache lookup: every
+    parameter in order (constexpr values included; the C launcher skips them) after the
+    grid, the stream, the function handle, the packed metadata and the launch hooks.
     """
 
     def __init__(self, source: KernelSource, fn, binary, device_index: int):
+        import torch
         from triton import knobs
 
-        self._knobs = knobs
+        self._runtime_knobs = knobs.runtime
+        self._current_device = torch.cuda.current_device
         spec = compile_spec(source, fn.arg_names)
         self.source = source
         self.target = binary.target
         self.device_index = device_index
-        self.kernel = compiled_kernel(source, fn, binary)
+        self._fn, self._binary = fn, binary
+        self._compiled = None
         # Parameter order with each runtime argument's position, constexprs filled in.
         self._template = [spec.constexprs.get(n) for n in fn.arg_names]
         self._slots = [i for i, n in enumerate(fn.arg_names) if n not in spec.constexprs]
-        self._device_guard(self._load)
+        self.direct = None  # the launcher.CudaKernel, when launches go through it
+        metadata = json.loads((binary.folder / binary.metadata).read_bytes())
+        self.fallback = launcher.fallback_reason(metadata, [t for _, t in source.signature], knobs.runtime)
+        if self.fallback is None:
+            try:
+                driver = launcher.cuda_driver()
+            except OSError as e:
+                self.fallback = f"libcuda.so.1 cannot be loaded ({e})"
+        if self.fallback is None:
+            cubin = (binary.folder / binary.cubin).read_bytes()
+            self.direct = self._device_guard(launcher.CudaKernel, driver, cubin, metadata, source.signature,
+                                             device_index)  # fmt: skip
+        else:
+            logger.info("%s: Triton's launcher (%s)", source.entry, self.fallback)
+            self._device_guard(self._load)
+
+    @property
+    def kernel(self):
+        """Triton's ``CompiledKernel`` of the binary, built on first use."""
+        if self._compiled is None:
+            self._compiled = compiled_kernel(self.source, self._fn, self._binary)
+        return self._compiled
 
     def _load(self) -> None:
         self.kernel.run  # noqa: B018 - loads the cubin onto the current device, builds the launcher
 
     def _device_guard(self, fn, *args):
+        if self._current_device() == self.device_index:
+            return fn(*args)
         import torch
 
-        if torch.cuda.current_device() == self.device_index:
-            return fn(*args)
         with torch.cuda.device(self.device_index):
             return fn(*args)
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         if len(args) != len(self._slots):
             raise TypeError(f"{self.source.entry} takes {len(self._slots)} arguments, got {len(args)}")
-        self._device_guard(self._launch, grid, args)
+        direct = self.direct
+        if direct is not None and not launcher.launch_hooks_set(self._runtime_knobs):
+            self._device_guard(direct.launch, grid, args, current_stream(self.device_index))
+        else:
+            self._device_guard(self._launch, grid, args)
         stats.count("launches")
 
     def _launch(self, grid, args) -> None:
-        knobs = self._knobs
+        hooks = self._runtime_knobs
         full = list(self._template)
         for i, a in zip(self._slots, args):
             full[i] = a
@@ -95,14 +134,21 @@ class BinaryKernel:
         stream = current_stream(self.device_index)
         launch_metadata = k.launch_metadata(g[:3], stream, *full)
         run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, launch_metadata,
-            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)  # fmt: skip
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *full)  # fmt: skip
 
 
-def current_stream(device_index: int):
-    """The raw handle of the current CUDA stream of a device, as Triton's JIT passes it."""
-    from triton.runtime.driver import driver
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of a device, as Triton's JIT passes it
+    (from torch: Triton's ``driver.active`` would build its ``cuda_utils`` with gcc)."""
+    return _raw_stream()(device_index)
 
-    return driver.active.get_current_stream(device_index)
+
+@functools.cache
+def _raw_stream():
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def compiled_kernel(source: KernelSource, fn, binary):

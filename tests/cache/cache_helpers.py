@@ -91,3 +91,70 @@ def middle() -> KernelSource:
         num_stages=1,
         meta=(("rule", "scale_rule"), ("kind", "test"), ("dtypes", "fp32")),
     )
+
+
+MIXED = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mixed(ints, a1, A: tl.constexpr, a8, a16, a32, a64, u8, u32, u64, B: tl.constexpr, floats, f32, f64):
+    tl.store(ints + 0, a1.to(tl.int64))
+    tl.store(ints + 1, a8.to(tl.int64))
+    tl.store(ints + 2, a16.to(tl.int64))
+    tl.store(ints + 3, a32.to(tl.int64))
+    tl.store(ints + 4, a64)
+    tl.store(ints + 5, u8.to(tl.int64))
+    tl.store(ints + 6, u32.to(tl.int64))
+    tl.store(ints + 7, u64.to(tl.int64))
+    tl.store(ints + 8, A * 100 + B)
+    tl.store(floats + 0, f32.to(tl.float64))
+    tl.store(floats + 1, f64)
+"""
+
+MIXED_SIGNATURE = (
+    ("ints", "*i64"), ("a1", "i1"), ("a8", "i8"), ("a16", "i16"), ("a32", "i32"), ("a64", "i64"),
+    ("u8", "u8"), ("u32", "u32"), ("u64", "u64"), ("floats", "*fp64"), ("f32", "fp32"), ("f64", "fp64"),
+)  # fmt: skip
+
+
+def mixed() -> KernelSource:
+    """Every scalar type the ctypes launcher packs, constexprs between them; each value is
+    written back (integers to ``ints[0:9]`` as int64, floats to ``floats[0:2]`` as fp64)."""
+    return KernelSource(
+        text=MIXED,
+        entry="mixed",
+        signature=MIXED_SIGNATURE,
+        constexprs=(("A", 7), ("B", 3)),
+        num_warps=1,
+        num_stages=1,
+        meta=(("rule", "mixed_rule"), ("kind", "test"), ("dtypes", "mixed")),
+    )
+
+
+TRANSPOSE = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def transpose(x, out, N: tl.constexpr):
+    r = tl.arange(0, N)[:, None]
+    c = tl.arange(0, N)[None, :]
+    tl.store(out + r * N + c, tl.trans(tl.load(x + r * N + c)) * 2)
+"""
+
+
+def transpose(n: int = 128) -> KernelSource:
+    """out = 2 * x.T for one n x n fp32 matrix; at n = 128 the kernel takes 64 KiB of
+    shared memory (more than the 48 KiB a kernel gets without opting in)."""
+    return KernelSource(
+        text=TRANSPOSE,
+        entry="transpose",
+        signature=(("x", "*fp32"), ("out", "*fp32")),
+        constexprs=(("N", n),),
+        num_warps=4,
+        num_stages=1,
+        meta=(("rule", "transpose_rule"), ("kind", "test"), ("dtypes", "fp32")),
+    )

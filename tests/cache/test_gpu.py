@@ -1,5 +1,6 @@
-"""Decision 6 on a real GPU: stored binaries are loaded as ``CompiledKernel`` and launched
-with no compilation; a miss compiles once, stores, and loads from the store."""
+"""Decision 6 on a real GPU: stored binaries are loaded and launched with no compilation
+(through ``fuser.cache.launcher``: see test_gpu_launcher.py); a miss compiles once,
+stores, and loads from the store."""
 
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from fuser.cache import load_kernel
 from cache_helpers import axpy
 k = load_kernel(axpy(), "cuda")
 assert type(k).__name__ == "BinaryKernel", type(k)
+assert k.direct is not None, k.fallback  # launched by fuser.cache.launcher
 for n, offset in ((1000, 0), (1, 0), (4099, 1), (129, 3)):
     # offset: pointers that are not 16-byte aligned; n == 1: an integer Triton's JIT would specialize
     x = torch.randn(n + offset, device="cuda")[offset:]

@@ -1,5 +1,6 @@
 """Loading kernels: the interpreter path on CPU, and Triton's CompiledKernel built from
-stored files (its launch needs a GPU: see test_gpu.py)."""
+stored files (its launch needs a GPU: see test_gpu.py; fuser's own ctypes launcher:
+test_launcher.py)."""
 
 import json
 import subprocess
@@ -116,6 +117,7 @@ def test_binary_kernel_launches_like_the_jit(cache_root, monkeypatch):
     path, _ = ensure_source(source)
     fn = import_kernel(source, path, interpret=False)
     binary, _ = ensure_binary(source, "cuda:90", path)
+    monkeypatch.setenv("FUSER_TRITON_LAUNCHER", "1")  # on a GPU host the ctypes launcher would take it
     fake = _FakeCompiled()
     monkeypatch.setattr(loader, "compiled_kernel", lambda *a: fake)
     monkeypatch.setattr(loader.BinaryKernel, "_device_guard", lambda self, f, *a: f(*a))
