@@ -36,7 +36,7 @@ bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary 
 	$(PYTHON) benchmarks/optim_bench.py llama1b small1000 lamb
 	$(PYTHON) benchmarks/loss_bench.py
 	$(PYTHON) benchmarks/scaling.py
-	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled-launcher torch-fused
+	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
 	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/loss_$(DATE).json \
 		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
 

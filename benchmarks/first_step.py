@@ -165,6 +165,8 @@ def markdown(report: dict) -> str:
         took = statistics.median(pre)
         cmd = f"fuser precompile --builtins --dtype {report['dtype']}"
         lines += ["", f"`{cmd}` with no GPU visible: {took:.1f} s."]
+    if report.get("command"):
+        lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -189,7 +191,8 @@ def main() -> None:
     major, minor = torch.cuda.get_device_capability()
     target = f"cuda:{major}{minor}"
     report = {
-        "benchmark": "first_step", "workload": args.workload, "dtype": args.dtype, "repeats": args.repeats,
+        "benchmark": "first_step", "command": " ".join(["python", *sys.argv]),
+        "workload": args.workload, "dtype": args.dtype, "repeats": args.repeats,
         "environment": {"gpu": torch.cuda.get_device_name(), "target": target, "torch": torch.__version__,
                         "triton": triton.__version__, "fuser": fuser.__version__,
                         "python": sys.version.split()[0],

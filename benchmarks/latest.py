@@ -19,7 +19,11 @@ import json
 import os
 
 WALL_WORKLOADS = {"adamw_fp32_small1000"}
-FIRST_STEP = {"fuser-cold": "first_step_cold", "fuser-warm": "first_step_warm"}
+FIRST_STEP = {
+    "fuser-cold": "first_step_cold",
+    "fuser-warm": "first_step_warm",
+    "fuser-precompiled": "first_step_precompiled",
+}
 
 
 def optim_rows(doc: dict, source: str) -> list[dict]:
