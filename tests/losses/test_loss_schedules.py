@@ -144,8 +144,8 @@ def test_auto_schedule_at_the_benchmark_shapes():
     assert choose_schedule(100, 64, 1000, 2, chunk=50, main_grad=True, weight_fp32=False) == "whole"
     assert choose_schedule(100, 64, 1000, 2, chunk=50, main_grad=False, weight_fp32=False) == "whole"
     # every token in one chunk: the row kernel's single launch, whatever the memory rule says
-    for main_grad in (False, True):
-        assert choose_schedule(100, 64, 1000, 2, chunk=100, main_grad=main_grad, weight_fp32=False) == "chunks"
+    for mg in (False, True):
+        assert choose_schedule(100, 64, 1000, 2, chunk=100, main_grad=mg, weight_fp32=False) == "chunks"
 
 
 @pytest.mark.parametrize("t, h, v", [GIST, LLAMA8B, (4096, 8192, 256000), (37, 24, 211)])
