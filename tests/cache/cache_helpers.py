@@ -158,3 +158,20 @@ def transpose(n: int = 128) -> KernelSource:
         num_stages=1,
         meta=(("rule", "transpose_rule"), ("kind", "test"), ("dtypes", "fp32")),
     )
+
+
+class FakeCompiled:
+    """Stands in for a loaded CompiledKernel: records what the launcher is called with."""
+
+    function = object()
+    packed_metadata = (2, 1, 0)
+
+    def __init__(self):
+        self.calls = []
+
+    @property
+    def run(self):
+        return lambda *a: self.calls.append(a)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("meta", grid, stream, len(args))

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from cache_helpers import axpy, middle, mixed, transpose
+from cache_helpers import FakeCompiled, axpy, middle, mixed, transpose
 
 import fuser
 from fuser.cache import launcher, loader
@@ -357,27 +357,12 @@ def test_cuda_errors_are_named(cache_root):
         kernel.launch((5,), (x, x, x, 1, 1.0), stream=0)
 
 
-class _FakeCompiled:
-    function = object()
-    packed_metadata = (4, 1, 0)
-
-    def __init__(self):
-        self.calls = []
-
-    @property
-    def run(self):
-        return lambda *a: self.calls.append(a)
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-
 def _binary_kernel(monkeypatch, source, lib):
     """A ``BinaryKernel`` on a stand-in libcuda (and a stand-in for Triton's launcher)."""
     path, _ = ensure_source(source)
     fn = import_kernel(source, path, interpret=False)
     binary, _ = ensure_binary(source, "cuda:90", path)
-    fake = _FakeCompiled()
+    fake = FakeCompiled()
     monkeypatch.setattr(loader, "compiled_kernel", lambda *a: fake)
     monkeypatch.setattr(loader.BinaryKernel, "_device_guard", lambda self, f, *a: f(*a))
     monkeypatch.setattr(loader, "current_stream", lambda index: 0x500 + index)

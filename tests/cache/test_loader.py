@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from cache_helpers import axpy, middle
+from cache_helpers import FakeCompiled, axpy, middle
 
 import fuser
 from fuser.cache import load_kernel, precompile
@@ -89,23 +89,6 @@ def test_compile_spec_checks_the_declared_signature():
         compile_spec(source, ["x", "y", "out", "n", "BLOCK"])
 
 
-class _FakeCompiled:
-    """Stands in for a loaded CompiledKernel: records what the launcher is called with."""
-
-    function = object()
-    packed_metadata = (2, 1, 0)
-
-    def __init__(self):
-        self.calls = []
-
-    @property
-    def run(self):
-        return lambda *a: self.calls.append(a)
-
-    def launch_metadata(self, grid, stream, *args):
-        return ("meta", grid, stream, len(args))
-
-
 def test_binary_kernel_launches_like_the_jit(cache_root, monkeypatch):
     """The call ``JITFunction.run`` makes: grid x, y, z, stream, function, packed metadata,
     launch metadata, the two hooks, then every parameter in order, constexprs included."""
@@ -118,7 +101,7 @@ def test_binary_kernel_launches_like_the_jit(cache_root, monkeypatch):
     fn = import_kernel(source, path, interpret=False)
     binary, _ = ensure_binary(source, "cuda:90", path)
     monkeypatch.setenv("FUSER_TRITON_LAUNCHER", "1")  # on a GPU host the ctypes launcher would take it
-    fake = _FakeCompiled()
+    fake = FakeCompiled()
     monkeypatch.setattr(loader, "compiled_kernel", lambda *a: fake)
     monkeypatch.setattr(loader.BinaryKernel, "_device_guard", lambda self, f, *a: f(*a))
     monkeypatch.setattr(loader, "current_stream", lambda index: 1000 + index)
