@@ -20,6 +20,7 @@ import operator
 import os
 import sys
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 
@@ -262,6 +263,34 @@ class _ParamState(dict):
     update = _marking("update")
 
 
+class _StateTable(defaultdict):
+    """``optimizer.state`` once a step has read it: torch's ``defaultdict(dict)`` that notes
+    which dict each parameter maps to changing (``optimizer.state[p] = {...}``, ``del``,
+    ``clear``, a first read of a new parameter's entry), as ``_ParamState`` notes changes
+    inside one, so the step need not look each parameter up. Pickled and copied as a plain
+    ``defaultdict``."""
+
+    def __init__(self, table, flag: _Flag):
+        super().__init__(dict, table)
+        self._flag = flag
+
+    def __reduce__(self):
+        return (defaultdict, (self.default_factory,), None, None, iter(self.items()))
+
+    def copy(self):
+        return defaultdict(self.default_factory, self)
+
+    __copy__ = copy
+    __setitem__ = _marking("__setitem__")
+    __delitem__ = _marking("__delitem__")
+    __ior__ = _marking("__ior__")
+    clear = _marking("clear")
+    pop = _marking("pop")
+    popitem = _marking("popitem")
+    setdefault = _marking("setdefault")
+    update = _marking("update")
+
+
 @dataclass
 class _Snapshot:
     """What the last step read, kept so the next one can tell "nothing changed" from a few
@@ -278,12 +307,13 @@ class _Snapshot:
     has_grad: list  # per parameter: bool
     every_grad: bool  # all of has_grad
     param_ptrs: list  # data_ptr() of each parameter that has a gradient (its local shard's)
-    param_layouts: list  # (stride(), numel()) of each of those parameters (local shards)
+    param_strides: list  # stride() of each of those parameters (local shards)
+    param_numels: list  # numel() of each of those parameters (local shards)
     grad_strides: list  # stride() of each of those gradients (local shards)
     grad_kinds: list | None  # (dtype, device) of each gradient where torch does not check them
     grad_layouts: list | None  # DTensor (placements, mesh) of each of those gradients; None: no DTensor
-    states: list  # optimizer.state[p] of each of those parameters (a _ParamState)
-    flag: _Flag  # set by any assignment to one of those states
+    table: _StateTable  # optimizer.state (a new one, from load_state_dict say, is seen)
+    flag: _Flag  # set by any assignment to the table or to one of its states
     grads_by_kind: list  # gradients grouped by (device, dtype), for zero_grad of a static optimizer
 
 
@@ -441,7 +471,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         """True when the tables still describe what the step would gather, refreshing the
         gradient column where only gradients moved; False sends the step to ``_gather``."""
         groups = self.param_groups
-        if snap.flag.dirty or len(groups) != len(snap.groups):
+        if snap.flag.dirty or self.state is not snap.table or len(groups) != len(snap.groups):
             return False
         for group, (params, n) in zip(groups, snap.groups):
             if group["params"] is not params or len(params) != n:
@@ -470,7 +500,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 present = list(map(local, present))
             if snap.grad_kinds is not None and (
                 list(map(_kind, present)) != snap.grad_kinds
-                or list(map(_numel, present)) != [n for _, n in snap.param_layouts]
+                or list(map(_numel, present)) != snap.param_numels
             ):
                 return False
             try:
@@ -487,10 +517,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
         if list(map(_data_ptr, locals_)) != snap.param_ptrs:
             return False
-        if list(zip(map(_stride, locals_), map(_numel, locals_))) != snap.param_layouts:
-            return False  # same storage, another view of it (p.data = p.data.t())
-        # A state dict replaced (optimizer.state[p] = {...}); assignments inside one set the flag.
-        return all(map(operator.is_, map(self.state.get, present_params), snap.states))
+        # Same storage, another view of it (p.data = p.data.t()). States replaced, or
+        # assigned into, set the flag.
+        return (
+            list(map(_stride, locals_)) == snap.param_strides
+            and list(map(_numel, locals_)) == snap.param_numels
+        )
 
     def _snapshot(self, items) -> _Snapshot | None:
         """The ``_Snapshot`` of a step that gathered ``items`` (after ``_gather`` stored any
@@ -503,7 +535,10 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         if len(present) != len(items) or any(p is not q for (p, _), (q, _, _) in zip(present, items)):
             return None
         flag = _Flag()
-        states = []
+        if type(self.state) is _StateTable:
+            self.state._flag = flag
+        else:
+            self.state = _StateTable(self.state, flag)
         for p, _ in present:
             st = self.state.get(p)
             if st is None:
@@ -512,7 +547,6 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 st = _ParamState(st)
                 self.state[p] = st
             st._flag = flag
-            states.append(st)
         flag.dirty = False
         by_kind: dict = {}
         if self.options.static:  # held only where the caller promised they stay
@@ -526,11 +560,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             has_grad=[g is not None for g in grads],
             every_grad=len(present) == len(params),
             param_ptrs=[local(p).data_ptr() for p, _ in present],
-            param_layouts=[(local(p).stride(), local(p).numel()) for p, _ in present],
+            param_strides=[local(p).stride() for p, _ in present],
+            param_numels=[local(p).numel() for p, _ in present],
             grad_strides=[local(g).stride() for _, g in present],
             grad_kinds=None if attr == "grad" else [_kind(g) for _, g in present],
             grad_layouts=[distributed.layout(g) for _, g in present] if dtensors else None,
-            states=states,
+            table=self.state,
             flag=flag,
             grads_by_kind=list(by_kind.values()),
         )

@@ -2,6 +2,7 @@
 steps is seen (against torch.optim.AdamW doing the same), without holding gradients alive;
 ``static=True`` skips the check and keeps its promises (in-place zero_grad, refresh())."""
 
+import copy
 import gc
 import io
 import pickle
@@ -240,3 +241,39 @@ def test_a_main_grad_of_another_dtype_is_seen(device):
     for p, s, g1 in zip(params, start, first):
         want = s - 0.1 * g1 - 0.1 * p.main_grad.double()
         assert rel_err(p.detach(), want) < 1e-6
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_replaced_or_dropped_state_dict_is_seen(device, static):
+    ours, opt, theirs, ref = pair(device, static=static)
+    step_both(ours, opt, theirs, ref, in_place=static)
+    # A parameter's whole state replaced (as by hand from another run), another's dropped
+    # (a fresh start for it: its step count and moments begin again).
+    half = {k: v * 0.5 if k != "step" else v.clone() for k, v in ref.state[theirs[1]].items()}
+    opt.state[ours[1]] = {k: v.clone() for k, v in half.items()}
+    ref.state[theirs[1]] = half
+    del opt.state[ours[3]]
+    del ref.state[theirs[3]]
+    step_both(ours, opt, theirs, ref, in_place=static)
+    assert_same(ours, opt, theirs, ref)
+    # A new table altogether (torch's load_state_dict and __setstate__ assign one).
+    opt.state = type(ref.state)(dict, {p: dict(opt.state[p]) for p in ours})
+    step_both(ours, opt, theirs, ref, in_place=static)
+    assert_same(ours, opt, theirs, ref)
+
+
+def test_the_state_table_copies_and_pickles_as_torchs(device):
+    ours, opt, theirs, ref = pair(device)
+    step_both(ours, opt, theirs, ref)
+    for copied in (opt.state.copy(), copy.copy(opt.state)):
+        assert type(copied) is type(ref.state) and copied.default_factory is dict
+        assert set(copied) == set(opt.state)
+    deep = copy.deepcopy(opt.state)
+    assert type(deep) is type(ref.state) and len(deep) == len(ours)
+    for p, q in zip(opt.state.values(), deep.values()):
+        assert torch.equal(p["exp_avg"], q["exp_avg"]) and p["exp_avg"] is not q["exp_avg"]
+    restored = pickle.loads(pickle.dumps(opt.state))
+    assert type(restored) is type(ref.state) and len(restored) == len(ours)
+    # Reading the entry of a parameter that has none creates it, as torch's table does.
+    extra = torch.nn.Parameter(torch.randn(3, device=device))
+    assert opt.state[extra] == {} and extra in opt.state
