@@ -103,7 +103,10 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
         # Online logsumexp per lane: each lane keeps a running max and the sum of
         # exp(a - max), rescaled when its max grows, so one sweep suffices, nothing
         # overflows, and the loop carries no cross-lane reduction (the lanes are combined
-        # once at the end). A lane that has seen only masked columns holds max -inf and
+        # once at the end). One exponential per element: of exp(lm - max) and exp(a - max)
+        # one is 1, so only the other is taken (ex), and the sum becomes ls * ex + 1 when a
+        # is the new max, ls + ex otherwise (a NaN logit takes the second branch: exp(NaN)
+        # makes the sum NaN). A lane that has seen only masked columns holds max -inf and
         # sum 0; ``s`` stands in 0 for its max so that no -inf - -inf appears.
         return (
             [
@@ -114,7 +117,9 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
                 f'a{i} = tl.where(mask, {arg}, float("-inf"))',
                 f"nm{i} = tl.maximum(lm{i}, a{i})",
                 f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
-                f"ls{i} = ls{i} * tl.exp(lm{i} - sm{i}) + tl.exp(a{i} - sm{i})",
+                f"up{i} = a{i} > lm{i}",
+                f"ex{i} = tl.exp(tl.where(up{i}, lm{i}, a{i}) - sm{i})",
+                f"ls{i} = tl.where(up{i}, ls{i} * ex{i} + 1.0, ls{i} + ex{i})",
                 f"lm{i} = nm{i}",
             ],
             [

@@ -451,3 +451,39 @@ def test_second_backward_through_the_eager_schedule_says_why():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):
         loss.backward()
+
+
+@pytest.mark.parametrize("schedule", ["chunks", "whole", "vocab"])
+def test_online_logsumexp_on_rows_that_keep_raising_their_max(schedule):
+    """Logits given directly (an identity weight): rows whose maximum rises at every column,
+    falls from the first, spans +-80 (exp of it overflows fp32 unless shifted), is constant,
+    or is random; per-token loss and grad_hidden against float64, every schedule, with a
+    block that leaves a masked tail on each row. A NaN logit makes its own row's loss NaN."""
+    v = 211
+    g = torch.Generator().manual_seed(torch.seed())
+    z = torch.stack(
+        [
+            torch.linspace(-80.0, 80.0, v),
+            torch.linspace(80.0, -80.0, v),
+            torch.linspace(-80.0, 80.0, v)[torch.randperm(v, generator=g)],
+            torch.full((v,), 3.25),
+            torch.randn(v, generator=g) * 30.0,
+            torch.rand(v, generator=g) * 0.1 - 5.0,
+        ]
+    )
+    target = torch.randint(0, v, (z.shape[0],), generator=g)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=schedule, block=64, chunk_size=4)
+    x = z.clone().requires_grad_()
+    loss = f(x, torch.eye(v), target, reduction="none")
+    grad_out = torch.rand(z.shape[0], generator=g) + 0.5
+    (loss * grad_out).sum().backward()
+    ref = z.double().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(ref, target, reduction="none")
+    (ref_loss * grad_out.double()).sum().backward()
+    assert_close(loss, ref_loss.detach(), 1e-5, "loss")
+    assert_close(x.grad, ref.grad, 1e-5, "grad hidden")
+
+    z[4, 17] = float("nan")
+    x = z.clone().requires_grad_()
+    loss = f(x, torch.eye(v), target, reduction="none")
+    assert torch.isnan(loss[4]) and torch.isfinite(loss[torch.arange(z.shape[0]) != 4]).all()
