@@ -9,7 +9,10 @@ process on this GPU; each is checked against a float64 reference (the loss; `gra
 on a slice of vocabulary rows and `grad_hidden` on a slice of tokens, from the whole batch).
 
     python benchmarks/loss_bench.py [gist llama8b] [--out DIR] [--sweep] [--schedules chunks whole vocab]
-                                    [--tag _v3]
+                                    [--tag _v3] [--no-compile]
+
+Anchors: torch's `F.linear_cross_entropy` where torch has it, Liger and CCE where installed,
+and `torch.compile` of the full-logits loss (ANCHORS.md's; `--no-compile` leaves it out).
 
 `--sweep` also times a few (chunk, block, warps) settings of fuser's kernel, to pick the
 defaults; `--schedules` times fuser with each schedule forced (`auto` picks one by memory).
@@ -122,7 +125,7 @@ def measure(name, fn, x, w, y, ref, cfg, main_grad=False):
     return row
 
 
-def run(cfg, sweep, rows_out, schedules=()):
+def run(cfg, sweep, rows_out, schedules=(), compile_anchor=True):
     t, h, v = CONFIGS[cfg]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -178,6 +181,10 @@ def run(cfg, sweep, rows_out, schedules=()):
         cce = None
     if cce is not None:
         guarded("CCE (cce)", lambda x, w, y: cce(x, w, y, impl="cce"))
+    if compile_anchor:
+        # ANCHORS.md's torch.compile row: full bf16 logits, cross-entropy in fp32.
+        compiled = torch.compile(lambda x, w, y: F.cross_entropy((x @ w.t()).float(), y))
+        guarded("torch.compile (full logits)", compiled)
     for schedule in schedules:
         f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=schedule)
         guarded(f"fuser schedule={schedule}", f)
@@ -198,7 +205,10 @@ def main(argv=None):
     ap.add_argument("--schedules", nargs="*", default=[], choices=["chunks", "whole", "vocab"],
                     help="also time fuser with each of these schedules forced")  # fmt: skip
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile anchor")
     args = ap.parse_args(argv)
+    if not args.no_compile:
+        torch._dynamo.config.cache_size_limit = 64
     meta = dict(
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
@@ -209,7 +219,7 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     rows = []
     for cfg in args.configs:
-        run(cfg, args.sweep, rows, args.schedules)
+        run(cfg, args.sweep, rows, args.schedules, not args.no_compile)
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
     stem = f"loss_{date}{args.tag}"

@@ -7,9 +7,11 @@ built-in beside pytorch-optimizer's `Lamb` when installed. Every implementation 
 this process on this GPU; AdamW is first checked against torch's fused AdamW on the same
 inputs, LAMB against a float64 reference of the paper's rule.
 
-    python benchmarks/optim_bench.py [--out DIR] [llama1b small1000 lamb]
+    python benchmarks/optim_bench.py [--out DIR] [--tag _v2] [--compile] [llama1b small1000 lamb]
 
-Writes `optim_<date>.json` and `.md` under --out (default benchmarks/results).
+`--compile` adds `torch.compile(AdamW.step)` to the llama1b workloads (ANCHORS.md's fastest
+torch anchor there; its compile takes about a minute per dtype). Writes
+`optim_<date><tag>.json` and `.md` under --out (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -103,6 +105,18 @@ IMPLS = {
 }
 
 
+class CompiledAdamW:
+    """``torch.compile(torch.optim.AdamW.step)`` with a tensor learning rate, as ANCHORS.md
+    times it (so a scheduler would not recompile). Its first step is the compile."""
+
+    def __init__(self, ps):
+        self.opt = torch.optim.AdamW(ps, lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.01)
+        self.step = torch.compile(self.opt.step)
+
+
+COMPILED = {"torch.compile(AdamW.step)": lambda ps, bf16: CompiledAdamW(ps)}
+
+
 def check(shapes, dtype, bf16):
     """fuser vs torch fused after 3 steps on identical inputs: relative error of params."""
     small = shapes[:12]
@@ -183,7 +197,7 @@ def run_lamb(shapes, bw, rows):
         torch.cuda.empty_cache()
 
 
-def run(workload, shapes, dtype, bw, rows):
+def run(workload, shapes, dtype, bw, rows, impls=IMPLS):
     bf16 = dtype == torch.bfloat16
     n = sum(torch.Size(s).numel() for s in shapes)
     floor_ms = n * (14 if bf16 else 28) / (bw * 1e12) * 1e3
@@ -193,7 +207,7 @@ def run(workload, shapes, dtype, bw, rows):
         f"fuser vs torch fused rel err {err:.2e}",
         flush=True,
     )
-    for name, build in IMPLS.items():
+    for name, build in impls.items():
         ps = make(shapes, dtype, 0)
         opt = build(ps, bf16)
         t0 = time.perf_counter()
@@ -225,12 +239,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("workloads", nargs="*", default=["llama1b", "small1000"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(AdamW.step) on llama1b")
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     rows = []
     if "llama1b" in args.workloads:
-        run("adamw_fp32_llama1b", llama1b_shapes(), torch.float32, bw, rows)
-        run("adamw_bf16_llama1b", llama1b_shapes(), torch.bfloat16, bw, rows)
+        impls = {**IMPLS, **COMPILED} if args.compile else IMPLS
+        if args.compile:
+            torch._dynamo.config.cache_size_limit = 64
+        run("adamw_fp32_llama1b", llama1b_shapes(), torch.float32, bw, rows, impls)
+        run("adamw_bf16_llama1b", llama1b_shapes(), torch.bfloat16, bw, rows, impls)
     if "small1000" in args.workloads:
         run("adamw_fp32_small1000", [(4096,)] * 1000, torch.float32, bw, rows)
     if "lamb" in args.workloads:
@@ -245,7 +264,7 @@ def main(argv=None):
         command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
     )
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"optim_{date}.json"), "w") as f:
+    with open(os.path.join(args.out, f"optim_{date}{args.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [
         f"# AdamW step, {meta['device']}, {date}",
@@ -261,7 +280,7 @@ def main(argv=None):
         f"{r.get('first_step_s', '')} |"
         for r in rows
     ]
-    with open(os.path.join(args.out, f"optim_{date}.md"), "w") as f:
+    with open(os.path.join(args.out, f"optim_{date}{args.tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
