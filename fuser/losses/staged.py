@@ -89,6 +89,9 @@ class Staged(Chunked):
         """Every sweep over ``logits`` (this rank's columns of ``target``'s rows) into ``r``,
         then the loss into ``loss``."""
         n, vocab = logits.shape
+        if self.world == 1 and self.col_offset == 0:
+            self._reduce_alone(logits, target, loss, r, parts)
+            return
         yl = target - self.col_offset
         mine = (yl >= 0) & (yl < vocab) & (target != self.ignore_index)
         # z[y] where this rank holds the target's column, 0 elsewhere.
@@ -113,6 +116,24 @@ class Staged(Chunked):
                 r[:, 0] = gathered[:, :, -1].sum(0)
             self._combine(k, gathered, r)
         self.kernels[-1]((n,), *args, 0, r, r, self.col_offset, self._total(vocab))
+
+    def _reduce_alone(self, logits, target, loss, r, parts) -> None:
+        """``_reduce`` on one device, in a few launches: each sweep's values are already the
+        row's, so they are copied into ``r`` rather than combined, and ``z[y]`` is read for
+        every row (the kernels ignore it where the target is ignored or out of range)."""
+        n, vocab = logits.shape
+        if vocab:
+            r[:, 0] = logits.gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
+        else:
+            r[:, 0] = 0.0
+        args = self._args(logits, target, loss, loss, 0)
+        for k, cols in enumerate(self.layout.part_cols):
+            part = parts[k][:n]
+            self.kernels[k]((n,), *args, 0, r, part, 0, vocab)
+            for i, op, c in cols:  # a max's argmax column follows its value
+                rc, width = self.layout.red_cols[i], 2 if op == "max" else 1
+                r[:, rc : rc + width] = part[:, c : c + width]
+        self.kernels[-1]((n,), *args, 0, r, r, 0, vocab)
 
     def _differentiate(self, logits, target, loss, r, scale, col_offset: int, total: int) -> None:
         """Overwrite ``logits`` (columns ``[col_offset, ...)`` of the vocabulary) with
