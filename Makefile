@@ -33,7 +33,7 @@ DATE := $(shell date +%F)
 RESULTS := benchmarks/results
 
 bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary in latest.json
-	$(PYTHON) benchmarks/optim_bench.py llama1b small1000 lamb
+	$(PYTHON) benchmarks/optim_bench.py llama1b small1000 lamb --compile
 	$(PYTHON) benchmarks/loss_bench.py
 	$(PYTHON) benchmarks/scaling.py
 	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
