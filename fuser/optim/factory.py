@@ -243,16 +243,10 @@ def _marking(name: str):
     return method
 
 
-class _ParamState(dict):
-    """``optimizer.state[p]`` once a step has read it: a dict that notes any assignment
-    (``state[p]["exp_avg"] = t``), so the next step re-reads the states only after one.
-    Pickled and copied as a plain dict."""
+class _Marked:
+    """Mixed into a dict: every method that changes it sets ``self._flag.dirty``."""
 
-    __slots__ = ("_flag",)
-
-    def __reduce__(self):
-        return (dict, (dict(self),))
-
+    __slots__ = ()
     __setitem__ = _marking("__setitem__")
     __delitem__ = _marking("__delitem__")
     __ior__ = _marking("__ior__")
@@ -263,7 +257,18 @@ class _ParamState(dict):
     update = _marking("update")
 
 
-class _StateTable(defaultdict):
+class _ParamState(_Marked, dict):
+    """``optimizer.state[p]`` once a step has read it: a dict that notes any assignment
+    (``state[p]["exp_avg"] = t``), so the next step re-reads the states only after one.
+    Pickled and copied as a plain dict."""
+
+    __slots__ = ("_flag",)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+class _StateTable(_Marked, defaultdict):
     """``optimizer.state`` once a step has read it: torch's ``defaultdict(dict)`` that notes
     which dict each parameter maps to changing (``optimizer.state[p] = {...}``, ``del``,
     ``clear``, a first read of a new parameter's entry), as ``_ParamState`` notes changes
@@ -281,14 +286,6 @@ class _StateTable(defaultdict):
         return defaultdict(self.default_factory, self)
 
     __copy__ = copy
-    __setitem__ = _marking("__setitem__")
-    __delitem__ = _marking("__delitem__")
-    __ior__ = _marking("__ior__")
-    clear = _marking("clear")
-    pop = _marking("pop")
-    popitem = _marking("popitem")
-    setdefault = _marking("setdefault")
-    update = _marking("update")
 
 
 @dataclass

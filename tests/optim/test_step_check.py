@@ -274,6 +274,13 @@ def test_the_state_table_copies_and_pickles_as_torchs(device):
         assert torch.equal(p["exp_avg"], q["exp_avg"]) and p["exp_avg"] is not q["exp_avg"]
     restored = pickle.loads(pickle.dumps(opt.state))
     assert type(restored) is type(ref.state) and len(restored) == len(ours)
-    # Reading the entry of a parameter that has none creates it, as torch's table does.
+    # Reading the entry of a parameter that has none creates it, as torch's table does,
+    # and the next step takes the full check.
     extra = torch.nn.Parameter(torch.randn(3, device=device))
     assert opt.state[extra] == {} and extra in opt.state
+    before = fuser.stats()["full_checks"]
+    step_both(ours, opt, theirs, ref)
+    assert fuser.stats()["full_checks"] == before + 1
+    step_both(ours, opt, theirs, ref)
+    assert fuser.stats()["full_checks"] == before + 1
+    assert_same(ours, opt, theirs, ref)
