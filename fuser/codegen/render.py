@@ -22,7 +22,6 @@ TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
 
 # Every phase kernel of an optimizer takes these runtime arguments, in this order.
 OPTIM_SIGNATURE = (
-    ("ptrs", "*i64"),
     ("numels", "*i64"),
     ("groups", "*i32"),
     ("block_tensor", "*i32"),

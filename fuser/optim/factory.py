@@ -616,7 +616,6 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 grad_scale, found_inf = self._amp_tensors(device)
                 launch.kernels[phase](
                     (t.n_blocks,),
-                    t.ptrs,
                     t.numels,
                     t.groups,
                     t.block_tensor,
