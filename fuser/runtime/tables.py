@@ -71,27 +71,28 @@ def build_tables(
     first = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
     stats.count("table_builds")
-    sizes = torch.tensor([t.element_size() for t in rows[0]] if rows else [], dtype=torch.int64)
-    tables = Tables(
+    sizes = [t.element_size() for t in rows[0]] if rows else []
+    # A row per program (half a million for 1 B parameters), made here and copied once: on
+    # the device it would load several of torch's kernels into a first step.
+    owner = block_tensor.long()
+    block_ptrs = torch.empty(total, len(sizes) + 1, dtype=torch.int64)
+    for slot, size in enumerate(sizes):
+        block_ptrs[:, slot] = ptrs[owner, slot] + block_start * size
+    block_ptrs[:, len(sizes)] = (numels[owner] - block_start).clamp(min=0, max=block)
+    return Tables(
         ptrs=ptrs.to(device),
         numels=torch.stack([numels, logical]).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
-        block_ptrs=torch.empty(total, len(sizes) + 1, dtype=torch.int64, device=device),
-        slot_sizes=sizes.to(device),
+        block_ptrs=block_ptrs.to(device),
+        slot_sizes=torch.tensor(sizes, dtype=torch.int64).to(device),
         tensor_first_block=first.to(torch.int32).to(device),
         tensor_blocks=counts.to(torch.int32).to(device),
         counters=torch.zeros(n + 2, dtype=torch.int32, device=device),
         n_tensors=n,
         n_blocks=total,
     )
-    # Built on the device: a block row per program (half a million for 1 B parameters).
-    for slot in range(len(sizes)):
-        tables.block_ptrs[:, slot] = _block_addresses(tables.ptrs[:, slot], tables, tables.slot_sizes[slot])
-    here = torch.index_select(tables.numels[0], 0, tables.block_tensor) - tables.block_start
-    tables.block_ptrs[:, len(sizes)] = here.clamp(min=0, max=block)
-    return tables
 
 
 def check_layout(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
