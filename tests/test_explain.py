@@ -273,7 +273,7 @@ def test_html_falls_back_to_escaped_pre_without_pygments(monkeypatch):
     monkeypatch.setitem(sys.modules, "pygments", None)
     page = html_of(fuser.compile(ADAMW))
     assert "<pre>" in page and 'style="color:' not in page
-    assert "lane &lt; n_here" in page and "lane < n_here" not in page
+    assert "offs &lt; n" in page and "offs < n" not in page
 
 
 # RuleError in a notebook -------------------------------------------------------------

@@ -22,11 +22,11 @@ TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
 
 # Every phase kernel of an optimizer takes these runtime arguments, in this order.
 OPTIM_SIGNATURE = (
+    ("ptrs", "*i64"),
     ("numels", "*i64"),
     ("groups", "*i32"),
     ("block_tensor", "*i32"),
     ("block_start", "*i64"),
-    ("block_ptrs", "*i64"),
     ("tensor_first_block", "*i32"),
     ("tensor_blocks", "*i32"),
     ("hyper", "*fp64"),
@@ -170,7 +170,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     used_slots = [(j, sl) for j, sl in enumerate(plan.slots) if sl.name in read or sl.name in written]
     pointers = []
     for j, sl in used_slots:
-        pointers.append(f"{sl.name}_raw = tl.load(block_ptrs + pid * {len(plan.slots) + 1} + {j})")
+        pointers.append(f"{sl.name}_raw = tl.load(ptrs + t * {len(plan.slots)} + {j})")
         pointers.append(f"{sl.name}_ptr = {sl.name}_raw.to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
     aligned = " | ".join(f"{sl.name}_raw" for _, sl in used_slots) or "0"
 
@@ -183,7 +183,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             if sl.name in read:
                 scale = " * inv_scale" if sl.role == "grad" else ""
                 how = "" if fast else ", mask=mask, other=0.0"
-                lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + lane{how}).to(tl.float32){scale}")
+                lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
         lines += [f"{s.name} = {p32.doprint_expr(e)}" for s, e in phase.body]
         return lines
 
@@ -205,8 +205,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
                 sr_lines.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
                 rnd = f"rnd_{n}"
             value = store_cast(p32.doprint_expr(e), dtype, rnd)
-            fast_lines.append(f"tl.store({n}_ptr + lane, {value})")
-            masked_lines.append(f"tl.store({n}_ptr + lane, {value}, mask=smask)")
+            fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
+            masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
         fast_lines[len(fast_lines) - len(phase.stores) : len(fast_lines) - len(phase.stores)] = sr_lines
         masked_lines[len(masked_lines) - len(phase.stores) : len(masked_lines) - len(phase.stores)] = sr_lines
         # The last program advances step and scalar states for RBLOCK tensors at a time.
@@ -298,7 +298,6 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             prologue=prologue,
             casts=casts,
             pointers=pointers,
-            n_slots=len(plan.slots),
             aligned=aligned,
             fast_lines=fast_lines,
             masked_lines=masked_lines,

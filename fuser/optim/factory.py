@@ -203,7 +203,7 @@ class _Launch:
     red: torch.Tensor  # fp32 [n_tensors, n_reductions]: per-tensor reduction results
     partials: torch.Tensor  # fp32 [n_blocks, n_reductions]
     members: list[int]  # index in the step's parameter list of each table row
-    grad_column: int  # column of the gradient in ``tables.ptrs`` and ``tables.block_ptrs``
+    grad_column: int  # column of the gradient in ``tables.ptrs``
     part: int  # row of this launch in its device's global-reduction table
 
 
@@ -572,7 +572,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         eng = self._fuser
         for launch in eng.launches:
             column = torch.tensor([grad_ptrs[i] for i in launch.members], dtype=torch.int64)
-            launch.tables.set_column(launch.grad_column, column)
+            launch.tables.ptrs[:, launch.grad_column].copy_(column)
         eng.grad_ptrs = grad_ptrs
 
     def _fuser_step(self):
@@ -616,11 +616,11 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 grad_scale, found_inf = self._amp_tensors(device)
                 launch.kernels[phase](
                     (t.n_blocks,),
+                    t.ptrs,
                     t.numels,
                     t.groups,
                     t.block_tensor,
                     t.block_start,
-                    t.block_ptrs,
                     t.tensor_first_block,
                     t.tensor_blocks,
                     eng.hyper_tables[device],

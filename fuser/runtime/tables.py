@@ -2,10 +2,8 @@
 
 CUDA kernel arguments hold 4 KB, so the addresses of many tensors cannot be passed
 directly: they live in device memory instead, with each tensor's size, its param group
-and a block -> (tensor, start) map. Each block also has its row's addresses at its first
-element and its element count in one row of ``block_ptrs``, so that a program's data loads
-wait on one table read rather than two (block -> tensor -> address). Tables are built
-once and reused while no tensor's storage, size, dtype or device changed.
+and a block -> (tensor, start) map. Tables are built once and reused while no tensor's
+storage, size, dtype or device changed.
 """
 
 from __future__ import annotations
@@ -26,22 +24,11 @@ class Tables:
     groups: torch.Tensor  # int32 [n_tensors]
     block_tensor: torch.Tensor  # int32 [n_blocks]
     block_start: torch.Tensor  # int64 [n_blocks]
-    block_ptrs: torch.Tensor  # int64 [n_blocks, n_slots + 1]: slot addresses at the block, its element count
-    slot_sizes: torch.Tensor  # int64 [n_slots]: bytes per element of each slot
     tensor_first_block: torch.Tensor  # int32 [n_tensors]
     tensor_blocks: torch.Tensor  # int32 [n_tensors]
     counters: torch.Tensor  # int32 [n_tensors + 2]: zero between launches
     n_tensors: int
     n_blocks: int
-
-    def set_column(self, slot: int, addresses: torch.Tensor) -> None:
-        """New addresses (int64, one per tensor) for one slot, as when gradients move."""
-        self.ptrs[:, slot].copy_(addresses)
-        self.block_ptrs[:, slot] = _block_addresses(self.ptrs[:, slot], self, self.slot_sizes[slot])
-
-
-def _block_addresses(column: torch.Tensor, t: Tables, size) -> torch.Tensor:
-    return torch.index_select(column, 0, t.block_tensor) + t.block_start * size
 
 
 def build_tables(
@@ -71,22 +58,12 @@ def build_tables(
     first = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
     stats.count("table_builds")
-    sizes = [t.element_size() for t in rows[0]] if rows else []
-    # A row per program (half a million for 1 B parameters), made here and copied once: on
-    # the device it would load several of torch's kernels into a first step.
-    owner = block_tensor.long()
-    block_ptrs = torch.empty(total, len(sizes) + 1, dtype=torch.int64)
-    for slot, size in enumerate(sizes):
-        block_ptrs[:, slot] = ptrs[owner, slot] + block_start * size
-    block_ptrs[:, len(sizes)] = (numels[owner] - block_start).clamp(min=0, max=block)
     return Tables(
         ptrs=ptrs.to(device),
         numels=torch.stack([numels, logical]).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
-        block_ptrs=block_ptrs.to(device),
-        slot_sizes=torch.tensor(sizes, dtype=torch.int64).to(device),
         tensor_first_block=first.to(torch.int32).to(device),
         tensor_blocks=counts.to(torch.int32).to(device),
         counters=torch.zeros(n + 2, dtype=torch.int32, device=device),
