@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuser  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optim_bench import llama1b_shapes, make  # noqa: E402
+from optim_bench import CompiledAdamW, llama1b_shapes, make  # noqa: E402
 
 
 def main(argv=None):
@@ -33,8 +33,7 @@ def main(argv=None):
     if args.impl == "fuser":
         step = fuser.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, state_dtype="param", static=True).step
     else:
-        opt = torch.optim.AdamW(ps, lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.01)
-        step = torch.compile(opt.step)
+        step = CompiledAdamW(ps).step
     for _ in range(args.steps):
         step()
     torch.cuda.synchronize()
