@@ -1,11 +1,141 @@
+import hashlib
 import os
+import random
+import secrets
 import tempfile
 
+import numpy
 import pytest
 import torch
+from seeds import set_case_seed
 
 # Kernels written by the tests go to a throwaway cache unless the caller chose one.
 os.environ.setdefault("FUSER_CACHE_DIR", tempfile.mkdtemp(prefix="fuser-test-cache-"))
+
+SEED_ENV = "FUSER_TEST_SEED"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fuser")
+    group.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"session seed of every random input (default: ${SEED_ENV}, else a fresh one per run)",
+    )
+    group.addoption(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every selected test under N session seeds (seed, seed+1, ...): a flake hunt",
+    )
+
+
+def session_seed(config) -> int:
+    return config.stash[_SEED]
+
+
+_SEED = pytest.StashKey[int]()
+
+
+def pytest_configure(config):
+    seed = config.getoption("seed")
+    if seed is None and os.environ.get(SEED_ENV):
+        seed = int(os.environ[SEED_ENV])
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    config.stash[_SEED] = seed
+    # Child processes (distributed ranks, CLI runs) see the same session seed.
+    os.environ[SEED_ENV] = str(seed)
+
+
+def _seed_line(config) -> str:
+    seed = session_seed(config)
+    return f"fuser test seed: {seed} (rerun with {SEED_ENV}={seed} or --seed {seed})"
+
+
+def pytest_report_header(config):
+    return _seed_line(config)
+
+
+def pytest_sessionstart(session):
+    # ``-q`` (the README's ``make test``) hides the header: the seed is printed anyway.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        reporter.write_line(_seed_line(session.config))
+
+
+def pytest_generate_tests(metafunc):
+    n = metafunc.config.getoption("seeds")
+    if n > 1:
+        base = session_seed(metafunc.config)
+        metafunc.fixturenames.append("_session_seed")
+        metafunc.parametrize("_session_seed", [base + i for i in range(n)], ids=lambda s: f"seed{s}")
+
+
+def test_seed_for(session: int, nodeid: str) -> int:
+    """The seed of one test: the session seed mixed with the test's id (without the flake
+    hunt's ``[seedN]`` suffix), so one test re-run alone draws what it drew in the suite."""
+    digest = hashlib.sha256(f"{session}:{nodeid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _base_nodeid(item) -> str:
+    session = _params(item).get("_session_seed")
+    if session is None:
+        return item.nodeid
+    tag = f"seed{session}"
+    nodeid = item.nodeid.replace(f"[{tag}]", "").replace(f"[{tag}-", "[").replace(f"-{tag}]", "]")
+    return nodeid.replace(f"-{tag}-", "-")
+
+
+def _params(item) -> dict:
+    return getattr(getattr(item, "callspec", None), "params", {})
+
+
+_TEST_SEED = pytest.StashKey[tuple]()
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything(request):
+    """Seeds torch, numpy and random from this test's seed before it runs."""
+    item = request.node
+    session = _params(item).get("_session_seed", session_seed(request.config))
+    seed = test_seed_for(session, _base_nodeid(item))
+    item.stash[_TEST_SEED] = (session, seed)
+    set_case_seed(seed)
+    torch.manual_seed(seed)
+    numpy.random.seed(seed % 2**32)
+    random.seed(seed)
+    return seed
+
+
+@pytest.fixture
+def seed(_seed_everything) -> int:
+    """This test's seed, for generators of its own and for child processes."""
+    return _seed_everything
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _TEST_SEED in item.stash:
+        session, seed = item.stash[_TEST_SEED]
+        report.sections.append(
+            (
+                "fuser test seed",
+                f"session seed {session}, test seed {seed}; rerun exactly with:\n"
+                f"  {SEED_ENV}={session} python -m pytest '{_base_nodeid(item)}'",
+            )
+        )
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed"):
+        seed = session_seed(config)
+        terminalreporter.write_line(f"fuser test seed: {seed} (rerun the failures with {SEED_ENV}={seed})")
 
 
 @pytest.fixture

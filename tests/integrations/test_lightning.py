@@ -69,7 +69,6 @@ class StepCheck(L.Callback):
 
 def test_configure_optimizers_steps_with_the_schedulers_lr():
     example = load_example()
-    torch.manual_seed(0)
     x = torch.randn(96, 13)
     y = torch.tanh(x[:, :1])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)

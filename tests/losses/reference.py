@@ -12,7 +12,7 @@ LOW_PRECISION = {torch.bfloat16, torch.float16}
 
 def make_inputs(dtype=torch.float32, *, bias=True, ignore="some", seed=None, shape=(T,), h=H, v=V, scale=1.0):
     """Fresh random hidden [*shape, h], weight [v, h], bias [v] and target [*shape]."""
-    g = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
+    g = torch.Generator().manual_seed(torch.randint(2**62, ()).item() if seed is None else seed)
     hidden = torch.randn(*shape, h, generator=g) * scale
     weight = torch.randn(v, h, generator=g) * (1.5 / h**0.5)
     b = torch.randn(v, generator=g) * 0.5 if bias else None

@@ -9,7 +9,6 @@ moves results by a few fp32 ulps per step, far below these bounds.
 
 import copy
 import math
-import zlib
 
 import pytest
 import torch
@@ -21,20 +20,17 @@ SHAPES = [(1,), (7,), (129,), (33, 5), (3, 4, 5)]
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def make_params(device, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in SHAPES]
+def make_params(device, dtype=torch.float32):
+    """Fresh random parameters (from the test's seed, see tests/conftest.py)."""
+    return [torch.randn(s).to(device=device, dtype=dtype) for s in SHAPES]
 
 
-def make_grads(params, steps, seed):
+def make_grads(params, steps):
     """Fresh, nonzero random gradients for each step."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        out.append(
-            [(torch.randn(p.shape, generator=gen) + 0.1).to(device=p.device, dtype=p.dtype) for p in params]
-        )
-    return out
+    return [
+        [(torch.randn(p.shape) + 0.1).to(device=p.device, dtype=p.dtype) for p in params]
+        for _ in range(steps)
+    ]
 
 
 def clones(params, dtype=None):
@@ -187,10 +183,10 @@ TORCH_CASES = {
 @pytest.mark.parametrize("case", list(TORCH_CASES))
 def test_matches_torch(case, device):
     fcls, tcls, kw, keys, steps = TORCH_CASES[case]
-    params = make_params(device, seed=zlib.crc32(case.encode()) % 1000)
+    params = make_params(device)
     fparams, tparams = clones(params), clones(params)
     fopt, topt = fcls(fparams, **kw), tcls(tparams, **kw)
-    grads = make_grads(params, steps, seed=1)
+    grads = make_grads(params, steps)
     launches = fuser.stats()["launches"]
     run(fopt, fparams, grads)
     run(topt, tparams, grads)
@@ -319,10 +315,10 @@ PAPER_CASES = {
 @pytest.mark.parametrize("case", list(PAPER_CASES))
 def test_matches_paper_reference(case, device):
     fcls, kw, reference, ref_kw, steps = PAPER_CASES[case]
-    params = make_params(device, seed=zlib.crc32(case.encode()) % 1000)
+    params = make_params(device)
     fparams = clones(params)
     opt = fcls(fparams, **kw)
-    grads = make_grads(params, steps, seed=2)
+    grads = make_grads(params, steps)
     run(opt, fparams, grads)
     for i, fp in enumerate(fparams):
         want_p, want_state = reference(params[i], [gs[i] for gs in grads], **ref_kw)
@@ -332,8 +328,8 @@ def test_matches_paper_reference(case, device):
 
 
 def test_maximize_on_paper_optimizers_is_minimizing_the_negation(device):
-    params = make_params(device, seed=3)
-    grads = make_grads(params, 3, seed=3)
+    params = make_params(device)
+    grads = make_grads(params, 3)
     for cls, kw in (
         (fo.Lion, dict(lr=1e-2, weight_decay=0.1)),
         (fo.AdEMAMix, dict(lr=1e-2)),
@@ -380,10 +376,10 @@ def test_bf16_params_against_float64(case, device):
     # by one bf16 ulp (at most 2**-7 relative). So: within one ulp, and nearly all exact.
     fcls, tcls, kw = BF16_CASES[case]
     steps = 4
-    params = make_params(device, seed=5, dtype=torch.bfloat16)
+    params = make_params(device, dtype=torch.bfloat16)
     fparams = clones(params)
     opt = fcls(fparams, **kw)
-    grads = make_grads(params, steps, seed=5)
+    grads = make_grads(params, steps)
     run(opt, fparams, grads)
     want = torch_fp64_rounded(tcls, kw, params, grads, torch.bfloat16)
     exact = total = 0
@@ -397,11 +393,11 @@ def test_bf16_params_against_float64(case, device):
 
 
 def test_bf16_lion_against_float64(device):
-    params = make_params(device, seed=6, dtype=torch.bfloat16)
+    params = make_params(device, dtype=torch.bfloat16)
     fparams = clones(params)
     kw = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
     opt = fo.Lion(fparams, **kw)
-    grads = make_grads(params, 4, seed=6)
+    grads = make_grads(params, 4)
     run(opt, fparams, grads)
     for i, fp in enumerate(fparams):
         q = params[i].double()
@@ -441,7 +437,7 @@ GROUP_CASES = {
 @pytest.mark.parametrize("case", list(GROUP_CASES))
 def test_param_groups_with_different_hyperparameters(case, device):
     fcls, tcls, kw, group_kw = GROUP_CASES[case]
-    params = make_params(device, seed=7)
+    params = make_params(device)
     fparams, tparams = clones(params), clones(params)
     split = [slice(0, 2), slice(2, None)]
 
@@ -449,7 +445,7 @@ def test_param_groups_with_different_hyperparameters(case, device):
         return [dict(params=ps[s], **g) for s, g in zip(split, group_kw)]
 
     fopt, topt = fcls(groups(fparams), **kw), tcls(groups(tparams), **kw)
-    grads = make_grads(params, 4, seed=7)
+    grads = make_grads(params, 4)
     launches = fuser.stats()["launches"]
     run(fopt, fparams, grads)
     run(topt, tparams, grads)
@@ -458,12 +454,12 @@ def test_param_groups_with_different_hyperparameters(case, device):
 
 
 def test_lr_scheduler_changes_lr_without_recompiling(device):
-    params = make_params(device, seed=8)
+    params = make_params(device)
     fparams, tparams = clones(params), clones(params)
     fopt, topt = fo.Adam(fparams, lr=1e-2), torch.optim.Adam(tparams, lr=1e-2)
     fs = torch.optim.lr_scheduler.StepLR(fopt, step_size=2, gamma=0.3)
     ts = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.3)
-    grads = make_grads(params, 6, seed=8)
+    grads = make_grads(params, 6)
     run(fopt, fparams, grads[:1])
     run(topt, tparams, grads[:1])
     fs.step()
@@ -480,13 +476,13 @@ def test_lr_scheduler_changes_lr_without_recompiling(device):
 
 
 def test_lambda_lr_on_sgd_without_recompiling(device):
-    params = make_params(device, seed=9)
+    params = make_params(device)
     fparams, tparams = clones(params), clones(params)
     fopt = fo.SGD(fparams, lr=0.1, momentum=0.9, nesterov=True)
     topt = torch.optim.SGD(tparams, lr=0.1, momentum=0.9, nesterov=True)
     fs = torch.optim.lr_scheduler.LambdaLR(fopt, lambda k: 1 / (1 + k))
     ts = torch.optim.lr_scheduler.LambdaLR(topt, lambda k: 1 / (1 + k))
-    grads = make_grads(params, 5, seed=9)
+    grads = make_grads(params, 5)
     compiles = None
     for gs in grads:
         run(fopt, fparams, [gs])
@@ -520,11 +516,11 @@ INTEROP_CASES = {
 @pytest.mark.parametrize("case", list(INTEROP_CASES))
 def test_state_dict_has_torch_keys(case, device):
     fcls, tcls, kw = INTEROP_CASES[case]
-    params = make_params(device, seed=10)
+    params = make_params(device)
     fparams, tparams = clones(params), clones(params)
     fopt, topt = fcls(fparams, **kw), tcls(tparams, **kw)
     assert set(fopt.state_dict()["state"]) == set(topt.state_dict()["state"])  # Adagrad: from the start
-    grads = make_grads(params, 1, seed=10)
+    grads = make_grads(params, 1)
     run(fopt, fparams, grads)
     run(topt, tparams, grads)
     fsd, tsd = fopt.state_dict(), topt.state_dict()
@@ -540,8 +536,8 @@ def test_state_dict_has_torch_keys(case, device):
 @pytest.mark.parametrize("case", list(INTEROP_CASES))
 def test_torch_checkpoint_continues_in_fuser_and_back(case, device):
     fcls, tcls, kw = INTEROP_CASES[case]
-    params = make_params(device, seed=11)
-    grads = make_grads(params, 6, seed=11)
+    params = make_params(device)
+    grads = make_grads(params, 6)
 
     # torch for 3 steps; its checkpoint continues in fuser for 3 more, as torch itself does.
     tparams = clones(params)
@@ -561,7 +557,7 @@ def test_torch_checkpoint_continues_in_fuser_and_back(case, device):
     tparams2 = clones(fparams)
     topt2 = tcls(tparams2, **kw)
     topt2.load_state_dict(checkpoint)
-    more = make_grads(params, 2, seed=12)
+    more = make_grads(params, 2)
     run(fopt, fparams, more)
     run(topt2, tparams2, more)
     assert_same_state(fopt, fparams, topt2, tparams2, [k for k in topt2.state[tparams2[0]] if k != "step"])
@@ -584,8 +580,8 @@ ROUND_TRIP = {
 @pytest.mark.parametrize("case", list(ROUND_TRIP))
 def test_fuser_state_dict_round_trip_is_exact(case, device):
     fcls, kw = ROUND_TRIP[case]
-    params = make_params(device, seed=13)
-    grads = make_grads(params, 4, seed=13)
+    params = make_params(device)
+    grads = make_grads(params, 4)
     a = clones(params)
     opt_a = fcls(a, **kw)
     run(opt_a, a, grads[:2])
@@ -625,8 +621,8 @@ def test_sgd_buffer_loaded_without_step_is_decayed_not_replaced(device):
 def test_loaded_param_groups_choose_the_variant_as_in_torch(device):
     # A checkpoint saved with amsgrad=True turns amsgrad on in the loading optimizer, in torch
     # and in fuser alike.
-    params = make_params(device, seed=14)
-    grads = make_grads(params, 4, seed=14)
+    params = make_params(device)
+    grads = make_grads(params, 4)
     source = clones(params)
     topt = torch.optim.Adam(source, lr=1e-2, amsgrad=True)
     run(topt, source, grads[:2])
@@ -642,13 +638,13 @@ def test_loaded_param_groups_choose_the_variant_as_in_torch(device):
 
 
 def test_plain_sgd_keeps_its_step_count_across_a_load(device):
-    params = make_params(device, seed=15)
+    params = make_params(device)
     opt = fo.SGD(params, lr=0.1)
-    run(opt, params, make_grads(params, 2, seed=15))
+    run(opt, params, make_grads(params, 2))
     again = clones(params)
     opt2 = fo.SGD(again, lr=0.1)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
-    run(opt2, again, make_grads(params, 1, seed=16))
+    run(opt2, again, make_grads(params, 1))
     assert opt2.state[again[0]]["step"].item() == 3
 
 
