@@ -35,10 +35,10 @@ NUMERIC = [
     "tests/optim/test_reductions.py",
     "tests/optim/test_scalar_state.py",
     "tests/optim/test_step_check.py",
-    "tests/optim/test_training.py",
     "tests/losses/test_loss_values.py",
-    "tests/losses/test_loss_rules.py",
-    "tests/losses/test_loss_schedules.py",
+    # Ten seconds a run or more through the interpreter (hundreds of tensors), or no numbers:
+    "-k",
+    "not global_norm_clipping and not 500_tensors and not renders",
 ]
 SEED_ID = re.compile(r"seed(\d+)")
 
@@ -50,7 +50,9 @@ def parse(junit: Path) -> tuple[dict, dict]:
         name = case.get("name", "")
         found = SEED_ID.search(name)
         seed = int(found.group(1)) if found else None
-        base = SEED_ID.sub("", name).replace("[-", "[").replace("-]", "]").replace("--", "-").replace("[]", "")
+        base = (
+            SEED_ID.sub("", name).replace("[-", "[").replace("-]", "]").replace("--", "-").replace("[]", "")
+        )
         test = f"{case.get('classname', '')}::{base}"
         if case.find("skipped") is not None:
             continue
@@ -87,7 +89,9 @@ def report(args, cmd, runs, failures, seconds, code) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=200, help="seeds per test (default 200)")
     parser.add_argument("--seed", type=int, default=None, help="first session seed (default: fresh)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report (default: stdout only)")
@@ -104,7 +108,13 @@ def main(argv=None) -> int:
         code = subprocess.call(cmd, cwd=REPO)
         seconds = time.monotonic() - start
         runs, failures = parse(junit)
-    shown = ["python", "tests/flake_hunt.py", f"--seeds={args.seeds}", f"--seed={args.seed}", *args.pytest_args]
+    shown = [
+        "python",
+        "tests/flake_hunt.py",
+        f"--seeds={args.seeds}",
+        f"--seed={args.seed}",
+        *args.pytest_args,
+    ]
     text = report(args, shown, runs, failures, seconds, code)
     print(text)
     if args.out:

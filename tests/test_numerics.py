@@ -4,9 +4,9 @@ draw (cancellation included), and they are tight enough that a coefficient of a 
 
 import pytest
 import torch
+from numerics import Tracked, assert_fp32_close, norm, sign, sqrt
 
 import fuser
-from numerics import Tracked, assert_fp32_close, norm, sign, sqrt
 
 ADAMW = """
     m = {b1} * m + (1 - {b1}) * g

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
+from numerics import Tracked, assert_fp32_close, sign, sqrt
 
 import fuser
-from numerics import Tracked, assert_fp32_close, sign, sqrt
 
 SHAPES = [(1,), (7,), (129,), (33, 5), (3, 4, 5)]
 

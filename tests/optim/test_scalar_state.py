@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from numerics import Tracked, assert_fp32_close
 
 import fuser
 
@@ -28,10 +29,12 @@ def decayed_momentum():
 
 
 def reference(p, grads, lr=0.1, decay=0.5, beta=0.9):
-    p, m, scale = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), 1.0
+    """The rule in float64 with fp32's error bound (tests/numerics.py); ``scale`` is a power
+    of two, exact in both."""
+    p, m, scale = Tracked.exact(p), Tracked.exact(torch.zeros(p.shape)), 1.0
     for g in grads:
         scale *= decay
-        m = beta * m + (1 - beta) * g.double()
+        m = beta * m + (1 - beta) * Tracked.exact(g)
         p = p - lr * scale * m
     return p, m, scale
 
@@ -55,8 +58,8 @@ def test_every_tensor_keeps_its_own_scalar_state_across_rebuilds(device):
     run(opt, params, grads)
     for i, p in enumerate(params):
         want_p, want_m, want_scale = reference(start[i], [gs[i] for gs in grads])
-        torch.testing.assert_close(p.double(), want_p, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(opt.state[p]["m"].double(), want_m, rtol=1e-6, atol=1e-7)
+        assert_fp32_close(p, want_p, "p")
+        assert_fp32_close(opt.state[p]["m"], want_m, "m")
         assert opt.state[p]["scale"].shape == ()
         assert opt.state[p]["scale"].item() == want_scale
         assert opt.state[p]["step"].item() == 4
