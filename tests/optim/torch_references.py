@@ -23,7 +23,7 @@ def _lrs(lr, grads) -> list[float]:
 
 
 def _grad(g, p, weight_decay, maximize):
-    g = Tracked.exact(g)
+    g = g if isinstance(g, Tracked) else Tracked.exact(g)
     g = -g if maximize else g
     return g + weight_decay * p if weight_decay else g
 
