@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 NUMERIC = [
     "tests/test_numerics.py",
     "tests/optim/test_core.py",
+    "tests/optim/test_perturbation.py",
+    "tests/optim/test_training.py",
     "tests/optim/test_builtins.py",
     "tests/optim/test_reductions.py",
     "tests/optim/test_scalar_state.py",
