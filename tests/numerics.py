@@ -190,6 +190,12 @@ def norm(a: Tracked) -> Tracked:
     return sqrt(total(a * a))
 
 
+def fp32_close(actual: torch.Tensor, expected: Tracked) -> bool:
+    """Whether ``|actual - expected| <= SLACK * bound`` holds for every element."""
+    got = actual.detach().double().cpu().reshape(expected.value.shape)
+    return bool(((got - expected.value).abs() <= SLACK * expected.err).all())
+
+
 def assert_fp32_close(actual: torch.Tensor, expected: Tracked, what: str = "") -> None:
     """``|actual - expected| <= SLACK * bound`` elementwise, with the worst element named."""
     got = actual.detach().double().cpu().reshape(expected.value.shape)
