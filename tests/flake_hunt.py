@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="first session seed (default: fresh)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report (default: stdout only)")
     parser.add_argument("pytest_args", nargs="*", help="test paths and pytest options (default: NUMERIC)")
-    args = parser.parse_args(argv)
+    args, more = parser.parse_known_args(argv)  # pytest's own options pass through
+    args.pytest_args += more
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little") >> 1
     with tempfile.TemporaryDirectory(prefix="fuser-flake-hunt-") as tmp:
