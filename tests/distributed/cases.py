@@ -4,7 +4,7 @@ as well as by the test process, so that both build exactly the same things)."""
 from __future__ import annotations
 
 import torch
-from seeds import case_seed
+from seeds import session_seed
 
 import fuser
 
@@ -43,7 +43,7 @@ centred = fuser.rule(
 def make_model() -> torch.nn.Module:
     """A tiny MLP with odd sizes: sharded on dim 0 over 2 ranks, the last weight (1, 3)
     and bias (1,) leave rank 1 empty shards."""
-    torch.manual_seed(case_seed(7))
+    torch.manual_seed(session_seed(7))
     return torch.nn.Sequential(
         torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
     )
@@ -51,7 +51,7 @@ def make_model() -> torch.nn.Module:
 
 def batches(steps: int, size: int = 8):
     """``steps`` full (input, target) batches; rank r of w trains on ``chunk(w)[r]``."""
-    gen = torch.Generator().manual_seed(case_seed(99))
+    gen = torch.Generator().manual_seed(session_seed(99))
     return [(torch.randn(size, 5, generator=gen), torch.randn(size, 1, generator=gen)) for _ in range(steps)]
 
 

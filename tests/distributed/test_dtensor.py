@@ -15,7 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch was built without gloo", allow_module_level=True)
 
-from seeds import case_seed  # noqa: E402
+from seeds import session_seed  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 # (shape, placements per mesh dimension, dtype). On one mesh dimension of 2 ranks: odd
@@ -58,7 +58,7 @@ def placements(codes: str):
 
 def data(layout: str):
     """The full initial parameters and every step's full gradients (the same on every rank)."""
-    gen = torch.Generator().manual_seed(case_seed(1234))
+    gen = torch.Generator().manual_seed(session_seed(1234))
     shapes = [(entry[0], entry[2] if len(entry) > 2 else torch.float32) for entry in LAYOUTS[layout]]
     params = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in shapes]
     grads = [[torch.randn(shape, generator=gen).to(dtype) for shape, dtype in shapes] for _ in range(STEPS)]

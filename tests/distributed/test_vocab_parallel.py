@@ -18,7 +18,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from seeds import case_seed
+from seeds import session_seed
 
 WORLD = 2
 T, H, V = 11, 8, 37
@@ -111,7 +111,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
         )
         torch.set_num_threads(1)
-        g = torch.Generator().manual_seed(case_seed())
+        g = torch.Generator().manual_seed(session_seed())
         hidden = torch.randn(T, H, generator=g)
         weight = torch.randn(V, H, generator=g) * 0.7
         bias = torch.randn(V, generator=g) * 0.5

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from seeds import case_seed
+from seeds import session_seed
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import fuser
@@ -31,7 +31,7 @@ ADAMW_RULE = fuser.rule(
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(case_seed(seed))
+    torch.manual_seed(session_seed(seed))
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -45,7 +45,7 @@ def tiny_llama(seed=0):
 
 
 def dataset(n=12, length=11, seed=1):
-    g = torch.Generator().manual_seed(case_seed(seed))
+    g = torch.Generator().manual_seed(session_seed(seed))
     rows = []
     for _ in range(n):
         ids = torch.randint(0, VOCAB, (length,), generator=g)
@@ -72,7 +72,7 @@ def training_args(tmp_path, **kw):
         use_cpu=True,
         save_strategy="no",
         logging_steps=1,
-        seed=case_seed() % 2**31,
+        seed=session_seed() % 2**31,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
