@@ -30,6 +30,12 @@ def pytest_addoption(parser):
         metavar="N",
         help="run every selected test under N session seeds (seed, seed+1, ...): a flake hunt",
     )
+    group.addoption(
+        "--failure-log",
+        default=None,
+        metavar="FILE",
+        help="append each failure (test, seeds, message) to FILE as it happens",
+    )
 
 
 def session_seed(config) -> int:
@@ -122,6 +128,13 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed and _TEST_SEED in item.stash:
         session, seed = item.stash[_TEST_SEED]
+        log = item.config.getoption("failure_log")
+        if log:
+            message = str(report.longrepr).strip().splitlines()
+            with open(log, "a") as f:
+                f.write(
+                    f"{item.nodeid}\tsession {session}\t{report.when}\t{message[-1] if message else ''}\n"
+                )
         report.sections.append(
             (
                 "fuser test seed",

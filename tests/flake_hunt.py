@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=200, help="seeds per test (default 200)")
     parser.add_argument("--seed", type=int, default=None, help="first session seed (default: fresh)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report (default: stdout only)")
+    parser.add_argument(
+        "--failure-log", type=Path, default=None, help="each failure as it happens (see tests/conftest.py)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="test paths and pytest options (default: NUMERIC)")
     args, more = parser.parse_known_args(argv)  # pytest's own options pass through
     args.pytest_args += more
@@ -106,6 +109,8 @@ def main(argv=None) -> int:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu"]
         cmd += [f"--seeds={args.seeds}", f"--seed={args.seed}", f"--junitxml={junit}"]
+        if args.failure_log:
+            cmd.append(f"--failure-log={args.failure_log.resolve()}")
         cmd += args.pytest_args or NUMERIC
         start = time.monotonic()
         code = subprocess.call(cmd, cwd=REPO)

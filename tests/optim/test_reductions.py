@@ -32,7 +32,7 @@ def lamb_reference(p, grads, lr, beta1, beta2, eps, wd):
         pn, un = norm(p), norm(u)
         trust = (pn / un) if pn.value > 0 and un.value > 0 else 1.0
         p = p - lr * trust * u
-    return p
+    return p, dict(exp_avg=m, exp_avg_sq=v)
 
 
 def test_lamb_matches_the_paper_in_float64_with_two_launches_per_step(device):
@@ -46,8 +46,10 @@ def test_lamb_matches_the_paper_in_float64_with_two_launches_per_step(device):
         opt.step()
     assert fuser.stats()["launches"] - before == 2 * 3
     for i, p in enumerate(params):
-        want = lamb_reference(start[i], [gs[i] for gs in grads], 0.05, 0.9, 0.999, 1e-6, 0.1)
+        want, state = lamb_reference(start[i], [gs[i] for gs in grads], 0.05, 0.9, 0.999, 1e-6, 0.1)
         assert_fp32_close(p, want, "p")
+        for k, v in state.items():
+            assert_fp32_close(opt.state[p][k], v, k)
 
 
 def test_zero_norm_tensors_take_a_unit_trust_ratio(device):
@@ -58,7 +60,7 @@ def test_zero_norm_tensors_take_a_unit_trust_ratio(device):
     set_grads(params, grads)
     opt.step()
     for i, p in enumerate(params):
-        want = lamb_reference(start[i], [grads[i]], 0.1, 0.9, 0.999, 1e-6, 0.0)
+        want, _ = lamb_reference(start[i], [grads[i]], 0.1, 0.9, 0.999, 1e-6, 0.0)
         assert torch.isfinite(p).all()
         assert_fp32_close(p, want, "p")
 
