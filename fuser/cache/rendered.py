@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from fuser.cache.store import CacheError, CorruptEntry, _read_private, atomic_write, check_chain, root
+from fuser.cache.store import CacheError, CorruptEntry, atomic_write, check_chain, read_private, root
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def load(key: str) -> dict | None:
     try:
         path = _path(key)
         check_chain(path.parent)
-        raw = _read_private(path)
+        raw = read_private(path)
         entry = json.loads(raw)
         payload = entry["payload"]
         if entry["checksum"] != _digest(payload):
