@@ -58,11 +58,19 @@ class Rule:
             + ">"
         )
 
-    def _repr_latex_(self) -> str:
-        """Jupyter shows a rule as math, statement by statement."""
-        from fuser.display import rule_latex
+    def _repr_latex_(self) -> str | None:
+        """Jupyter shows a rule as math, statement by statement (``display.rule_latex``,
+        which the package registers with ``set_latex_renderer``: display sits above rules)."""
+        return None if _latex_renderer is None else _latex_renderer(self)
 
-        return rule_latex(self)
+
+_latex_renderer = None
+
+
+def set_latex_renderer(render) -> None:
+    """Set the function (``Rule -> str``) that ``Rule._repr_latex_`` calls."""
+    global _latex_renderer
+    _latex_renderer = render
 
 
 def _identifier(name: str) -> str:
@@ -145,7 +153,7 @@ def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
     hyper = dict(hyper or {})
     if source is None:
         return lambda fn: loss(fn, name=name, hyper=hyper)
-    from fuser.losses.rules import build_loss_rule
+    from fuser.rules.loss import build_loss_rule
 
     rule_name = name or getattr(source, "__name__", None) or "loss"
     try:
@@ -244,7 +252,7 @@ def _export(name: str):
         if len(args) != nargs:
             raise TypeError(f"{name}() takes {nargs} argument(s), got {len(args)}")
         value = builder(*[sympy.sympify(a) for a in args])
-        # A traced loss function's logits (fuser.losses.rules.Logits) stay wrapped, so
+        # A traced loss function's logits (fuser.rules.loss.Logits) stay wrapped, so
         # `z[y]` still works after `z = cap * fuser.tanh(z / cap)`.
         wrapped = next((a for a in args if hasattr(a, "_fuser_rewrap")), None)
         return value if wrapped is None else wrapped._fuser_rewrap(value)
