@@ -1,4 +1,4 @@
-"""``fuser.rule`` and ``fuser.loss``: text or a traced function -> a frozen ``Rule``."""
+"""``fuser.rule``: text or a traced function -> a frozen ``Rule`` (loss epilogues: ``rules.loss``)."""
 
 from __future__ import annotations
 
@@ -73,12 +73,15 @@ def set_latex_renderer(render) -> None:
     _latex_renderer = render
 
 
-def _identifier(name: str) -> str:
+def identifier(name: str) -> str:
+    """``name`` made a Python identifier (kernel and class names are built from it)."""
     clean = re.sub(r"\W", "_", name)
     return clean if clean and not clean[0].isdigit() else f"r_{clean}"
 
 
-def _check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
+def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
+    """Raise ``RuleError`` for a hyperparameter or state name that is no identifier or is
+    reserved, or whose default is not a finite number."""
     reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
     reserved |= {"numel", ZY, "loss"}
     for what, names in (("hyperparameter", hyper), ("state", state)):
@@ -117,7 +120,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     state = dict(state or {})
     if source is None:
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
-    _check_names("optim", hyper, state, OPTIM_INPUTS)
+    check_names("optim", hyper, state, OPTIM_INPUTS)
     lang = Language(
         readable=frozenset({*OPTIM_INPUTS, "numel", *hyper, *state}),
         frozen=frozenset({"g", "step", "numel", *hyper}),
@@ -139,28 +142,13 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
     return Rule(
         "optim",
-        _identifier(rule_name),
+        identifier(rule_name),
         text,
         tuple(hyper.items()),
         tuple(state.items()),
         tuple(statements),
         tuple(outputs),
     )
-
-
-def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
-    """Define a loss epilogue from text or a function (see ``fuser.losses``)."""
-    hyper = dict(hyper or {})
-    if source is None:
-        return lambda fn: loss(fn, name=name, hyper=hyper)
-    from fuser.rules.loss import build_loss_rule
-
-    rule_name = name or getattr(source, "__name__", None) or "loss"
-    try:
-        _check_names("loss", hyper, {}, LOSS_INPUTS)
-        return build_loss_rule(source, _identifier(rule_name), hyper)
-    except RuleError as e:
-        raise e.with_rule(rule_name) from None
 
 
 def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
