@@ -127,7 +127,7 @@ class StepEngine:
     def step(self, opt) -> None:
         # Nothing here is recorded by autograd except what prepare and sync_hyper guard
         # themselves: a no_grad() around every step would cost more than the quick check.
-        if self.snapshot is None or not unchanged(self.snapshot, opt, self.grads_moved):
+        if self.snapshot is None or not unchanged(self.snapshot, opt, self):
             self.snapshot = None
             with torch.no_grad():
                 if not self.prepare(opt):
@@ -182,6 +182,7 @@ class StepEngine:
         self.hyper_values = []  # force a hyper table refresh
 
     def grads_moved(self, grad_ptrs: list) -> None:
+        """New gradient tensors passed the quick check: rewrite the gradient column if they moved."""
         if grad_ptrs != self.grad_ptrs:
             self.refresh_grad_column(grad_ptrs)
 

@@ -132,10 +132,10 @@ class Snapshot:
     grads_by_kind: list  # gradients grouped by (device, dtype), for zero_grad of a static optimizer
 
 
-def unchanged(snap: Snapshot, opt, grads_moved) -> bool:
+def unchanged(snap: Snapshot, opt, engine) -> bool:
     """True when the tables still describe what the step would gather from ``opt`` (a
-    ``FuserOptimizer``); ``grads_moved(ptrs)`` is called where only the gradients' addresses
-    may have changed. False sends the step to the full check."""
+    ``FuserOptimizer``); ``engine.grads_moved(ptrs)`` is called where only the gradients'
+    addresses may have changed. False sends the step to the full check."""
     groups = opt.param_groups
     if snap.flag.dirty or opt.state is not snap.table or len(groups) != len(snap.groups):
         return False
@@ -174,7 +174,7 @@ def unchanged(snap: Snapshot, opt, grads_moved) -> bool:
             ptrs = list(map(_data_ptr, present))
         except RuntimeError:  # sparse and other storage-less gradients
             return False
-        grads_moved(ptrs)
+        engine.grads_moved(ptrs)
         # weakref.ref itself runs in C; weak (Python, once per tensor) only where some are None.
         snap.grad_refs = list(map(weakref.ref if snap.every_grad else weak, grads))
     locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
