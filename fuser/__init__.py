@@ -7,15 +7,25 @@ adamw = fuser.rule('''
 AdamW = fuser.compile(adamw)      # a torch.optim.Optimizer subclass
 """
 
+from fuser.counters import stats
 from fuser.errors import RuleError
 from fuser.explainer import explain
 from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import Rule, loss, rule
-from fuser.runtime.stats import stats
+from fuser.rules.rule import set_latex_renderer as _set_latex_renderer
 
 __version__ = "0.1.0"
 _configure_logging()
+
+
+def _rule_latex(rule: Rule) -> str:
+    from fuser.display import rule_latex  # on first display: the package imports no display code
+
+    return rule_latex(rule)
+
+
+_set_latex_renderer(_rule_latex)
 
 sqrt = _FUNCTIONS["sqrt"]
 rsqrt = _FUNCTIONS["rsqrt"]

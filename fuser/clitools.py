@@ -42,7 +42,7 @@ class Found:
 def one_line(e: BaseException) -> str:
     """An error as one line: the first line of its message (RuleError carries the source
     line and a caret after it), with its type unless it is a RuleError."""
-    from fuser.cache.aot import CompileError
+    from fuser.cache.errors import CompileError
 
     text = str(e).strip().splitlines()
     head = text[0] if text else ""

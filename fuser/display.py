@@ -19,7 +19,7 @@ from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
 from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid
-from fuser.rules.parse import Language, Statement, _Walker, symbol
+from fuser.rules.parse import Language, Statement, Walker, symbol
 
 _GREEK = {
     "alpha",
@@ -173,7 +173,7 @@ def expr_latex(expr) -> str:
     return RuleLatexPrinter({"mul_symbol": None, "order": "none"}).doprint(sympy.sympify(expr))
 
 
-class _AsWritten(_Walker):
+class _AsWritten(Walker):
     """The parser's walker, except that each name stays a symbol after it is assigned, so
     every statement reads over the names current at its line (as the author wrote it)."""
 
@@ -196,7 +196,7 @@ class _AsWritten(_Walker):
 def written_statements(rule) -> tuple[Statement, ...]:
     """The rule's statements as written. Text rules are parsed again (they parsed once
     already, so this cannot fail); traced functions give one statement per output."""
-    if not _is_text(rule):
+    if not is_text(rule):
         return tuple(rule.statements)
     reductions = OPTIM_REDUCTIONS if rule.kind == "optim" else LOSS_REDUCTIONS
     readable = {
@@ -213,7 +213,8 @@ def written_statements(rule) -> tuple[Statement, ...]:
         return tuple(rule.statements)
 
 
-def _is_text(rule) -> bool:
+def is_text(rule) -> bool:
+    """True for a rule written as text, False for a traced function."""
     text = rule.text.lstrip()
     return not (text.startswith("@") or text.startswith("def ") or text.startswith("<function"))
 
@@ -226,7 +227,7 @@ def rule_latex(rule) -> str:
     A traced function gives each output as a function of the values before the step, so
     its rows name the new values with a prime: ``p' = ...``, ``m' = ...``.
     """
-    if _is_text(rule):
+    if is_text(rule):
         rows = [
             f"{symbol_latex(s.target)} &\\leftarrow {expr_latex(s.expr)}" for s in written_statements(rule)
         ]
@@ -315,15 +316,10 @@ def loss_html(compiled) -> str:
 def _kernel_texts(obj) -> list[tuple[str, str]]:
     """(title, source) of each kernel: those an instance has launched, else those it
     launches for fp32 tensors."""
-    launches = [] if isinstance(obj, type) else getattr(getattr(obj, "_fuser", None), "launches", [])
-    sources = [kernel.source for launch in launches for kernel in launch.kernels]
-    if not sources:
-        from fuser.optim.factory import _dtype_plan, _plan_and_sources
+    from fuser.runtime.engine import launched_sources
 
-        dplan = _dtype_plan(obj.rule, obj.options, "fp32", "fp32")
-        sources = _plan_and_sources(obj.rule, dplan, obj.options.stochastic_rounding)[1]
     seen, out = set(), []
-    for src in sources:
+    for src in launched_sources(obj):
         if src.digest not in seen:
             seen.add(src.digest)
             out.append((f"Triton kernel {src.entry} for {dict(src.meta).get('dtypes', '')}", src.text))

@@ -58,10 +58,10 @@ def explanation(rule: Rule, dtype: str | None = None, **options) -> str:
 
 
 def _statements(rule: Rule) -> list[str]:
-    from fuser.display import _is_text, written_statements
+    from fuser.display import is_text, written_statements
 
     lines = []
-    if _is_text(rule):
+    if is_text(rule):
         lines.append(f"{len(rule.statements)} statement(s), in order, as written:")
         lines += [f"  line {s.line}: {s.target} = {_s(s.expr)}" for s in written_statements(rule)]
     else:
@@ -86,20 +86,25 @@ _ACCUMULATE = {
 
 def _explain_optim(rule: Rule, dtype: str, **options) -> str:
     from fuser.ir.optim import DTYPES, lower_optim
-    from fuser.optim.factory import _dtype_plan, _options, _plan_and_sources
+    from fuser.runtime.plans import dtype_plan, parse_options, plan_and_sources
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    opts = _options(**options)
-    dplan = _dtype_plan(rule, opts, dtype, dtype)
+    opts = parse_options(**options)
+    dplan = dtype_plan(rule, opts, dtype, dtype)
     plan = lower_optim(rule, dict(dplan), stochastic_rounding=opts.stochastic_rounding)
-    sources = _plan_and_sources(rule, dplan, opts.stochastic_rounding)[1]
-    many = len(plan.phases) > 1
-
-    def phase_head(ph) -> list[str]:
-        return [f"   phase {ph.index}:"] if many else []
-
-    pad = "     " if many else "   "
+    sources = plan_and_sources(rule, dplan, opts.stochastic_rounding)[1]
+    sections = [
+        ("parsed statements", ["   " + ln for ln in _statements(rule)]),
+        ("per-step scalars, hoisted out of the per-element work (fp64, once per program)", _hoisted(plan)),
+        (
+            "per-element plan after CSE (fp32; hyperparameters and s<i> used here are fp32 copies)",
+            _elementwise(plan),
+        ),
+        ("phases and reductions", _phases(plan)),
+        ("dtype plan (loads upcast to fp32, stores cast to each slot's dtype)", _dtypes(plan, opts.seed)),
+        ("kernels and cache keys", [ln for src in sources for ln in _kernel(src)]),
+    ]
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
     state = ", ".join(f"{k}={v!r}" for k, v in rule.state) or "none"
     out = [
@@ -108,69 +113,80 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
         f"state (initial values): {state}",
         "",
     ]
+    for number, (title, lines) in enumerate(sections, 1):
+        out += [f"{number}. {title}", *lines, ""]
+    return "\n".join(out[:-1])
 
-    out.append("1. parsed statements")
-    out += ["   " + ln for ln in _statements(rule)]
-    out.append("")
 
-    out.append("2. per-step scalars, hoisted out of the per-element work (fp64, once per program)")
+def _per_phase(plan, lines_of, empty: str | None = None) -> list[str]:
+    """Each phase's lines, under a ``phase i:`` head where the plan has several phases."""
+    many = len(plan.phases) > 1
+    pad = "     " if many else "   "
+    out = []
     for ph in plan.phases:
-        out += phase_head(ph)
-        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.prologue] or [f"{pad}none"]
+        out += [f"   phase {ph.index}:"] if many else []
+        out += [pad + ln for ln in lines_of(ph) or ([empty] if empty else [])]
+    return out
+
+
+def _hoisted(plan) -> list[str]:
+    out = _per_phase(plan, lambda ph: [f"{sym} = {_s(e)}" for sym, e in ph.prologue], empty="none")
     if plan.scalar_states:
         out.append("   per-tensor scalar states (one number per tensor, advanced by the last program):")
         out += [f"   {name} <- {_s(e)}" for name, e in plan.phases[-1].scalar_updates]
-    out.append("")
+    return out
 
-    out.append("3. per-element plan after CSE (fp32; hyperparameters and s<i> used here are fp32 copies)")
+
+def _elementwise(plan) -> list[str]:
     by_column = {r.column: r for r in plan.reductions}
-    for ph in plan.phases:
-        out += phase_head(ph)
-        out += [f"{pad}{sym} = {_s(e)}" for sym, e in ph.body]
-        out += [f"{pad}accumulate {by_column[col].symbol} += {_s(e)}" for col, e in ph.reduce]
-        out += [f"{pad}store {name} = {_s(e)}" for name, e in ph.stores]
-    out.append("")
 
-    out.append("4. phases and reductions")
-    if plan.reductions:
-        for r in plan.reductions:
-            scope = "over every tensor" if r.global_column >= 0 else "per tensor"
-            out.append(
-                f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
-                f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}"
-            )
-    else:
-        out.append("   reductions: none")
-    out.append(
+    def lines(ph) -> list[str]:
+        return [
+            *(f"{sym} = {_s(e)}" for sym, e in ph.body),
+            *(f"accumulate {by_column[col].symbol} += {_s(e)}" for col, e in ph.reduce),
+            *(f"store {name} = {_s(e)}" for name, e in ph.stores),
+        ]
+
+    return _per_phase(plan, lines)
+
+
+def _phases(plan) -> list[str]:
+    out = []
+    for r in plan.reductions:
+        scope = "over every tensor" if r.global_column >= 0 else "per tensor"
+        out.append(
+            f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
+            f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}"
+        )
+    many = len(plan.phases) > 1
+    return (out or ["   reductions: none"]) + [
         f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
         "phase stores, and its last program advances step"
         + (" and the scalar states" if plan.scalar_states else "")
-    )
-    out.append("")
+    ]
 
-    out.append("5. dtype plan (loads upcast to fp32, stores cast to each slot's dtype)")
-    out.append(f"   {'slot':<14}{'role':<7}{'dtype':<7}access")
+
+def _dtypes(plan, seed: int) -> list[str]:
+    out = [f"   {'slot':<14}{'role':<7}{'dtype':<7}access"]
     for sl in plan.slots:
         out.append(f"   {sl.name:<14}{sl.role:<7}{sl.dtype:<7}{'read/write' if sl.written else 'read'}")
-    rounding = f"stochastic (seed {opts.seed})" if plan.stochastic_rounding else "to nearest even"
-    out.append(f"   bf16/fp16 stores round {rounding}")
-    out.append(f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}")
-    out.append(
+    rounding = f"stochastic (seed {seed})" if plan.stochastic_rounding else "to nearest even"
+    return out + [
+        f"   bf16/fp16 stores round {rounding}",
+        f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}",
         f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
-        + ", ".join(("step", *plan.scalar_states))
-    )
-    out.append("")
+        + ", ".join(("step", *plan.scalar_states)),
+    ]
 
-    out.append("6. kernels and cache keys")
-    for src in sources:
-        constexprs = ", ".join(f"{k}={v}" for k, v in src.constexprs)
-        out.append(f"   {src.entry}({', '.join(n for n, _ in src.signature)})")
-        out.append(
-            f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
-            f"{len(src.text.splitlines())} lines of Triton"
-        )
-        out += _cache_key(src)
-    return "\n".join(out)
+
+def _kernel(src) -> list[str]:
+    constexprs = ", ".join(f"{k}={v}" for k, v in src.constexprs)
+    return [
+        f"   {src.entry}({', '.join(n for n, _ in src.signature)})",
+        f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
+        f"{len(src.text.splitlines())} lines of Triton",
+        *_cache_key(src),
+    ]
 
 
 def _cache_key(src) -> list[str]:

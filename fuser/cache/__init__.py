@@ -5,8 +5,8 @@ precompile(sources, targets)   # write sources and compile binaries, no GPU need
 stored_binary(source, target)  # the binary load_kernel would find, or None (writes nothing)
 """
 
-from fuser.cache.aot import CompileError
 from fuser.cache.entries import CacheWarning, Result, precompile, stored_binary
+from fuser.cache.errors import CompileError
 from fuser.cache.keys import binary_key, entry_key, parse_target
 from fuser.cache.loader import load_kernel
 from fuser.cache.store import CacheError, cache_dir

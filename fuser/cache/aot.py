@@ -24,12 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuser.cache.compilekey import cheap_cache_key
+from fuser.cache.errors import CompileError
 from fuser.cache.keys import binary_key, gpu_target
 from fuser.codegen.source import KernelSource
-
-
-class CompileError(RuntimeError):
-    """A generated kernel that Triton's compiler rejects."""
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,10 @@ class CacheKey:
 
     @property
     def digest(self) -> str:
-        return _sha(_canonical([[name, _field_hash(value)] for name, value in self.fields]))
+        return _sha(_canonical([[name, field_hash(value)] for name, value in self.fields]))
 
     def field_hashes(self) -> list[tuple[str, str]]:
-        return [(name, _field_hash(value)) for name, value in self.fields]
+        return [(name, field_hash(value)) for name, value in self.fields]
 
     def as_json(self) -> dict:
         return {name: value for name, value in self.fields}
@@ -104,15 +104,17 @@ class CacheKey:
             mark = ""
             if name in now:
                 mark = "  (same here)" if now[name] == h else "  (DIFFERS here)"
-            lines.append(f"{name:<16} {h[:16]}  {_preview(value)}{mark}")
+            lines.append(f"{name:<16} {h[:16]}  {preview(value)}{mark}")
         return lines
 
 
-def _field_hash(value) -> str:
+def field_hash(value) -> str:
+    """Hash of one field of a key (what ``cache explain`` prints beside the field)."""
     return _sha(value if isinstance(value, str) else _canonical(value))
 
 
-def _preview(value, width: int = 60) -> str:
+def preview(value, width: int = 60) -> str:
+    """One short line showing a field's value."""
     if isinstance(value, str) and "\n" in value:
         return f"<{len(value.splitlines())} lines, {len(value)} characters>"
     text = value if isinstance(value, str) else _canonical(value)

@@ -26,8 +26,8 @@ from fuser.cache import launcher
 from fuser.cache.aot import compile_spec, import_kernel
 from fuser.cache.entries import ensure_binary, ensure_source
 from fuser.codegen.source import KernelSource
+from fuser.counters import count
 from fuser.log import logger
-from fuser.runtime import stats
 
 _loaded: dict[tuple, object] = {}
 _lock = threading.RLock()
@@ -49,7 +49,7 @@ class JitKernel:
             raise TypeError(f"{self.source.entry} takes {len(self._names)} arguments, got {len(args)}")
         # By name: constexprs may sit between runtime parameters.
         self.fn[grid](**dict(zip(self._names, args)), **self._options)
-        stats.count("launches")
+        count("launches")
 
 
 class BinaryKernel:
@@ -121,7 +121,7 @@ class BinaryKernel:
             self._device_guard(direct.launch, grid, args, current_stream(self.device_index))
         else:
             self._device_guard(self._launch, grid, args)
-        stats.count("launches")
+        count("launches")
 
     def _launch(self, grid, args) -> None:
         hooks = self._runtime_knobs
@@ -218,7 +218,7 @@ def _load(source: KernelSource, device, interpret: bool):
 
 def _count(hit: bool) -> None:
     if hit:
-        stats.count("cache_hits")
+        count("cache_hits")
     else:
-        stats.count("cache_misses")
-        stats.count("compiles")
+        count("cache_misses")
+        count("compiles")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fuser.cache import store
-from fuser.cache.keys import CACHE_FORMAT, _field_hash, _preview
+from fuser.cache.keys import CACHE_FORMAT, field_hash, preview
 
 # A temp file this old was left by a writer that died.
 STALE_TEMP_S = 3600.0
@@ -130,9 +130,9 @@ def explain_manifest(manifest: dict, here: dict) -> list[str]:
         value = values.get(name, "<the generated source>" if name == "source" else "?")
         mark = ""
         if name in here:
-            same = _field_hash(here[name]) == h
-            mark = "  (same here)" if same else f"  (DIFFERS here: {_preview(here[name], 40)})"
-        lines.append(f"  {name:<13} {h[:16]}  {_preview(value)}{mark}")
+            same = field_hash(here[name]) == h
+            mark = "  (same here)" if same else f"  (DIFFERS here: {preview(here[name], 40)})"
+        lines.append(f"  {name:<13} {h[:16]}  {preview(value)}{mark}")
     return lines
 
 

@@ -15,22 +15,21 @@ import hashlib
 import json
 from pathlib import Path
 
-from fuser.cache.store import CacheError, CorruptEntry, _read_private, atomic_write, check_chain, root
+from fuser.cache.store import CacheError, CorruptEntry, atomic_write, check_chain, read_private, root
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
 
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """Hash of the code and templates that turn rules into sources."""
-    from fuser.codegen.render import template_dir
-
+@functools.lru_cache(maxsize=4)
+def code_fingerprint(templates: Path) -> str:
+    """Hash of the code that turns rules into sources and of the templates in ``templates``
+    (codegen's folder, which codegen names: the cache sits below it and imports none of it)."""
     h = hashlib.sha256()
     files = [
         *sorted((_PACKAGE / "rules").glob("*.py")),
         *sorted((_PACKAGE / "ir").glob("*.py")),
         *sorted((_PACKAGE / "codegen").glob("*.py")),
-        *sorted(template_dir().glob("*.jinja")),
+        *sorted(templates.glob("*.jinja")),
     ]
     for path in files:
         h.update(path.name.encode())
@@ -38,8 +37,9 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def fingerprint(*parts) -> str:
-    h = hashlib.sha256(code_fingerprint().encode())
+def fingerprint(*parts, templates: Path) -> str:
+    """The key of a rendering: everything it read (``parts``), and the code and templates."""
+    h = hashlib.sha256(code_fingerprint(templates).encode())
     h.update(json.dumps(parts, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
@@ -53,7 +53,7 @@ def load(key: str) -> dict | None:
     try:
         path = _path(key)
         check_chain(path.parent)
-        raw = _read_private(path)
+        raw = read_private(path)
         entry = json.loads(raw)
         payload = entry["payload"]
         if entry["checksum"] != _digest(payload):

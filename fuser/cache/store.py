@@ -163,7 +163,8 @@ def write_folder(folder: Path, key: CacheKey, files: dict[str, bytes], meta: dic
     atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
-def _read_private(path: Path) -> bytes:
+def read_private(path: Path) -> bytes:
+    """The bytes of a cache file, once ``check_private`` accepts who owns it and who may write it."""
     with open(path, "rb") as f:
         check_private(path, os.fstat(f.fileno()))
         return f.read()
@@ -174,7 +175,7 @@ def read_manifest(folder: Path) -> dict | None:
     does not parse or its checksum fails."""
     path = folder / MANIFEST
     try:
-        raw = _read_private(path)
+        raw = read_private(path)
     except FileNotFoundError:
         return None
     except (IsADirectoryError, NotADirectoryError) as e:
@@ -204,7 +205,7 @@ def read_folder(folder: Path, key: str) -> dict[str, bytes] | None:
         if "/" in name or name.startswith("."):
             raise CorruptEntry(f"{MANIFEST} names an unexpected file {name!r}")
         try:
-            data = _read_private(folder / name)
+            data = read_private(folder / name)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise CorruptEntry(f"{name} is missing") from None
         if len(data) != want.get("size") or _sha256(data) != want.get("sha256"):

@@ -3,7 +3,8 @@
 because its own library functions were built as interpreter objects.
 
 One worker starts on first need and serves the process's compiles one at a time over
-its stdin and stdout (one JSON line each way); it exits when its parent does.
+its stdin and stdout (one JSON line each way); it exits when its parent does. Its own
+loop is ``fuser.cache.worker_main``, which imports the compiler this module is called by.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from fuser.cache.errors import CompileError
 from fuser.codegen.source import KernelSource
 
 MARK = "fuser-worker:"
@@ -37,7 +39,8 @@ def _start() -> subprocess.Popen:
     package_root = str(Path(fuser.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     _stderr = tempfile.TemporaryFile()
-    _proc = subprocess.Popen([sys.executable, "-m", "fuser.cache.worker"], env=env, stdin=subprocess.PIPE,
+    command = [sys.executable, "-m", "fuser.cache.worker_main"]
+    _proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=_stderr, text=True)  # fmt: skip
     atexit.register(_stop)
     return _proc
@@ -60,8 +63,6 @@ def _died() -> str:
 
 def compile_in_worker(source: KernelSource, path: Path, target: str) -> tuple[bytes, bytes]:
     """(cubin, metadata JSON) of the kernel at ``path``, compiled by the helper process."""
-    from fuser.cache.aot import CompileError
-
     request = {
         "path": str(path),
         "entry": source.entry,
@@ -87,34 +88,3 @@ def compile_in_worker(source: KernelSource, path: Path, target: str) -> tuple[by
     if not reply["ok"]:
         raise CompileError(reply["error"])
     return base64.b64decode(reply["cubin"]), reply["metadata"].encode()
-
-
-def main() -> None:
-    from fuser.cache.aot import CompileError, compile_binary
-
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything else printed must not reach the protocol
-    for line in sys.stdin:
-        req = json.loads(line)
-        path = Path(req["path"])
-        source = KernelSource(
-            text=path.read_text(),
-            entry=req["entry"],
-            signature=tuple(tuple(x) for x in req["signature"]),
-            constexprs=tuple(tuple(x) for x in req["constexprs"]),
-            num_warps=req["num_warps"],
-            num_stages=req["num_stages"],
-        )
-        try:
-            binary, metadata = compile_binary(source, path, req["target"])
-            reply = {"ok": True, "cubin": base64.b64encode(binary).decode(), "metadata": metadata.decode()}
-        except CompileError as e:
-            reply = {"ok": False, "error": str(e)}
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-            reply = {"ok": False, "error": f"kernel {source.entry}: {type(e).__name__}: {e}"}
-        out.write(MARK + json.dumps(reply) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    main()

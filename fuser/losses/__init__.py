@@ -22,10 +22,10 @@ from fuser.losses.builtins import (
     cross_entropy,
     entropy_regularized_cross_entropy,
 )
-from fuser.losses.rules import logsumexp
-from fuser.losses.rules import vocab_max as max  # noqa: A004 - the rule language's names
-from fuser.losses.rules import vocab_mean as mean
-from fuser.losses.rules import vocab_sum as sum  # noqa: A004
+from fuser.rules.loss import logsumexp
+from fuser.rules.loss import vocab_max as max  # noqa: A004 - the rule language's names
+from fuser.rules.loss import vocab_mean as mean
+from fuser.rules.loss import vocab_sum as sum  # noqa: A004
 
 __all__ = [
     "CROSS_ENTROPY",

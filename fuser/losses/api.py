@@ -9,9 +9,16 @@ import torch
 from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
-from fuser.losses.ops import Chunked, LinearLoss, chunk_rows, dtype_name
-from fuser.losses.staged import SCHEDULES, ShardedChunked, Staged, choose_schedule, forward_rows, vocab_cols
 from fuser.rules.rule import Rule
+from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.runtime.loss.staged import (
+    SCHEDULES,
+    ShardedChunked,
+    Staged,
+    choose_schedule,
+    forward_rows,
+    vocab_cols,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 

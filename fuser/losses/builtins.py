@@ -7,7 +7,7 @@ import functools
 import torch
 
 from fuser.losses.api import CompiledLoss
-from fuser.rules.rule import loss
+from fuser.rules.loss import loss
 
 # Cross-entropy, as torch.nn.functional.cross_entropy computes it. Label smoothing spreads
 # `label_smoothing` of the target's mass uniformly: (1 - ls) * (lse - z[y]) + ls * (lse - mean(z)).

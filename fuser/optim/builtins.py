@@ -19,7 +19,8 @@ import dataclasses
 import torch
 
 import fuser
-from fuser.optim.factory import FuserOptimizer, Options, _options
+from fuser.optim.factory import FuserOptimizer, Options
+from fuser.optim.factory import parse_options as _options
 from fuser.rules.rule import Rule
 
 # --- SGD (torch.optim.SGD) ---------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Parsing and validation: rule text or a traced function -> ``Rule``."""
 
 from fuser.rules.functions import Reduction
+from fuser.rules.loss import loss
 from fuser.rules.parse import Statement, symbol
-from fuser.rules.rule import FUNCTIONS, Rule, loss, rule
+from fuser.rules.rule import FUNCTIONS, Rule, rule
 
 __all__ = ["FUNCTIONS", "Reduction", "Rule", "Statement", "loss", "rule", "symbol"]

@@ -122,14 +122,17 @@ def parse_text(text: str, lang: Language) -> tuple[list[Statement], dict[str, sy
         line = e.lineno or 1
         src = lines[line - 1] if 0 < line <= len(lines) else None
         raise RuleError(f"syntax error: {e.msg}", line=line, col=e.offset, source_line=src) from None
-    walker = _Walker(lang, lines)
+    walker = Walker(lang, lines)
     statements = []
     for node in tree.body:
         statements.append(walker.statement(node))
     return statements, walker.env, lines
 
 
-class _Walker:
+class Walker:
+    """Turns the statements of a rule's text into sympy, checking each node against the
+    language; subclasses (``display``'s as-written reading) override single node kinds."""
+
     def __init__(self, lang: Language, lines: list[str]):
         self.lang = lang
         self.lines = lines

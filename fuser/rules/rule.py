@@ -1,4 +1,4 @@
-"""``fuser.rule`` and ``fuser.loss``: text or a traced function -> a frozen ``Rule``."""
+"""``fuser.rule``: text or a traced function -> a frozen ``Rule`` (loss epilogues: ``rules.loss``)."""
 
 from __future__ import annotations
 
@@ -58,19 +58,30 @@ class Rule:
             + ">"
         )
 
-    def _repr_latex_(self) -> str:
-        """Jupyter shows a rule as math, statement by statement."""
-        from fuser.display import rule_latex
+    def _repr_latex_(self) -> str | None:
+        """Jupyter shows a rule as math, statement by statement (``display.rule_latex``,
+        which the package registers with ``set_latex_renderer``: display sits above rules)."""
+        return None if _latex_renderer is None else _latex_renderer(self)
 
-        return rule_latex(self)
+
+_latex_renderer = None
 
 
-def _identifier(name: str) -> str:
+def set_latex_renderer(render) -> None:
+    """Set the function (``Rule -> str``) that ``Rule._repr_latex_`` calls."""
+    global _latex_renderer
+    _latex_renderer = render
+
+
+def identifier(name: str) -> str:
+    """``name`` made a Python identifier (kernel and class names are built from it)."""
     clean = re.sub(r"\W", "_", name)
     return clean if clean and not clean[0].isdigit() else f"r_{clean}"
 
 
-def _check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
+def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
+    """Raise ``RuleError`` for a hyperparameter or state name that is no identifier or is
+    reserved, or whose default is not a finite number."""
     reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
     reserved |= {"numel", ZY, "loss"}
     for what, names in (("hyperparameter", hyper), ("state", state)):
@@ -109,7 +120,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     state = dict(state or {})
     if source is None:
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
-    _check_names("optim", hyper, state, OPTIM_INPUTS)
+    check_names("optim", hyper, state, OPTIM_INPUTS)
     lang = Language(
         readable=frozenset({*OPTIM_INPUTS, "numel", *hyper, *state}),
         frozen=frozenset({"g", "step", "numel", *hyper}),
@@ -131,28 +142,13 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
     return Rule(
         "optim",
-        _identifier(rule_name),
+        identifier(rule_name),
         text,
         tuple(hyper.items()),
         tuple(state.items()),
         tuple(statements),
         tuple(outputs),
     )
-
-
-def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
-    """Define a loss epilogue from text or a function (see ``fuser.losses``)."""
-    hyper = dict(hyper or {})
-    if source is None:
-        return lambda fn: loss(fn, name=name, hyper=hyper)
-    from fuser.losses.rules import build_loss_rule
-
-    rule_name = name or getattr(source, "__name__", None) or "loss"
-    try:
-        _check_names("loss", hyper, {}, LOSS_INPUTS)
-        return build_loss_rule(source, _identifier(rule_name), hyper)
-    except RuleError as e:
-        raise e.with_rule(rule_name) from None
 
 
 def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
@@ -244,7 +240,7 @@ def _export(name: str):
         if len(args) != nargs:
             raise TypeError(f"{name}() takes {nargs} argument(s), got {len(args)}")
         value = builder(*[sympy.sympify(a) for a in args])
-        # A traced loss function's logits (fuser.losses.rules.Logits) stay wrapped, so
+        # A traced loss function's logits (fuser.rules.loss.Logits) stay wrapped, so
         # `z[y]` still works after `z = cap * fuser.tanh(z / cap)`.
         wrapped = next((a for a in args if hasattr(a, "_fuser_rewrap")), None)
         return value if wrapped is None else wrapped._fuser_rewrap(value)

@@ -1,1 +1,3 @@
-"""Devices: pointer tables, launches, counters."""
+"""Execution: the optimizer's step engine (``engine``, with ``plans``, ``tracking``, ``state``),
+device pointer tables (``tables``), DTensor shards (``distributed``) and loss execution
+(``loss``). See ARCHITECTURE.md."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fuser.counters import count
 from fuser.ir.optim import ACCUMULATE
-from fuser.runtime import stats
 
 try:
     import torch.distributed as dist
@@ -151,7 +151,7 @@ class ShardReduction:
             parts = [red.view(-1).index_select(0, idx) for red, idx in ex.segments]
             buf = parts[0] if len(parts) == 1 else torch.cat(parts)
             dist.all_reduce(buf, op=ex.op, group=ex.group)
-            stats.count("collectives")
+            count("collectives")
             offset = 0
             for red, idx in ex.segments:
                 red.view(-1).index_copy_(0, idx, buf[offset : offset + idx.numel()])

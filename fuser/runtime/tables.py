@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuser.runtime import stats
+from fuser.counters import count
 
 
 @dataclass
@@ -57,7 +57,7 @@ def build_tables(
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
-    stats.count("table_builds")
+    count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
         numels=torch.stack([numels, logical]).to(device),

@@ -17,7 +17,8 @@ import fuser
 import fuser.optim
 from fuser import cli, clitools
 from fuser.cache import stored_binary
-from fuser.optim import builtins, factory
+from fuser.optim import builtins
+from fuser.runtime import engine, plans
 
 TARGET = "cuda:90"
 
@@ -53,7 +54,7 @@ def _step_loads(monkeypatch, rule, param_dtype, grad_dtype, **options) -> list:
         loaded.append(source)
         return lambda grid, *args: None
 
-    monkeypatch.setattr(factory, "load_kernel", record)
+    monkeypatch.setattr(engine, "load_kernel", record)
     attr = "grad" if grad_dtype == param_dtype else "main_grad"
     params = [torch.randn(37, 5, dtype=param_dtype), torch.randn(11, dtype=param_dtype)]
     for p in params:
@@ -124,7 +125,7 @@ def test_builtins_cover_every_variant_with_its_defaults(cache_root, name):
     for keywords in VARIANT_KEYWORDS.get(name, [{}]):
         opt = cls([torch.zeros(3, requires_grad=True)], lr=0.1, **keywords)
         assert id(opt.rule) in collected, (name, keywords, opt.rule.name)
-        plan = factory._dtype_plan(opt.rule, opt.options, "bf16", "bf16")
-        launched = factory._plan_and_sources(opt.rule, plan, opt.options.stochastic_rounding)[1]
+        plan = plans.dtype_plan(opt.rule, opt.options, "bf16", "bf16")
+        launched = plans.plan_and_sources(opt.rule, plan, opt.options.stochastic_rounding)[1]
         compiled = clitools.kernel_sources(opt.rule, clitools.Variant("bf16"))
         assert [s.digest for s in launched] == [s.digest for s in compiled]

@@ -7,7 +7,7 @@ import fuser
 from fuser.cache import rendered
 from fuser.codegen.render import render_optim
 from fuser.ir import lower_optim
-from fuser.optim import factory
+from fuser.runtime import plans
 
 
 def fresh_sources(rule, dtypes):
@@ -22,19 +22,19 @@ def test_memo_returns_what_rendering_gives_and_survives_damage(tmp_path, monkeyp
         hyper=dict(lr=0.1, b=0.9),
         state=dict(m=0.0),
     )
-    dtypes = factory._dtype_plan(rule, factory.Options(), "bf16", "fp32")
-    factory._plan_and_sources.cache_clear()
-    layout, first = factory._plan_and_sources(rule, dtypes)
+    dtypes = plans.dtype_plan(rule, plans.Options(), "bf16", "fp32")
+    plans.plan_and_sources.cache_clear()
+    layout, first = plans.plan_and_sources(rule, dtypes)
     files = list((tmp_path / "cache").rglob("rendered/*/*.json"))
     assert len(files) == 1
-    factory._plan_and_sources.cache_clear()
-    layout2, second = factory._plan_and_sources(rule, dtypes)  # from the memo
+    plans.plan_and_sources.cache_clear()
+    layout2, second = plans.plan_and_sources(rule, dtypes)  # from the memo
     assert [s.text for s in first] == [s.text for s in second] == fresh_sources(rule, dtypes)
     assert first == second and layout == layout2 and layout.n_reductions == 1
     # Damage: the entry is ignored, rendered again and rewritten.
     files[0].write_text(json.dumps({"payload": {"slots": []}, "checksum": "0" * 64}))
-    factory._plan_and_sources.cache_clear()
-    _, third = factory._plan_and_sources(rule, dtypes)
+    plans.plan_and_sources.cache_clear()
+    _, third = plans.plan_and_sources(rule, dtypes)
     assert [s.text for s in third] == fresh_sources(rule, dtypes)
     assert rendered.load(files[0].stem) is not None
 
@@ -49,7 +49,7 @@ def test_function_rules_with_the_same_text_but_other_values_do_not_share_an_entr
 
     a, b = make(2.0), make(3.0)
     assert a.text == b.text
-    dtypes = factory._dtype_plan(a, factory.Options(), "fp32", "fp32")
-    sa = factory._plan_and_sources(a, dtypes)[1][0].text
-    sb = factory._plan_and_sources(b, dtypes)[1][0].text
+    dtypes = plans.dtype_plan(a, plans.Options(), "fp32", "fp32")
+    sa = plans.plan_and_sources(a, dtypes)[1][0].text
+    sb = plans.plan_and_sources(b, dtypes)[1][0].text
     assert sa != sb

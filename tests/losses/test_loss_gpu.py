@@ -6,8 +6,8 @@ import torch
 import fuser
 import fuser.losses
 from fuser.losses import api
-from fuser.losses.ops import accumulate_weight_grad
-from fuser.losses.staged import MAIN_GRAD_BUDGET
+from fuser.runtime.loss.chunked import accumulate_weight_grad
+from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET
 
 from .reference import assert_close, cross_entropy, make_inputs, reference
 

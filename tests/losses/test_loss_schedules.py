@@ -12,8 +12,8 @@ import torch
 import fuser
 import fuser.losses
 from fuser.losses import api
-from fuser.losses.ops import chunk_rows
-from fuser.losses.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
+from fuser.runtime.loss.chunked import chunk_rows
+from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
 
 from .reference import T, V, assert_close, cross_entropy, make_inputs, reference
 from .test_loss_values import USER_RULES, check, label_smoothed, run
@@ -163,7 +163,8 @@ def test_chunk_rows_leaves_room_for_the_accumulator():
 def test_every_launch_gets_16_byte_aligned_rows(schedule, short_slices, monkeypatch):
     # the kernels load full blocks 16 bytes at a time and assume aligned rows: V = 211 is
     # not a multiple of 8, so every driver must pad its buffers' rows
-    from fuser.losses import ops, staged
+    from fuser.runtime.loss import chunked as ops
+    from fuser.runtime.loss import staged
 
     seen = []
 

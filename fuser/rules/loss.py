@@ -1,4 +1,4 @@
-"""Loss epilogues: rule text or a traced function -> a checked ``Rule`` of kind ``"loss"``.
+"""``fuser.loss``: rule text or a traced function -> a checked ``Rule`` of kind ``"loss"``.
 
 A loss rule reads ``z`` (one raw logit), ``z[y]`` (the logit at the target), its
 hyperparameters and vocabulary reductions, and assigns ``loss``, the per-token loss.
@@ -18,7 +18,7 @@ import sympy
 from fuser.errors import RuleError
 from fuser.rules.functions import LOSS_REDUCTIONS, Reduction
 from fuser.rules.parse import Language, Statement, parse_text, symbol
-from fuser.rules.rule import ZY, Rule
+from fuser.rules.rule import LOSS_INPUTS, ZY, Rule, check_names, identifier
 
 Z = symbol("z")
 Z_Y = symbol(ZY)
@@ -57,6 +57,19 @@ def loss_language(hyper: dict) -> Language:
         reductions=LOSS_REDUCTIONS,
         subscripts={("z", "y"): at_target},
     )
+
+
+def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
+    """Define a loss epilogue from text or a function (see ``fuser.losses``)."""
+    hyper = dict(hyper or {})
+    if source is None:
+        return lambda fn: loss(fn, name=name, hyper=hyper)
+    rule_name = name or getattr(source, "__name__", None) or "loss"
+    try:
+        check_names("loss", hyper, {}, LOSS_INPUTS)
+        return build_loss_rule(source, identifier(rule_name), hyper)
+    except RuleError as e:
+        raise e.with_rule(rule_name) from None
 
 
 def build_loss_rule(source, name: str, hyper: dict) -> Rule:

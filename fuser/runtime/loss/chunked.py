@@ -1,5 +1,5 @@
 """Fused ``linear + loss``: the row kernel's chunked driver and the autograd ``Function``
-(which also runs the staged schedules of ``fuser.losses.staged``).
+(which also runs the staged schedules of ``fuser.runtime.loss.staged``).
 
 For each chunk of tokens, the logits ``x_chunk @ W.T (+ b)`` are computed by torch (cuBLAS
 on a GPU) in the input dtype into one reused buffer; the rule's generated row kernel then

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from fuser.cache import load_kernel
-from fuser.losses.ops import MIB, Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
+from fuser.runtime.loss.chunked import MIB, Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
 
 
 class Staged(Chunked):

@@ -1,0 +1,343 @@
+"""The step engine of a compiled optimizer: what a step checks, what it rebuilds when
+something changed, and the launches it makes.
+
+A step gathers the parameters that have gradients, checks that nothing changed since the
+last step (addresses, sizes, dtypes, devices, strides, groups, state tensors: a quick
+check in ``tracking`` first, a full one when that cannot tell), and walks its *program*:
+a list of steps made when the tables were built, one ``KernelStep`` per (phase, launch
+group) and a ``CollectiveStep`` where shards must combine a phase's reductions before
+the next. A launch group is one (device, dtype plan) with its own pointer tables; tables
+are rebuilt only when something changed; hyperparameters are re-sent only when a group's
+values changed. A new kind of phase is a new kind of step in the program.
+
+The engine reads its front end (``fuser.optim.FuserOptimizer``) through ``param_groups``,
+``state``, ``rule``, ``options``, ``_state_keys``, ``_group_hyper`` and GradScaler's
+``grad_scale``/``found_inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0.3 s)
+
+from fuser.cache import load_kernel
+from fuser.counters import count
+from fuser.ir.optim import scalar_state_names
+from fuser.log import logger
+from fuser.runtime import distributed
+from fuser.runtime.plans import TORCH_DTYPES, StepLayout, dtype_plan, plan_and_sources
+from fuser.runtime.state import ensure_states, pack_scalars, validate
+from fuser.runtime.tables import Tables, build_tables
+from fuser.runtime.tracking import Snapshot, take_snapshot, unchanged
+
+
+@dataclass
+class LaunchGroup:
+    """Everything the launches of one (device, dtype plan) need, valid while the signature
+    it was built for holds."""
+
+    kernels: list  # one per phase
+    plan: StepLayout
+    tables: Tables
+    scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
+    red: torch.Tensor  # fp32 [n_tensors, n_reductions]: per-tensor reduction results
+    partials: torch.Tensor  # fp32 [n_blocks, n_reductions]
+    members: list[int]  # index in the step's parameter list of each table row
+    grad_column: int  # column of the gradient in ``tables.ptrs``
+    part: int  # row of this launch in its device's global-reduction table
+
+
+@dataclass(frozen=True)
+class KernelStep:
+    """One phase's kernel over one launch group's tables."""
+
+    kernel: object
+    group: LaunchGroup
+
+    def __call__(self, engine: StepEngine, opt, seed: int) -> None:
+        g = self.group
+        t = g.tables
+        device = t.ptrs.device
+        grad_scale, found_inf = engine.amp_tensors(opt, device)
+        self.kernel(
+            (t.n_blocks,),
+            t.ptrs,
+            t.numels,
+            t.groups,
+            t.block_tensor,
+            t.block_start,
+            t.tensor_first_block,
+            t.tensor_blocks,
+            engine.hyper_tables[device],
+            g.scalars,
+            g.red,
+            g.partials,
+            t.counters,
+            engine.glob[device],
+            grad_scale,
+            found_inf,
+            t.n_tensors,
+            t.n_blocks,
+            g.part,
+            engine.n_parts[device],
+            seed,
+        )
+
+
+@dataclass(frozen=True)
+class CollectiveStep:
+    """Combine the reductions of DTensor shards after ``phase`` (``runtime.distributed``)."""
+
+    phase: int
+
+    def __call__(self, engine: StepEngine, opt, seed: int) -> None:
+        engine.shards(self.phase)
+
+
+def program(groups: list[LaunchGroup], shards) -> list:
+    """The launch sequence: phase k of every group before phase k + 1 of any (global
+    reductions combine the totals of every launch on the device), with the shards'
+    collective between phases."""
+    steps = []
+    n_phases = len(groups[0].kernels)
+    for phase in range(n_phases):
+        steps += [KernelStep(group.kernels[phase], group) for group in groups]
+        if shards is not None and phase < n_phases - 1:
+            steps.append(CollectiveStep(phase))
+    return steps
+
+
+@dataclass
+class StepEngine:
+    snapshot: Snapshot | None = None
+    signature: list = field(default_factory=list)
+    grad_ptrs: list = field(default_factory=list)
+    launches: list = field(default_factory=list)  # LaunchGroup per (device, dtype plan)
+    program: list = field(default_factory=list)  # what a step calls, in order (see program())
+    hyper_values: list = field(default_factory=list)  # per group: floats, None where a tensor
+    hyper_tables: dict = field(default_factory=dict)  # device -> fp64 [n_groups, n_hyper]
+    glob: dict = field(default_factory=dict)  # device -> fp32 [n_parts, n_global]
+    n_parts: dict = field(default_factory=dict)  # device -> launches (dtype plans) on it
+    amp_defaults: dict = field(default_factory=dict)  # device -> (grad_scale 1.0, found_inf 0.0)
+    shards: object = None  # combines reductions of DTensor shards between phases (runtime.distributed)
+
+    def step(self, opt) -> None:
+        # Nothing here is recorded by autograd except what prepare and sync_hyper guard
+        # themselves: a no_grad() around every step would cost more than the quick check.
+        if self.snapshot is None or not unchanged(self.snapshot, opt, self):
+            self.snapshot = None
+            with torch.no_grad():
+                if not self.prepare(opt):
+                    return
+        self.launch(opt)
+
+    def forget(self) -> None:
+        """Re-read everything at the next step (new param groups, loaded state)."""
+        self.signature = []
+        self.snapshot = None
+
+    # the full check ------------------------------------------------------------------
+    def prepare(self, opt) -> bool:
+        """The full check: gather, rebuild what changed; False when no parameter has a gradient."""
+        count("full_checks")
+        items, signature, grad_ptrs = gather(opt)
+        if not items:
+            return False
+        if signature != self.signature:
+            self.rebuild(opt, items)
+            # The rebuild created state and re-packed steps: take the signature afterwards.
+            _, self.signature, self.grad_ptrs = gather(opt)
+        elif grad_ptrs != self.grad_ptrs:
+            self.refresh_grad_column(grad_ptrs)
+        self.snapshot = take_snapshot(opt, items)
+        return True
+
+    def rebuild(self, opt, items) -> None:
+        """Check every tensor, create missing state, and rebuild tables: all checks run
+        before anything is modified, so a bad input leaves the optimizer as it was."""
+        validate(opt, items)
+        ensure_states(opt, items)
+        groups, n_parts = [], {}
+        for (device, dplan), indexed in partition(opt, items).items():
+            part = n_parts.get(device, 0)
+            n_parts[device] = part + 1
+            groups.append(build_group(opt, device, dplan, indexed, part))
+        logger.info(
+            "%s: tables rebuilt for %d tensors in %d launch group(s)",
+            type(opt).__name__,
+            len(items),
+            len(groups),
+        )
+        self.launches = groups
+        self.n_parts = n_parts
+        n_global = max(1, groups[0].plan.n_global)
+        self.glob = {d: torch.zeros(n, n_global, device=d) for d, n in n_parts.items()}
+        self.shards = distributed.shard_reduction(
+            groups, [[items[i][0] for i in group.members] for group in groups], self.glob
+        )
+        self.program = program(groups, self.shards)
+        self.hyper_values = []  # force a hyper table refresh
+
+    def grads_moved(self, grad_ptrs: list) -> None:
+        """New gradient tensors passed the quick check: rewrite the gradient column if they moved."""
+        if grad_ptrs != self.grad_ptrs:
+            self.refresh_grad_column(grad_ptrs)
+
+    def refresh_grad_column(self, grad_ptrs: list) -> None:
+        """Same parameters, states and gradient layouts; only the gradients moved."""
+        for group in self.launches:
+            column = torch.tensor([grad_ptrs[i] for i in group.members], dtype=torch.int64)
+            group.tables.ptrs[:, group.grad_column].copy_(column)
+        self.grad_ptrs = grad_ptrs
+
+    # the launches --------------------------------------------------------------------
+    def launch(self, opt) -> None:
+        self.sync_hyper(opt)
+        seed = opt.options.seed
+        for step in self.program:
+            step(self, opt, seed)
+
+    def amp_tensors(self, opt, device):
+        """(grad_scale, found_inf) on ``device``: GradScaler's when it set them, else 1 and 0."""
+        if device not in self.amp_defaults:
+            self.amp_defaults[device] = (torch.ones(1, device=device), torch.zeros(1, device=device))
+        scale, found = self.amp_defaults[device]
+        gs = getattr(opt, "grad_scale", None)
+        fi = getattr(opt, "found_inf", None)
+        if gs is not None:
+            scale = gs.to(device=device, dtype=torch.float32).reshape(1)
+        if fi is not None:
+            found = fi.to(device=device, dtype=torch.float32).reshape(1)
+        return scale, found
+
+    def sync_hyper(self, opt) -> None:
+        """Send the groups' hyperparameters to each device's table: numbers when they change
+        (a host-to-device copy), tensors (an ``lr`` tensor, say) by a device copy every
+        step, which a captured CUDA graph replays."""
+        names = list(opt.rule.hyper_defaults)
+        rows, tensors = hyper_rows(opt, names)
+        devices = {group.tables.ptrs.device for group in self.launches}
+        if rows != self.hyper_values or set(self.hyper_tables) != devices:
+            numbers = [[math.nan if v is None else v for v in row] for row in rows]
+            for device in devices:
+                self.hyper_tables[device] = (
+                    torch.tensor(numbers, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
+                )
+            self.hyper_values = rows
+        if tensors:
+            with torch.no_grad():
+                for device in devices:
+                    table = self.hyper_tables[device]
+                    for gi, j, v in tensors:
+                        table[gi, j].copy_(v.reshape(()))
+
+
+def hyper_rows(opt, names: list[str]) -> tuple[list[tuple], list]:
+    """Per param group, its hyperparameters as numbers (None where a tensor), and the
+    tensors as (group, column, tensor)."""
+    rows, tensors = [], []
+    for gi, group in enumerate(opt.param_groups):
+        hv = opt._group_hyper(group)
+        row = []
+        for j, n in enumerate(names):
+            v = hv[n]
+            if torch.is_tensor(v):
+                tensors.append((gi, j, v))
+                row.append(None)
+            else:
+                v = float(v)
+                if not math.isfinite(v):
+                    raise ValueError(f"hyperparameter {n!r} of param group {gi} is {v}; it must be finite")
+                row.append(v)
+        rows.append(tuple(row))
+    return rows, tensors
+
+
+def gather(opt):
+    """Parameters with gradients, and what the tables depend on: ``signature`` (all but
+    the gradients' addresses) and ``grad_ptrs`` (those, which change every step when
+    gradients are set to None between steps). Both are of the local tensors the kernels
+    walk: a DTensor's own ``data_ptr()`` is 0."""
+    attr = opt.options.grad_attr
+    keys = list(opt._state_keys.values())
+    items, signature, grad_ptrs = [], [], []
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            g = getattr(p, attr, None)
+            if g is None:
+                continue
+            g, pl, gl = distributed.local_pair(p, g, attr)
+            items.append((p, g, gi))
+            st = opt.state.get(p)
+            try:
+                grad_ptrs.append(gl.data_ptr())
+                sig = (
+                    gi,
+                    pl.data_ptr(),
+                    pl.dtype,
+                    gl.dtype,
+                    pl.device,
+                    gl.device,
+                    pl.shape,
+                    gl.shape,
+                    pl.stride(),
+                    gl.stride(),
+                )
+            except RuntimeError:  # sparse and other storage-less gradients
+                sig = (gi, id(g))
+            if st:
+                # States are fuser's own tensors: a new one (load_state_dict, assignment)
+                # is a new object, so identity is enough and far cheaper than data_ptr().
+                sig += tuple(id(st.get(k)) for k in keys) + (id(st.get("step")),)
+            signature.append(sig)
+    return items, signature, grad_ptrs
+
+
+def partition(opt, items) -> dict[tuple, list]:
+    """(device, dtype plan) -> [(index in items, p, g, group index)]: one launch group each."""
+    parts: dict[tuple, list] = {}
+    for i, (p, g, gi) in enumerate(items):
+        dplan = dtype_plan(opt.rule, opt.options, TORCH_DTYPES[p.dtype], TORCH_DTYPES[g.dtype])
+        parts.setdefault((p.device, dplan), []).append((i, p, g, gi))
+    return parts
+
+
+def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGroup:
+    """The kernels, pointer tables, scalar table and reduction buffers of one launch group."""
+    members = [m[1:] for m in indexed]
+    plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding)
+    kernels = [load_kernel(src, device) for src in sources]
+    keys = opt._state_keys
+    scalar_names = scalar_state_names(opt.rule)
+    rows = []
+    for p, g, _ in members:
+        st = opt.state[p]
+        slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
+        rows.append([distributed.local(slot_tensor[sl.name]) for sl in plan.slots])
+    block = dict(sources[0].constexprs)["BLOCK"]
+    tables = build_tables(
+        rows, [gi for _, _, gi in members], block, device, [p.numel() for p, _, _ in members]
+    )
+    scalars = pack_scalars(opt, members, scalar_names, device)
+    nred = max(1, plan.n_reductions)
+    red = torch.zeros(tables.n_tensors, nred, device=device)
+    partials = torch.zeros(tables.n_blocks if plan.n_reductions else 1, nred, device=device)
+    grad_column = [sl.name for sl in plan.slots].index("g")
+    return LaunchGroup(
+        kernels, plan, tables, scalars, red, partials, [m[0] for m in indexed], grad_column, part
+    )
+
+
+def launched_sources(obj) -> list:
+    """The kernel sources of an optimizer: those an instance has launched, else those it
+    launches for fp32 tensors (a class, or an instance before its first step)."""
+    engine = None if isinstance(obj, type) else getattr(obj, "_fuser", None)
+    groups = engine.launches if isinstance(engine, StepEngine) else []
+    sources = [kernel.source for group in groups for kernel in group.kernels]
+    if not sources:
+        dplan = dtype_plan(obj.rule, obj.options, "fp32", "fp32")
+        sources = plan_and_sources(obj.rule, dplan, obj.options.stochastic_rounding)[1]
+    return sources

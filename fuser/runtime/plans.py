@@ -1,0 +1,182 @@
+"""What an optimizer step launches, before any tensor is seen: compile options, the dtype
+plan of a launch group, and the lowered layout and rendered kernels of a rule.
+
+``plan_and_sources`` is the one place that turns a rule into kernels for the step; it
+remembers its results in memory and on disk (``cache.rendered``), because lowering and
+rendering cost ~0.1-0.2 s of sympy per rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from fuser.cache import rendered
+from fuser.codegen.render import render_optim, template_dir
+from fuser.codegen.source import KernelSource
+from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim
+from fuser.rules.rule import Rule
+
+TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Compile options of an optimizer class."""
+
+    state_dtype: str | None = None  # None: fp32; "param": each parameter's dtype; or a dtype name
+    state_keys: tuple[tuple[str, str], ...] = ()  # rule state name -> key in optimizer.state[p]
+    grad_attr: str = "grad"  # read each gradient from this attribute ("main_grad": Megatron's fp32)
+    stochastic_rounding: bool = False  # bf16/fp16 stores round stochastically
+    seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
+    static: bool = False  # storage of params, grads and states never replaced: no per-tensor check
+
+
+def parse_options(
+    state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False, seed=0, static=False
+) -> Options:
+    """``Options`` from ``fuser.compile``'s keywords, checked."""
+    if isinstance(state_dtype, torch.dtype):
+        if state_dtype not in TORCH_DTYPES:
+            raise ValueError(f"state_dtype must be float32, bfloat16 or float16, not {state_dtype}")
+        state_dtype = TORCH_DTYPES[state_dtype]
+    if state_dtype not in (None, "param", *DTYPES):
+        raise ValueError(f"state_dtype must be a torch dtype, one of {DTYPES}, or 'param'")
+    if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
+        raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be a non-negative integer below 2**63, not {seed!r}")
+    if not isinstance(static, bool):
+        raise ValueError(f"static must be True or False, not {static!r}")
+    return Options(
+        state_dtype,
+        tuple(sorted((state_keys or {}).items())),
+        grad_attr,
+        bool(stochastic_rounding),
+        seed,
+        static,
+    )
+
+
+def state_dtype(options: Options, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the element states of a parameter stored in ``param_dtype``."""
+    sd = options.state_dtype
+    if sd is None:
+        return torch.float32
+    return param_dtype if sd == "param" else FROM_NAME[sd]
+
+
+def dtype_plan(rule: Rule, options: Options, param_dtype: str, grad_dtype: str) -> tuple:
+    """The storage dtype of each slot ((name, dtype) pairs) of one launch group."""
+    if options.state_dtype is None:
+        sd = "fp32"
+    elif options.state_dtype == "param":
+        sd = param_dtype
+    else:
+        sd = options.state_dtype
+    return (("p", param_dtype), ("g", grad_dtype), *((s, sd) for s, _ in rule.state))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the runtime needs of a lowered plan: the pointer table's columns, the sizes
+    of the reduction tables, and how each reduction combines (for DTensor shards)."""
+
+    slots: tuple[Slot, ...]
+    n_reductions: int
+    n_global: int
+    reductions: tuple[ReductionPlan, ...]  # symbols left out: (op, phase, column, global_column)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_and_sources(
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False
+) -> tuple[StepLayout, list[KernelSource]]:
+    """The step's layout and kernels, from the on-disk memo when this rule was rendered
+    before with the same code (sympy costs ~0.1-0.2 s per rule), else lowered and rendered."""
+    key = rendered.fingerprint(
+        "optim",
+        rule.name,
+        rule.text,
+        rule.hyper,
+        rule.state,
+        [(n, sympy.srepr(e)) for n, e in rule.outputs],
+        dtypes,
+        stochastic_rounding,
+        [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS")],
+        templates=template_dir(),
+    )
+    memo = rendered.load(key)
+    if memo is not None:
+        try:
+            return _from_memo(memo)
+        except (KeyError, TypeError, ValueError):
+            pass  # an entry of another shape: render again
+    plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
+    layout = StepLayout(
+        plan.slots,
+        len(plan.reductions),
+        plan.n_global,
+        tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions),
+    )
+    sources = render_optim(plan)
+    rendered.store(key, _to_memo(layout, sources))
+    return layout, sources
+
+
+_SOURCE_FIELDS = ("text", "entry", "signature", "constexprs", "num_warps", "num_stages", "meta")
+
+
+def _to_memo(layout: StepLayout, sources: list[KernelSource]) -> dict:
+    return {
+        "slots": [dataclasses.asdict(s) for s in layout.slots],
+        "n_reductions": layout.n_reductions,
+        "n_global": layout.n_global,
+        "reductions": [(r.op, r.phase, r.column, r.global_column) for r in layout.reductions],
+        "sources": [{f: getattr(k, f) for f in _SOURCE_FIELDS} for k in sources],
+    }
+
+
+def _from_memo(memo: dict) -> tuple[StepLayout, list[KernelSource]]:
+    layout = StepLayout(
+        tuple(Slot(**s) for s in memo["slots"]),
+        memo["n_reductions"],
+        memo["n_global"],
+        tuple(ReductionPlan(None, *r) for r in memo["reductions"]),
+    )
+    sources = [
+        KernelSource(
+            text=k["text"],
+            entry=k["entry"],
+            signature=tuple(tuple(x) for x in k["signature"]),
+            constexprs=tuple(tuple(x) for x in k["constexprs"]),
+            num_warps=k["num_warps"],
+            num_stages=k["num_stages"],
+            meta=tuple(tuple(x) for x in k["meta"]),
+        )
+        for k in memo["sources"]
+    ]
+    return layout, sources
+
+
+def kernel_sources(
+    rule: Rule, dtype: str = "fp32", *, grad_dtype: str | None = None, **options
+) -> list[KernelSource]:
+    """Every kernel an optimizer compiled from ``rule`` with ``options`` (``fuser.compile``'s
+    keywords) launches when parameters are stored in ``dtype`` and gradients in
+    ``grad_dtype`` (default ``dtype``; ``"fp32"`` for Megatron's ``main_grad`` beside bf16
+    parameters). Of the options, ``state_dtype`` and ``stochastic_rounding`` change the
+    kernels; ``grad_attr``, ``state_keys`` and ``seed`` do not."""
+    grad_dtype = dtype if grad_dtype is None else grad_dtype
+    for what, value in (("dtype", dtype), ("grad_dtype", grad_dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"{what} must be one of {DTYPES}, not {value!r}")
+    opts = parse_options(**options)
+    plan = dtype_plan(rule, opts, dtype, grad_dtype)
+    return list(plan_and_sources(rule, plan, opts.stochastic_rounding)[1])
