@@ -269,7 +269,7 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
     chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``,
     ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"`` or ``"vocab"``: see
-    ``fuser.losses.staged``; ``auto`` picks by memory)."""
+    ``fuser.runtime.loss.staged``; ``auto`` picks by memory)."""
     return CompiledLoss(rule, **options)
 
 
