@@ -1,0 +1,196 @@
+"""What every built-in shares: ``BuiltinOptimizer`` (fuser's own keywords, the choice of a
+rule variant, param-group keywords to rule hyperparameters) and torch's argument checks,
+with torch's messages.
+
+A built-in states what differs as data: ``rule`` (the variant its default keywords select),
+``variants`` (when some keywords change the update's shape) and ``hyper_from`` (for a
+hyperparameter not read from the group keyword of its own name). Its constructor keeps
+torch's signature and defaults as written code: they are the drop-in's contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from operator import itemgetter
+
+import torch
+
+from fuser.optim.factory import FuserOptimizer, Options, parse_options
+from fuser.rules.rule import Rule
+
+# --- reading a param group ---------------------------------------------------------------
+
+Reader = Callable[[dict], object]
+
+
+def flag(keyword: str) -> Reader:
+    """A boolean keyword as a 0/1 hyperparameter (absent: 0): ``g - 2 * maximize * g`` is
+    then exactly ``g`` or ``-g``."""
+    return lambda group: float(bool(group.get(keyword, False)))
+
+
+def steps(keyword: str) -> Reader:
+    """A number of steps where ``None`` means none, as a number (``None``: 0)."""
+    return lambda group: float(group[keyword] or 0)
+
+
+def beta(index: int, count: int) -> Reader:
+    """``betas[index]`` of a group whose ``betas`` holds ``count`` values."""
+
+    def read(group: dict):
+        betas = group["betas"]
+        if len(betas) != count:
+            raise ValueError(f"betas must have {count} values, not {len(betas)}")
+        return betas[index]
+
+    return read
+
+
+_BETAS = ("beta1", "beta2", "beta3")
+
+
+def hyper_readers(rule: Rule, hyper_from: dict[str, Reader]) -> tuple[tuple[str, Reader], ...]:
+    """How to read each of ``rule``'s hyperparameters from a param group: ``hyper_from``'s
+    reader where it has one, then the conventions every built-in follows (``maximize`` a
+    0/1 flag, ``beta1``.. from the ``betas`` tuple), else the group keyword of that name."""
+    names = list(rule.hyper_defaults)
+    n_betas = sum(name in _BETAS for name in names)
+    readers = []
+    for name in names:
+        if name in hyper_from:
+            read = hyper_from[name]
+        elif name == "maximize":
+            read = flag("maximize")
+        elif name in _BETAS:
+            read = beta(_BETAS.index(name), n_betas)
+        else:
+            read = itemgetter(name)
+        readers.append((name, read))
+    return tuple(readers)
+
+
+# --- checks, as torch.optim words them ---------------------------------------------------
+
+
+def check_lr(lr) -> None:
+    if torch.is_tensor(lr) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_nonneg(**values) -> None:
+    for name, v in values.items():
+        if not 0.0 <= v:
+            raise ValueError(f"Invalid {name} value: {v}")
+
+
+def check_betas(betas, n: int = 2) -> tuple:
+    betas = tuple(float(b) for b in betas)
+    if len(betas) != n:
+        raise ValueError(f"betas must have {n} values, not {len(betas)}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    return betas
+
+
+# --- the class ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+    """The rule variants of a built-in whose keywords change the update's shape (``amsgrad``,
+    ``nesterov``, ``centered``, ``momentum`` zero or not).
+
+    ``key(group)`` is the variant a param group needs, ``rules`` maps each key to its rule,
+    and ``keywords`` names those keywords in errors. Every param group must need the same
+    variant (it is one compiled kernel), checked whenever groups are added or a state_dict
+    replaces them.
+    """
+
+    keywords: str
+    key: Callable[[dict], tuple]
+    rules: dict[tuple, Rule]
+
+
+class BuiltinOptimizer(FuserOptimizer):
+    """Constructor plumbing shared by the built-ins.
+
+    A subclass sets ``rule`` (the variant default keywords select: the class's ``source``),
+    ``variants`` when it has several, ``hyper_from`` for the hyperparameters the conventions
+    of ``hyper_readers`` do not cover, and ``options`` when its state keys differ from its
+    rule's names. Its ``__init__`` takes torch's keywords, checks them, and passes its
+    param-group defaults and fuser's own keywords to ``_init_builtin``.
+    """
+
+    options = Options()
+    variants: Variants | None = None
+    hyper_from: dict[str, Reader] = {}
+
+    def _init_builtin(
+        self,
+        params,
+        defaults: dict,
+        state_dtype,
+        grad_attr="grad",
+        stochastic_rounding=False,
+        seed=0,
+        static=False,
+    ) -> None:
+        """fuser's own keywords, on every built-in: ``state_dtype``, ``grad_attr``
+        (``"main_grad"``), ``stochastic_rounding``, ``seed`` and ``static`` (see ``fuser.compile``)."""
+        if defaults.get("differentiable"):
+            raise ValueError("fuser optimizers are not differentiable")
+        self._variant_key = None
+        checked = parse_options(
+            state_dtype=state_dtype,
+            grad_attr=grad_attr,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+            static=static,
+        )
+        options = dataclasses.replace(
+            type(self).options,
+            state_dtype=checked.state_dtype,
+            grad_attr=checked.grad_attr,
+            stochastic_rounding=checked.stochastic_rounding,
+            seed=checked.seed,
+            static=checked.static,
+        )
+        self._init_fuser(params, defaults, options=options)  # its first group picks the variant
+
+    def _key(self, group: dict) -> tuple:
+        return self.variants.key(group) if self.variants else ()
+
+    def _use_variant(self, key: tuple) -> None:
+        self._variant_key = key
+        self.rule = self.variants.rules[key] if self.variants else type(self).rule
+        # Read every step (the hyperparameter rows), so worked out once per variant.
+        self._readers = hyper_readers(self.rule, self.hyper_from)
+
+    def _group_hyper(self, group: dict) -> dict:
+        return {name: read(group) for name, read in self._readers}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        key = self._key(self.param_groups[-1])
+        if self._variant_key is None:
+            self._use_variant(key)
+        elif key != self._variant_key:
+            self.param_groups.pop()
+            raise ValueError(
+                f"{type(self).__name__}: {self.variants.keywords} must be the same in every "
+                "param group (it selects the compiled rule)"
+            )
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        keys = {self._key(g) for g in self.param_groups}
+        if len(keys) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the loaded param groups disagree on "
+                f"{self.variants.keywords}, which must be the same in every group"
+            )
+        self._use_variant(keys.pop())
