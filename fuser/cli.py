@@ -148,8 +148,9 @@ def _fail(args, what: str, e: BaseException) -> None:
 
 # --------------------------------------------------------------------------- precompile --
 def precompile(args) -> int:
+    """``fuser precompile``: check the options, collect the rules, render every variant,
+    compile each distinct kernel once per target, then print the table and the summary."""
     from fuser.cache import cache_dir, parse_target
-    from fuser.errors import RuleError
 
     if not args.targets and not args.builtins:
         _err("error: nothing to precompile: give a .py file or module, or --builtins")
@@ -178,7 +179,25 @@ def precompile(args) -> int:
 
     # Render everything first: rule errors show before any compiling, and the bar knows its total.
     failed: set[str] = set()
-    work = []  # (rule name, variant, sources)
+    work = _render_all(args, found, plans, state_dtypes, failed)
+    tasks = _unique_tasks(work, failed)
+    rows, counts = _compile_tasks(args, tasks, gpu_targets, failed)
+    if rows:
+        header = ["rule", "kernel", "target", "dtypes", "options", "status", "seconds"]
+        print(clitools.table(header, rows, right={6}))
+    total = time.perf_counter() - t0
+    summary = (f"{len(rows)} binaries: {counts['compiled']} compiled, {counts['hit']} hits; "
+               f"{len(failed) + len(errors)} failed; {total:.1f} s; cache {cache_dir()}")  # fmt: skip
+    print(summary)
+    return 1 if failed or errors else 0
+
+
+def _render_all(args, found, plans, state_dtypes, failed: set[str]) -> list[tuple]:
+    """(rule name, variant, sources) of every variant of every rule found; a rule that
+    fails to render is reported once, added to ``failed``, and its later variants skipped."""
+    from fuser.errors import RuleError
+
+    work = []
     for f in found:
         for variant in clitools.variants(f.rule, plans, state_dtypes, args.stochastic_rounding,
                                          args.vocab_parallel):  # fmt: skip
@@ -192,6 +211,11 @@ def precompile(args) -> int:
                     _fail(args, what, e)
                 failed.add(f.rule.name)
                 break
+    return work
+
+
+def _unique_tasks(work: list[tuple], failed: set[str]) -> list[tuple]:
+    """(rule name, variant, source) once per distinct kernel of the rules that rendered."""
     # A kernel that several variants share (or two rules that render alike) compiles once.
     unique: dict[str, tuple] = {}
     for name, variant, sources in work:
@@ -199,7 +223,12 @@ def precompile(args) -> int:
             continue
         for s in sources:
             unique.setdefault(s.digest, (name, variant, s))
-    tasks = [task for task in unique.values() if task[0] not in failed]
+    return [task for task in unique.values() if task[0] not in failed]
+
+
+def _compile_tasks(args, tasks: list[tuple], gpu_targets, failed: set[str]) -> tuple[list, dict]:
+    """Compile every task for every target with a progress bar: the summary table's rows in
+    task order, and the count of each status; a rule whose kernel fails joins ``failed``."""
     progress = clitools.Progress(len(tasks) * len(gpu_targets))
     rows, counts = {}, {"compiled": 0, "hit": 0}
     for i, outcome in _compile_all([source for _, _, source in tasks], gpu_targets, args.jobs):
@@ -221,14 +250,7 @@ def precompile(args) -> int:
             progress.step(f"{name} {source.entry} {r.target} {r.status} {r.seconds:.2f}s")
     rows = [rows[k] for k in sorted(rows)]
     progress.clear()
-    if rows:
-        header = ["rule", "kernel", "target", "dtypes", "options", "status", "seconds"]
-        print(clitools.table(header, rows, right={6}))
-    total = time.perf_counter() - t0
-    summary = (f"{len(rows)} binaries: {counts['compiled']} compiled, {counts['hit']} hits; "
-               f"{len(failed) + len(errors)} failed; {total:.1f} s; cache {cache_dir()}")  # fmt: skip
-    print(summary)
-    return 1 if failed or errors else 0
+    return rows, counts
 
 
 def _unused_options(args, kinds: set[str]) -> str | None:

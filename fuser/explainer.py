@@ -207,6 +207,17 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     plan = lower_loss(rule, dtype)
     source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
+    sections = [
+        ("parsed statements", ["   " + ln for ln in _statements(rule)]),
+        ("reductions over the vocabulary, by pass (one sweep over a row of logits each)", _loss_passes(plan)),
+        (
+            "derived gradient (symbolic, before CSE; adj(x) is d loss / d x)",
+            [f"   {label}: {_s(e)}" for label, e in plan.derivation if " = " not in label],
+        ),
+        ("plan after the reductions, after CSE", _loss_plan(plan)),
+        ("dtype plan", _loss_dtypes(plan, dtype)),
+        ("kernel and cache key", _kernel(source)),
+    ]
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
     out = [
         f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
@@ -215,46 +226,35 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
         "column; r<i> are reductions over the row, vocab its length",
         "",
     ]
+    for number, (title, lines) in enumerate(sections, 1):
+        out += [f"{number}. {title}", *lines, ""]
+    return "\n".join(out[:-1])
 
-    out.append("1. parsed statements")
-    out += ["   " + ln for ln in _statements(rule)]
-    out.append("")
 
-    out.append("2. reductions over the vocabulary, by pass (one sweep over a row of logits each)")
+def _loss_passes(plan) -> list[str]:
+    out = []
     for i, ps in enumerate(plan.passes):
         out.append(f"   pass {i}:")
         out += [f"     {_s(sym)} = {_s(e)}   (per token, hoisted)" for sym, e in ps.prologue]
         out += [f"     {_s(sym)} = {_s(e)}" for sym, e in ps.body]
         out += [f"     r{a.index} = {a.op}({_s(a.arg)})" for a in ps.accumulators]
-    if not plan.passes:
-        out.append("   none")
-    out.append("")
+    return out or ["   none"]
 
-    out.append("3. derived gradient (symbolic, before CSE; adj(x) is d loss / d x)")
-    out += [f"   {label}: {_s(e)}" for label, e in plan.derivation if " = " not in label]
-    out.append("")
 
-    out.append("4. plan after the reductions, after CSE")
-    out.append("   per token (fp32):")
-    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.epilogue]
-    out.append(f"     loss = {_s(plan.loss)}")
-    out.append("   gradient sweep, per logit (fp32), written over the logits:")
-    out += [f"     {_s(sym)} = {_s(e)}" for sym, e in plan.grad.body]
-    out.append(f"     dloss/dz = {_s(plan.grad_value)}")
-    out.append("")
+def _loss_plan(plan) -> list[str]:
+    return [
+        "   per token (fp32):",
+        *(f"     {_s(sym)} = {_s(e)}" for sym, e in plan.epilogue),
+        f"     loss = {_s(plan.loss)}",
+        "   gradient sweep, per logit (fp32), written over the logits:",
+        *(f"     {_s(sym)} = {_s(e)}" for sym, e in plan.grad.body),
+        f"     dloss/dz = {_s(plan.grad_value)}",
+    ]
 
-    out.append("5. dtype plan")
-    out.append(f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32")
-    out.append(f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32")
-    out.append(f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})")
-    out.append("")
 
-    out.append("6. kernel and cache key")
-    constexprs = ", ".join(f"{k}={v}" for k, v in source.constexprs)
-    out.append(f"   {source.entry}({', '.join(n for n, _ in source.signature)})")
-    out.append(
-        f"     {constexprs}, num_warps={source.num_warps}, num_stages={source.num_stages}, "
-        f"{len(source.text.splitlines())} lines of Triton"
-    )
-    out += _cache_key(source)
-    return "\n".join(out)
+def _loss_dtypes(plan, dtype: str) -> list[str]:
+    return [
+        f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32",
+        f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32",
+        f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})",
+    ]

@@ -1,8 +1,10 @@
-"""Every import inside ``fuser`` points down the pipeline (see ARCHITECTURE.md).
+"""Every import inside ``fuser`` points down the pipeline (see ARCHITECTURE.md), and every
+function reads in one sitting.
 
 The checker reads each module with ``ast`` (imports at module level and inside functions
 alike, relative ones resolved), maps importer and imported module to their layer, and
-reports an import of a later layer, or of another module's private (``_x``) name.
+reports an import of a later layer, or of another module's private (``_x``) name. A second
+checker reports each function longer than ``MAX_FUNCTION_LINES``.
 """
 
 from __future__ import annotations
@@ -164,6 +166,33 @@ def check_package() -> list[Violation]:
     return found
 
 
+# A longer function becomes named steps (helper functions or small dataclasses).
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(text: str, path: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line: name is N lines`` for each function in ``text`` longer than ``limit``
+    lines, counted from its ``def`` to its last line (docstring included); methods and
+    nested functions go by their qualified names, and count within their outer function too."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                length = child.end_lineno - child.lineno + 1
+                if length > limit:
+                    found.append(f"{path}:{child.lineno}: {name} is {length} lines")
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(text), "")
+    return found
+
+
 def test_every_module_has_a_layer():
     for name in package_modules():
         layer_of(name)
@@ -206,3 +235,26 @@ def test_checker_allows_downward_and_same_layer_imports():
     modules = set(package_modules())
     text = "from fuser.cache import load_kernel\nfrom fuser.runtime.tables import build_tables\n"
     assert check_source(text, "fuser.runtime.example", "fuser/runtime/example.py", modules) == []
+
+
+def test_no_function_is_longer_than_the_limit():
+    found = []
+    for path in package_modules().values():
+        found += long_functions(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert not found, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(found)
+    )
+
+
+def test_length_checker_reports_a_function_over_the_limit():
+    def function(name: str, lines: int, indent: str = "") -> str:
+        body = "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 2))
+        return f'{indent}def {name}():\n{indent}    """Doc."""\n{body}'
+
+    text = function("exactly", 60) + "\n\nclass A:\n" + function("longer", 61, "    ")
+    text += "\n    def outer(self):\n" + function("inner", 61, "        ")
+    assert long_functions(text, "fuser/example.py") == [
+        "fuser/example.py:64: A.longer is 61 lines",
+        "fuser/example.py:126: A.outer is 62 lines",
+        "fuser/example.py:127: A.outer.inner is 61 lines",
+    ]

@@ -98,60 +98,71 @@ def _accumulator_lines(acc: Accumulator, arg: str) -> tuple[list[str], list[str]
     (see ``fuser.codegen.render``): ``tl.sum``/``tl.max``/``tl.argmax`` are jitted library
     functions that the interpreter only runs when it was on at import.
     """
-    i = acc.index
     if acc.op == "logsumexp":
-        # Online logsumexp per lane: each lane keeps a running max and the sum of
-        # exp(a - max), rescaled when its max grows, so one sweep suffices, nothing
-        # overflows, and the loop carries no cross-lane reduction (the lanes are combined
-        # once at the end). One exponential per element: of exp(lm - max) and exp(a - max)
-        # one is 1, so only the other is taken (ex), and the sum becomes ls * ex + 1 when a
-        # is the new max, ls + ex otherwise (a NaN logit takes the second branch: exp(NaN)
-        # makes the sum NaN). A lane that has seen only masked columns holds max -inf and
-        # sum 0; ``s`` stands in 0 for its max so that no -inf - -inf appears.
-        return (
-            [
-                f'lm{i} = tl.full((BLOCK,), float("-inf"), tl.float32)',
-                f"ls{i} = tl.full((BLOCK,), 0.0, tl.float32)",
-            ],
-            [
-                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                f"nm{i} = tl.maximum(lm{i}, a{i})",
-                f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
-                f"up{i} = a{i} > lm{i}",
-                f"ex{i} = tl.exp(tl.where(up{i}, lm{i}, a{i}) - sm{i})",
-                f"ls{i} = tl.where(up{i}, ls{i} * ex{i} + 1.0, ls{i} + ex{i})",
-                f"lm{i} = nm{i}",
-            ],
-            [
-                f"mm{i} = {_max(f'lm{i}')}",
-                f'mm{i} = tl.where(mm{i} == float("-inf"), 0.0, mm{i})',
-                f"ss{i} = {_sum(f'ls{i} * tl.exp(lm{i} - mm{i})')}",
-                f"r{i} = tl.where(live, mm{i}, 0.0) + tl.log(tl.where(live, ss{i}, 1.0))",
-            ],
-        )
+        return _logsumexp_lines(acc.index, arg)
     if acc.op == "sum":
-        # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
-        # reductions, and rounding grows with V / BLOCK rather than V.
-        return (
-            [f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
-            [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
-            [f"r{i} = {_sum(f'acc{i}')}"],
-        )
+        return _sum_lines(acc.index, arg)
     if acc.op == "max":
-        # The first column holding the maximum: its indicator carries the gradient. The
-        # indices reduced are positions in the block (the interpreter returns those
-        # whatever index values it is given).
-        return (
-            [f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
-            [
-                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
-                f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
-                f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
-                f"mx{i} = tl.maximum(mx{i}, tm{i})",
-            ],
-            [f"r{i} = tl.where(live, mx{i}, 0.0)"],
-        )
+        return _max_lines(acc.index, arg)
     raise ValueError(f"unknown reduction {acc.op!r}")
+
+
+def _logsumexp_lines(i: int, arg: str) -> tuple[list[str], list[str], list[str]]:
+    # Online logsumexp per lane: each lane keeps a running max and the sum of
+    # exp(a - max), rescaled when its max grows, so one sweep suffices, nothing
+    # overflows, and the loop carries no cross-lane reduction (the lanes are combined
+    # once at the end). One exponential per element: of exp(lm - max) and exp(a - max)
+    # one is 1, so only the other is taken (ex), and the sum becomes ls * ex + 1 when a
+    # is the new max, ls + ex otherwise (a NaN logit takes the second branch: exp(NaN)
+    # makes the sum NaN). A lane that has seen only masked columns holds max -inf and
+    # sum 0; ``s`` stands in 0 for its max so that no -inf - -inf appears.
+    return (
+        [
+            f'lm{i} = tl.full((BLOCK,), float("-inf"), tl.float32)',
+            f"ls{i} = tl.full((BLOCK,), 0.0, tl.float32)",
+        ],
+        [
+            f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+            f"nm{i} = tl.maximum(lm{i}, a{i})",
+            f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
+            f"up{i} = a{i} > lm{i}",
+            f"ex{i} = tl.exp(tl.where(up{i}, lm{i}, a{i}) - sm{i})",
+            f"ls{i} = tl.where(up{i}, ls{i} * ex{i} + 1.0, ls{i} + ex{i})",
+            f"lm{i} = nm{i}",
+        ],
+        [
+            f"mm{i} = {_max(f'lm{i}')}",
+            f'mm{i} = tl.where(mm{i} == float("-inf"), 0.0, mm{i})',
+            f"ss{i} = {_sum(f'ls{i} * tl.exp(lm{i} - mm{i})')}",
+            f"r{i} = tl.where(live, mm{i}, 0.0) + tl.log(tl.where(live, ss{i}, 1.0))",
+        ],
+    )
+
+
+def _sum_lines(i: int, arg: str) -> tuple[list[str], list[str], list[str]]:
+    # Per-lane partial sums, added across lanes once at the end: fewer cross-lane
+    # reductions, and rounding grows with V / BLOCK rather than V.
+    return (
+        [f"acc{i} = tl.full((BLOCK,), 0.0, tl.float32)"],
+        [f"acc{i} += tl.where(mask, {arg}, 0.0)"],
+        [f"r{i} = {_sum(f'acc{i}')}"],
+    )
+
+
+def _max_lines(i: int, arg: str) -> tuple[list[str], list[str], list[str]]:
+    # The first column holding the maximum: its indicator carries the gradient. The
+    # indices reduced are positions in the block (the interpreter returns those
+    # whatever index values it is given).
+    return (
+        [f'mx{i} = tl.full((), float("-inf"), tl.float32)', f"am{i} = tl.full((), 0, tl.int32)"],
+        [
+            f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+            f"tm{i}, ta{i} = {SUM}((a{i}, tl.arange(0, BLOCK)), 0, {ARGMAX_COMBINE})",
+            f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + start, am{i})",
+            f"mx{i} = tl.maximum(mx{i}, tm{i})",
+        ],
+        [f"r{i} = tl.where(live, mx{i}, 0.0)"],
+    )
 
 
 def _pass_context(p: Pass, printer) -> dict:
@@ -259,44 +270,9 @@ def render_loss(
     sharded = stage is not None
     if sharded and not 0 <= stage <= len(plan.passes):
         raise ValueError(f"stage must be in [0, {len(plan.passes)}], not {stage}")
-    layout = shard_layout(plan) if sharded else None
-    loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
-    printer = _Printer(_Names(plan.hyper))
-    grad_exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
-    grad_body = (
-        ["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs) else []
-    )
-    grad_body += _indicators(grad_exprs, printer)
-    grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
     entry = loss_entry(plan) + (f"_vp{stage}" if sharded else "")
-    passes = plan.passes[stage : stage + 1] if sharded else plan.passes
-    text = (
-        environment()
-        .get_template("loss_rows.py.jinja")
-        .render(
-            name=plan.name,
-            dtype=plan.dtype,
-            rule_lines=plan.rule_text.splitlines(),
-            derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
-            helpers=helpers_source(),
-            entry=entry,
-            hyper=plan.hyper,
-            hyper_names=", ".join(plan.hyper) or "(none)",
-            hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
-            passes=[_pass_context(p, printer) for p in passes],
-            sharded=sharded,
-            final=not sharded or stage == len(plan.passes),
-            loads=loads,
-            stores=stores,
-            red_width=layout.red_width if sharded else 0,
-            part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
-            epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
-            loss=printer.doprint_expr(plan.loss),
-            grad=dict(body=grad_body),
-            grad_value=printer.doprint_expr(plan.grad_value),
-            store=store_cast("dz", plan.dtype),
-        )
-    )
+    context = _template_context(plan, stage)
+    text = environment().get_template("loss_rows.py.jinja").render(entry=entry, **context)
     signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
     if sharded:
         signature += SHARDED_SIGNATURE_TAIL
@@ -309,3 +285,48 @@ def render_loss(
         num_stages=1,
         meta=(("rule", plan.name), ("kind", "loss"), ("dtypes", f"logits:{plan.dtype}")),
     )
+
+
+def _template_context(plan: LossPlan, stage: int | None) -> dict:
+    """What the row-kernel template reads besides the entry's name: the plan, the sweeps of
+    ``stage`` (every pass when ``None``), and the lines of the loss and the gradient."""
+    sharded = stage is not None
+    layout = shard_layout(plan) if sharded else None
+    loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
+    printer = _Printer(_Names(plan.hyper))
+    grad_body = _grad_body(plan, printer)
+    passes = plan.passes[stage : stage + 1] if sharded else plan.passes
+    return dict(
+        name=plan.name,
+        dtype=plan.dtype,
+        rule_lines=plan.rule_text.splitlines(),
+        derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
+        helpers=helpers_source(),
+        hyper=plan.hyper,
+        hyper_names=", ".join(plan.hyper) or "(none)",
+        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+        passes=[_pass_context(p, printer) for p in passes],
+        sharded=sharded,
+        final=not sharded or stage == len(plan.passes),
+        loads=loads,
+        stores=stores,
+        red_width=layout.red_width if sharded else 0,
+        part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
+        epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
+        loss=printer.doprint_expr(plan.loss),
+        grad=dict(body=grad_body),
+        grad_value=printer.doprint_expr(plan.grad_value),
+        store=store_cast("dz", plan.dtype),
+    )
+
+
+def _grad_body(plan: LossPlan, printer) -> list[str]:
+    """The gradient sweep's lines before ``dloss/dz``: the target and argmax indicators it
+    reads, then the plan's gradient body."""
+    grad_exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
+    grad_body = (
+        ["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs) else []
+    )
+    grad_body += _indicators(grad_exprs, printer)
+    grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
+    return grad_body

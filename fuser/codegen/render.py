@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -111,9 +112,88 @@ def render_optim(plan: OptimPlan) -> list[KernelSource]:
 
 
 def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
+    """One phase's kernel: per-tensor scalars, the element work (an aligned unmasked path
+    and a masked one), then the last phase's stores and scalar updates, or an earlier
+    phase's reduction partials and their totals."""
+    ctx = _phase_context(plan, phase)
+    loads = _scalar_loads(ctx, ctx.scalar_names, "t", "grp") + _global_reduction_loads(ctx)
+    prologue = [f"{ctx.scalar_names[s]} = {ctx.p64.doprint_expr(e)}" for s, e in phase.prologue]
+    casts = [f"f_{ctx.scalar_names[s]} = {ctx.scalar_names[s]}.to(tl.float32)" for s in ctx.scalars_in_body]
+    pointers = _pointer_lines(ctx)
+    aligned = " | ".join(f"{sl.name}_raw" for _, sl in ctx.used_slots) or "0"
+    fast_lines, masked_lines = _element_lines(ctx, True), _element_lines(ctx, False)
+    sections = {name: [] for name in (*_UPDATE_SECTIONS, *_COMBINE_SECTIONS)}
+    if ctx.last:
+        _add_stores(ctx, fast_lines, masked_lines, pointers)
+        sections.update(_scalar_update_lines(ctx))
+    else:
+        sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
+
+    entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
+    block, warps = optim_launch_config(plan)
+    text = _kernel_text(
+        ctx,
+        entry,
+        scalar_loads=loads,
+        prologue=prologue,
+        casts=casts,
+        pointers=pointers,
+        aligned=aligned,
+        fast_lines=fast_lines,
+        masked_lines=masked_lines,
+        **sections,
+    )
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=OPTIM_SIGNATURE,
+        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False)),
+        num_warps=warps,
+        num_stages=1,
+        meta=(
+            ("rule", plan.name),
+            ("kind", "optim"),
+            ("dtypes", plan.dtype_key),
+            ("phase", f"{phase.index + 1}/{len(plan.phases)}"),
+        ),
+    )
+
+
+# The template's line lists that only the last phase fills, and those only the others fill.
+_UPDATE_SECTIONS = ("update_loads", "update_prologue", "update_stores")
+_COMBINE_SECTIONS = (
+    "combine_init",
+    "combine_step",
+    "combine_store",
+    "global_init",
+    "global_step",
+    "global_store",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class _PhaseContext:
+    """What every step of rendering one phase reads: the plan's row sizes, the reductions
+    finished before it, the names each printer gives symbols, and the slots it touches."""
+
+    plan: OptimPlan
+    phase: Phase
+    last: bool
+    nh: int
+    ns: int
+    nred: int
+    nglob: int
+    known: list
+    scalar_names: dict
+    scalars_in_body: list
+    read: set
+    used_slots: list
+    p64: TritonPrinter
+    p32: TritonPrinter
+
+
+def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
     last = phase.index == len(plan.phases) - 1
-    nh, ns = len(plan.hyper), 1 + len(plan.scalar_states)
-    nred, nglob = max(1, len(plan.reductions)), max(1, plan.n_global)
     known = [r for r in plan.reductions if r.phase < phase.index]
 
     scalar_names = {symbol(h): f"h_{h}" for h in plan.hyper}
@@ -130,158 +210,199 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     body_names = {symbol(sl.name): f"x_{sl.name}" for sl in plan.slots}
     body_names.update({s: f"f_{scalar_names[s]}" for s in scalars_in_body})
     body_names.update({s: s.name for s, _ in phase.body})
-    p64 = TritonPrinter(scalar_names, fp64=True)
-    p32 = TritonPrinter(body_names)
-
-    def scalar_loads(names: dict, row: str, group: str, mask: str = "") -> list[str]:
-        m = f", mask={mask}, other=0.0" if mask else ""
-        lines = [
-            f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})" for j, h in enumerate(plan.hyper)
-        ]
-        lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
-        lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
-        lines += [
-            f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
-            for j, s in enumerate(plan.scalar_states)
-        ]
-        for r in known:
-            if r.global_column >= 0:
-                continue
-            raw = f"tl.load(red + {row} * {nred} + {r.column}{m}).to(tl.float64)"
-            lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw).replace('numel', names[NUMEL])}")
-        return lines
-
-    loads = scalar_loads(scalar_names, "t", "grp")
-    for r in known:
-        if r.global_column >= 0:
-            loads += [
-                f"{r.symbol.name} = tl.full((), 0.0, tl.float64)",
-                "q = 0",
-                "while q < n_parts:",
-                f"    {r.symbol.name} += tl.load(glob + q * {nglob} + {r.global_column}).to(tl.float64)",
-                "    q += 1",
-                f"{r.symbol.name} = tl.sqrt({r.symbol.name})",
-            ]
-    prologue = [f"{scalar_names[s]} = {p64.doprint_expr(e)}" for s, e in phase.prologue]
-    casts = [f"f_{scalar_names[s]} = {scalar_names[s]}.to(tl.float32)" for s in scalars_in_body]
 
     read = {s.name for s in body_free}
     written = {n for n, _ in phase.stores}
-    used_slots = [(j, sl) for j, sl in enumerate(plan.slots) if sl.name in read or sl.name in written]
+    return _PhaseContext(
+        plan=plan,
+        phase=phase,
+        last=last,
+        nh=len(plan.hyper),
+        ns=1 + len(plan.scalar_states),
+        nred=max(1, len(plan.reductions)),
+        nglob=max(1, plan.n_global),
+        known=known,
+        scalar_names=scalar_names,
+        scalars_in_body=scalars_in_body,
+        read=read,
+        used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in read or sl.name in written],
+        p64=TritonPrinter(scalar_names, fp64=True),
+        p32=TritonPrinter(body_names),
+    )
+
+
+def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: str = "") -> list[str]:
+    """Hyperparameters, step, numel, scalar states and earlier per-tensor reductions of
+    tensor ``row`` (fp64), named by ``names``."""
+    plan, nh, ns = ctx.plan, ctx.nh, ctx.ns
+    m = f", mask={mask}, other=0.0" if mask else ""
+    lines = [
+        f"{names[symbol(h)]} = tl.load(hyper + {group} * {nh} + {j}{m})" for j, h in enumerate(plan.hyper)
+    ]
+    lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
+    lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
+    lines += [
+        f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
+        for j, s in enumerate(plan.scalar_states)
+    ]
+    for r in ctx.known:
+        if r.global_column >= 0:
+            continue
+        raw = f"tl.load(red + {row} * {ctx.nred} + {r.column}{m}).to(tl.float64)"
+        lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw).replace('numel', names[NUMEL])}")
+    return lines
+
+
+def _global_reduction_loads(ctx: _PhaseContext) -> list[str]:
+    """Each earlier global reduction: the sum of every part's total, then its square root."""
+    lines = []
+    for r in ctx.known:
+        if r.global_column >= 0:
+            lines += [
+                f"{r.symbol.name} = tl.full((), 0.0, tl.float64)",
+                "q = 0",
+                "while q < n_parts:",
+                f"    {r.symbol.name} += tl.load(glob + q * {ctx.nglob} + {r.global_column}).to(tl.float64)",
+                "    q += 1",
+                f"{r.symbol.name} = tl.sqrt({r.symbol.name})",
+            ]
+    return lines
+
+
+def _pointer_lines(ctx: _PhaseContext) -> list[str]:
     pointers = []
-    for j, sl in used_slots:
-        pointers.append(f"{sl.name}_raw = tl.load(ptrs + t * {len(plan.slots)} + {j})")
+    for j, sl in ctx.used_slots:
+        pointers.append(f"{sl.name}_raw = tl.load(ptrs + t * {len(ctx.plan.slots)} + {j})")
         pointers.append(f"{sl.name}_ptr = {sl.name}_raw.to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
-    aligned = " | ".join(f"{sl.name}_raw" for _, sl in used_slots) or "0"
+    return pointers
 
-    def element_lines(fast: bool) -> list[str]:
-        lines = []
-        for _, sl in used_slots:
-            if fast:
-                lines.append(f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)")
-        for _, sl in used_slots:
-            if sl.name in read:
-                scale = " * inv_scale" if sl.role == "grad" else ""
-                how = "" if fast else ", mask=mask, other=0.0"
-                lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
-        lines += [f"{s.name} = {p32.doprint_expr(e)}" for s, e in phase.body]
-        return lines
 
-    fast_lines, masked_lines = element_lines(True), element_lines(False)
+def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
+    lines = []
+    for _, sl in ctx.used_slots:
+        if fast:
+            lines.append(f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)")
+    for _, sl in ctx.used_slots:
+        if sl.name in ctx.read:
+            scale = " * inv_scale" if sl.role == "grad" else ""
+            how = "" if fast else ", mask=mask, other=0.0"
+            lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
+    lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
+    return lines
+
+
+def _add_stores(
+    ctx: _PhaseContext, fast_lines: list[str], masked_lines: list[str], pointers: list[str]
+) -> None:
+    """Append the last phase's stores to both element paths, each value cast for its slot."""
+    plan, phase = ctx.plan, ctx.phase
     sr_lines = []
-    update_loads, update_prologue, update_stores = [], [], []
-    combine_init, combine_step, combine_store = [], [], []
-    global_init, global_step, global_store = [], [], []
-    if last:
-        sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
-        if sr:
-            # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
-            # by the element, so a run is reproducible and no state is kept.
-            pointers.append("sr_key = _stream_key(seed, step, t)")
-        for k, (n, e) in enumerate(phase.stores):
-            dtype = _slot(plan, n).dtype
-            rnd = None
-            if sr and dtype != "fp32":
-                sr_lines.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
-                rnd = f"rnd_{n}"
-            value = store_cast(p32.doprint_expr(e), dtype, rnd)
-            fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
-            masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
-        fast_lines[len(fast_lines) - len(phase.stores) : len(fast_lines) - len(phase.stores)] = sr_lines
-        masked_lines[len(masked_lines) - len(phase.stores) : len(masked_lines) - len(phase.stores)] = sr_lines
-        # The last program advances step and scalar states for RBLOCK tensors at a time.
-        # Its variables are vectors, so they get names of their own (`u_...`): Triton
-        # requires a loop-carried name to keep one type.
-        unames = {sym: f"u_{name}" for sym, name in scalar_names.items()}
-        pu = TritonPrinter(unames, fp64=True)
-        defs = dict(phase.prologue)
-        needed = _closure(defs, [e for _, e in phase.scalar_updates])
-        update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in phase.prologue if s in needed]
-        update_stores = [
-            f"tl.store(scalars + u_t * {ns}, (u_step - 1.0 + advance).to(tl.float32), mask=u_mask)"
-        ]
-        for j, (name, e) in enumerate(phase.scalar_updates):
-            old = f"u_c_{name}"
-            update_stores.append(
-                f"tl.store(scalars + u_t * {ns} + {j + 1}, tl.where(advance > 0, "
-                f"{pu.doprint_expr(e)}, {old}).to(tl.float32), mask=u_mask)"
-            )
-        used = {STEP} | {symbol(s) for s in plan.scalar_states}
-        for _, e in phase.scalar_updates:
-            used |= e.free_symbols
-        for s in needed:
-            used |= defs[s].free_symbols
-        update_loads = [
-            ln
-            for ln in scalar_loads(unames, "u_t", "u_grp", "u_mask")
-            if any(ln.startswith(unames[s] + " ") for s in used if s in unames)
-        ]
-    else:
-        for col, e in phase.reduce:
-            op = plan.reductions[col].op
-            combine = ACCUMULATE[op][1]
-            value = p32.doprint_expr(e)
-            comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
-            # A scalar-only value (sum(1), say) still counts once per element.
-            fast_lines.append(
-                f"tl.store(partials + pid * {nred} + {col}, "
-                f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
-            )
-            masked_lines.append(
-                f"tl.store(partials + pid * {nred} + {col}, "
-                f"{SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))"
-            )
-            if combine == "sum":
-                combine_init.append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
-                combine_step.append(
-                    f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)"
-                )
-            else:
-                combine_init.append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
-                combine_step.append(
-                    f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
-                    f"{col}, mask=m, other=float('-inf')))"
-                )
-            combine_store.append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {comb}))")
-            r = plan.reductions[col]
-            if r.global_column >= 0:
-                g = r.global_column
-                global_init.append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")
-                global_step.append(f"gacc{g} += tl.load(red + tidx * {nred} + {col}, mask=tm, other=0.0)")
-                global_store.append(
-                    f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))"
-                )
+    sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
+    if sr:
+        # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
+        # by the element, so a run is reproducible and no state is kept.
+        pointers.append("sr_key = _stream_key(seed, step, t)")
+    for k, (n, e) in enumerate(phase.stores):
+        dtype = _slot(plan, n).dtype
+        rnd = None
+        if sr and dtype != "fp32":
+            sr_lines.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
+            rnd = f"rnd_{n}"
+        value = store_cast(ctx.p32.doprint_expr(e), dtype, rnd)
+        fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
+        masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
+    fast_lines[len(fast_lines) - len(phase.stores) : len(fast_lines) - len(phase.stores)] = sr_lines
+    masked_lines[len(masked_lines) - len(phase.stores) : len(masked_lines) - len(phase.stores)] = sr_lines
 
-    entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
-    block, warps = optim_launch_config(plan)
-    text = (
+
+def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:
+    """The template's ``update_*`` lines: the last phase advancing step and scalar states."""
+    plan, phase, ns = ctx.plan, ctx.phase, ctx.ns
+    # The last program advances step and scalar states for RBLOCK tensors at a time.
+    # Its variables are vectors, so they get names of their own (`u_...`): Triton
+    # requires a loop-carried name to keep one type.
+    unames = {sym: f"u_{name}" for sym, name in ctx.scalar_names.items()}
+    pu = TritonPrinter(unames, fp64=True)
+    defs = dict(phase.prologue)
+    needed = _closure(defs, [e for _, e in phase.scalar_updates])
+    update_prologue = [f"{unames[s]} = {pu.doprint_expr(e)}" for s, e in phase.prologue if s in needed]
+    update_stores = [f"tl.store(scalars + u_t * {ns}, (u_step - 1.0 + advance).to(tl.float32), mask=u_mask)"]
+    for j, (name, e) in enumerate(phase.scalar_updates):
+        old = f"u_c_{name}"
+        update_stores.append(
+            f"tl.store(scalars + u_t * {ns} + {j + 1}, tl.where(advance > 0, "
+            f"{pu.doprint_expr(e)}, {old}).to(tl.float32), mask=u_mask)"
+        )
+    used = {STEP} | {symbol(s) for s in plan.scalar_states}
+    for _, e in phase.scalar_updates:
+        used |= e.free_symbols
+    for s in needed:
+        used |= defs[s].free_symbols
+    update_loads = [
+        ln
+        for ln in _scalar_loads(ctx, unames, "u_t", "u_grp", "u_mask")
+        if any(ln.startswith(unames[s] + " ") for s in used if s in unames)
+    ]
+    return dict(update_loads=update_loads, update_prologue=update_prologue, update_stores=update_stores)
+
+
+def _reduction_lines(
+    ctx: _PhaseContext, fast_lines: list[str], masked_lines: list[str]
+) -> dict[str, list[str]]:
+    """Append each block's partial of the phase's reductions to both element paths; return
+    the template's ``combine_*`` and ``global_*`` lines that total them per tensor and
+    over every tensor."""
+    plan, nred, nglob = ctx.plan, ctx.nred, ctx.nglob
+    lines = {name: [] for name in _COMBINE_SECTIONS}
+    for col, e in ctx.phase.reduce:
+        op = plan.reductions[col].op
+        combine = ACCUMULATE[op][1]
+        value = ctx.p32.doprint_expr(e)
+        comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
+        # A scalar-only value (sum(1), say) still counts once per element.
+        fast_lines.append(
+            f"tl.store(partials + pid * {nred} + {col}, "
+            f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
+        )
+        masked_lines.append(
+            f"tl.store(partials + pid * {nred} + {col}, {SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))"
+        )
+        if combine == "sum":
+            lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
+            lines["combine_step"].append(
+                f"acc{col} += tl.load(partials + idx * {nred} + {col}, mask=m, other=0.0)"
+            )
+        else:
+            lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], float('-inf'), tl.float32)")
+            lines["combine_step"].append(
+                f"acc{col} = tl.maximum(acc{col}, tl.load(partials + idx * {nred} + "
+                f"{col}, mask=m, other=float('-inf')))"
+            )
+        lines["combine_store"].append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {comb}))")
+        r = plan.reductions[col]
+        if r.global_column >= 0:
+            g = r.global_column
+            lines["global_init"].append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")
+            lines["global_step"].append(
+                f"gacc{g} += tl.load(red + tidx * {nred} + {col}, mask=tm, other=0.0)"
+            )
+            lines["global_store"].append(
+                f"tl.store(glob + part * {nglob} + {g}, {SUM}(gacc{g}, 0, {SUM_COMBINE}))"
+            )
+    return lines
+
+
+def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
+    """The phase's kernel from the template: the plan's description and ``lines``."""
+    plan, phase = ctx.plan, ctx.phase
+    return (
         environment()
         .get_template("optim_step.py.jinja")
         .render(
             name=plan.name,
             phase=phase.index + 1,
             n_phases=len(plan.phases),
-            last=last,
+            last=ctx.last,
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
             rule_lines=plan.rule_text.splitlines(),
             helpers=helpers_source(),
@@ -291,43 +412,14 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             hyper=plan.hyper,
             hyper_names=", ".join(plan.hyper) or "(none)",
             scalar_states=plan.scalar_states,
-            nscalar=ns,
-            nred=nred,
-            nglob=nglob,
-            scalar_loads=loads,
-            prologue=prologue,
-            casts=casts,
-            pointers=pointers,
-            aligned=aligned,
-            fast_lines=fast_lines,
-            masked_lines=masked_lines,
-            update_loads=update_loads,
-            update_prologue=update_prologue,
-            update_stores=update_stores,
-            combine_init=combine_init,
-            combine_step=combine_step,
-            combine_store=combine_store,
+            nscalar=ctx.ns,
+            nred=ctx.nred,
+            nglob=ctx.nglob,
             global_columns=[
                 r.global_column for r in plan.reductions if r.global_column >= 0 and r.phase == phase.index
             ],
-            global_init=global_init,
-            global_step=global_step,
-            global_store=global_store,
+            **lines,
         )
-    )
-    return KernelSource(
-        text=text,
-        entry=entry,
-        signature=OPTIM_SIGNATURE,
-        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False)),
-        num_warps=warps,
-        num_stages=1,
-        meta=(
-            ("rule", plan.name),
-            ("kind", "optim"),
-            ("dtypes", plan.dtype_key),
-            ("phase", f"{phase.index + 1}/{len(plan.phases)}"),
-        ),
     )
 
 

@@ -147,6 +147,14 @@ def use_fused_loss(model: torch.nn.Module, loss=None, *, skip_logits: bool | Non
     one or the other. ``del model.forward`` undoes the change.
     """
     fn = _fused_loss_fn(loss)
+    _check_model(model)
+    model.forward = types.MethodType(_fused_forward(type(model).forward, fn, skip_logits, hyper), model)
+    return model
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    """Raise unless the fused loss computes what ``model``'s own loss does: logits that are
+    its LM head's plain output, and a decoder under ``base_model_prefix``."""
     config = getattr(model, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale"):
         if getattr(config, attr, None) not in (None, 1.0):
@@ -164,7 +172,11 @@ def use_fused_loss(model: torch.nn.Module, loss=None, *, skip_logits: bool | Non
     decoder = getattr(model, model.base_model_prefix, None)
     if decoder is None or decoder is model:
         raise TypeError(f"{type(model).__name__} has no decoder under {model.base_model_prefix!r}")
-    original = type(model).forward
+
+
+def _fused_forward(original, fn, skip_logits: bool | None, hyper: dict):
+    """The ``forward`` that ``use_fused_loss`` binds: the fused loss when it applies, else
+    the class's own ``original``."""
 
     def forward(
         self,
@@ -193,32 +205,36 @@ def use_fused_loss(model: torch.nn.Module, loss=None, *, skip_logits: bool | Non
                 logits_to_keep=logits_to_keep,
                 **kwargs,
             )
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        loss_kw = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
-        outputs = getattr(self, self.base_model_prefix)(
+        decoder_kw = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            **kwargs,
         )
-        value = causal_lm_loss(
-            fn, outputs.last_hidden_state, self.get_output_embeddings(), labels, **loss_kw, **hyper
-        )
-        return CausalLMOutputWithPast(
-            loss=value,
-            logits=None,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        return _fused_output(self, fn, labels, decoder_kw, kwargs, hyper)
 
     forward.__doc__ = original.__doc__
-    model.forward = types.MethodType(forward, model)
-    return model
+    return forward
+
+
+def _fused_output(model, fn, labels, decoder_kw: dict, kwargs: dict, hyper: dict):
+    """The model's output with the fused loss of its decoder's last hidden states and no logits."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    loss_kw = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+    outputs = getattr(model, model.base_model_prefix)(**decoder_kw, **kwargs)
+    value = causal_lm_loss(
+        fn, outputs.last_hidden_state, model.get_output_embeddings(), labels, **loss_kw, **hyper
+    )
+    return CausalLMOutputWithPast(
+        loss=value,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
 
 
 def causal_lm_loss(

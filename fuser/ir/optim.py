@@ -195,18 +195,39 @@ def lower_optim(
             raise ValueError(f"dtype {v!r} of {k!r} is not one of {DTYPES}")
     outputs, reds = _extract_reductions(dict(rule.outputs))
     scalar_states = scalar_state_names(rule)
-    red_syms = {r[0] for r in reds}
-    scalar = (
-        {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL} | {symbol(s) for s in scalar_states} | red_syms
-    )
     element_states = [s for s, _ in rule.state if s not in scalar_states]
-    element = {symbol(n) for n in ("p", "g", *element_states)}
-    n_phases = 1 + max((r[3] for r in reds), default=-1) + 1
+    reductions = _reduction_plans(reds)
+    phases = _lower_phases(rule, outputs, reds, scalar_states, element_states)
+    return OptimPlan(
+        name=rule.name,
+        rule_text=rule.text,
+        hyper=tuple(h for h, _ in rule.hyper),
+        slots=_slots(phases, element_states, dtypes),
+        scalar_states=scalar_states,
+        reductions=reductions,
+        phases=tuple(phases),
+        stochastic_rounding=stochastic_rounding,
+    )
 
+
+def _reduction_plans(reds: list[tuple]) -> tuple[ReductionPlan, ...]:
+    """One plan per reduction, in order; global norms also get their column of ``glob``."""
     reductions, gcol = [], 0
     for i, (sym, op, _, phase) in enumerate(reds):
         reductions.append(ReductionPlan(sym, op, phase, i, gcol if op == "global_norm" else -1))
         gcol += op == "global_norm"
+    return tuple(reductions)
+
+
+def _lower_phases(rule: Rule, outputs: dict, reds: list[tuple], scalar_states, element_states) -> list[Phase]:
+    """A phase per level of reductions (each computes those whose arguments read only the
+    earlier ones' results), then the last: the stores and the scalar states' updates."""
+    red_syms = {r[0] for r in reds}
+    scalar = (
+        {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL} | {symbol(s) for s in scalar_states} | red_syms
+    )
+    element = {symbol(n) for n in ("p", "g", *element_states)}
+    n_phases = 1 + max((r[3] for r in reds), default=-1) + 1
 
     phases = []
     for k in range(n_phases):
@@ -230,7 +251,11 @@ def lower_optim(
             if bad:
                 raise RuleError(f"internal: phase {k} reads reductions not yet computed", rule=rule.name)
         phases.append(_lower_phase(k, targets, updates, scalar - unknown, last))
+    return phases
 
+
+def _slots(phases: list[Phase], element_states: list[str], dtypes: dict[str, str]) -> tuple[Slot, ...]:
+    """``p`` and ``g``, then each element state that a phase reads or the last one writes."""
     used = set()
     for ph in phases:
         for _, e in (*ph.body, *ph.stores, *ph.reduce):
@@ -243,16 +268,7 @@ def lower_optim(
     for s in element_states:
         if s in used or s in written:
             slots.append(Slot(s, "state", dtypes.get(s, "fp32"), s in written))
-    return OptimPlan(
-        name=rule.name,
-        rule_text=rule.text,
-        hyper=tuple(h for h, _ in rule.hyper),
-        slots=tuple(slots),
-        scalar_states=scalar_states,
-        reductions=tuple(reductions),
-        phases=tuple(phases),
-        stochastic_rounding=stochastic_rounding,
-    )
+    return tuple(slots)
 
 
 def _lower_phase(index, targets, updates, scalar, last) -> Phase:

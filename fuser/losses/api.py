@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -154,106 +155,92 @@ class CompiledLoss:
         process_group=None,
         **hyper_overrides,
     ) -> torch.Tensor:
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
-        if accumulate_into not in (None, "main_grad"):
-            raise ValueError(f"accumulate_into must be None or 'main_grad', not {accumulate_into!r}")
-        if hidden.dim() not in (2, 3):
-            raise ValueError(f"hidden must be [T, H] or [B, S, H], not {list(hidden.shape)}")
-        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-            raise ValueError(f"weight must be [V, {hidden.shape[-1]}], not {list(weight.shape)}")
-        if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-            raise TypeError(
-                f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
-                + (f", {bias.dtype}" if bias is not None else "")
-            )
-        dtype = dtype_name(hidden.dtype)
-        if bias is not None and bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
-        lead = hidden.shape[:-1]
-        if target.shape != lead:
-            raise ValueError(
-                f"target must have hidden's leading shape {list(lead)}, not {list(target.shape)}"
-            )
-        if target.dtype.is_floating_point or target.dtype == torch.bool:
-            raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
-        devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
-        if len(devices) != 1:
-            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-        device = hidden.device
+        dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
         main_grad = accumulate_into == "main_grad"
-        if main_grad and weight.requires_grad:
-            mg = getattr(weight, "main_grad", None)
-            if not isinstance(mg, torch.Tensor) or mg.shape != weight.shape or mg.dtype != torch.float32:
-                raise ValueError(
-                    "accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of weight's shape"
-                )
-
         x = hidden.reshape(-1, hidden.shape[-1])
         y = target.reshape(-1).to(torch.int64).contiguous()
-        n_tokens, hid, vocab = x.shape[0], x.shape[1], weight.shape[0]
-        hyper = self._hyper_row(hyper_overrides, device)
+        call = _Call(
+            dtype=dtype,
+            device=hidden.device,
+            hyper=self._hyper_row(hyper_overrides, hidden.device),
+            ignore_index=ignore_index,
+            n_tokens=x.shape[0],
+            hid=x.shape[1],
+            vocab=weight.shape[0],
+            es=hidden.element_size(),
+        )
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
-        es = hidden.element_size()
         if process_group is None:
-            chunk = self.chunk_size or chunk_rows(n_tokens, hid, vocab, es)
-            plan = self.schedule
-            if plan == "auto":
-                plan = choose_schedule(
-                    n_tokens,
-                    hid,
-                    vocab,
-                    es,
-                    chunk=chunk,
-                    main_grad=main_grad and weight.requires_grad,
-                    weight_fp32=weight.dtype == torch.float32,
-                )
-            if not want_grad or plan == "chunks":
-                run = Chunked(self.kernel_source(dtype), device, hyper, ignore_index, chunk)
-            else:
-                sources, layout, zy_first = self.sharded_kernel_sources(dtype)
-                if plan == "vocab":
-                    chunk = min(chunk, forward_rows(vocab, es))
-                run = Staged(sources, layout, zy_first, device, hyper, ignore_index, chunk)
-                run.schedule, run.cols = plan, vocab_cols(n_tokens, hid, es, self.block)
-        else:
-            import torch.distributed as dist
-
-            if self.schedule not in ("auto", "chunks"):
-                raise ValueError(
-                    f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
-                    "(process_group=) runs in chunks of tokens"
-                )
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    "process_group= (a vocabulary-parallel loss) needs torch.distributed "
-                    "initialised (init_process_group)"
-                )
-            sizes = self._shard_sizes_of(process_group, vocab, device)
-            rank = dist.get_rank(process_group)
-            total = sum(sizes)
-            # Every rank must run as many chunks (each has its collectives): size them by
-            # the largest slice, the same on every rank.
-            chunk = self.chunk_size or chunk_rows(n_tokens, hid, max(sizes), hidden.element_size())
-            sources, layout, zy_first = self.sharded_kernel_sources(dtype)
-            run = ShardedChunked(
-                sources,
-                layout,
-                zy_first,
-                device,
-                hyper,
-                ignore_index,
-                chunk,
-                process_group,
-                sum(sizes[:rank]),
-                total,
+            run = self._one_device_run(
+                call, want_grad, main_grad and weight.requires_grad, weight.dtype == torch.float32
             )
+        else:
+            run = self._vocab_parallel_run(call, process_group)
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if reduction == "none":
-            out = out.reshape(lead)
+            out = out.reshape(hidden.shape[:-1])
         return out.to(hidden.dtype)
+
+    def _one_device_run(self, call: _Call, want_grad: bool, main_grad: bool, weight_fp32: bool):
+        """The run of a one-device call: row kernels over chunks of tokens, or a staged
+        schedule (``self.schedule``, or the one ``choose_schedule`` picks by memory)."""
+        chunk = self.chunk_size or chunk_rows(call.n_tokens, call.hid, call.vocab, call.es)
+        plan = self.schedule
+        if plan == "auto":
+            plan = choose_schedule(
+                call.n_tokens,
+                call.hid,
+                call.vocab,
+                call.es,
+                chunk=chunk,
+                main_grad=main_grad,
+                weight_fp32=weight_fp32,
+            )
+        if not want_grad or plan == "chunks":
+            return Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
+        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+        if plan == "vocab":
+            chunk = min(chunk, forward_rows(call.vocab, call.es))
+        run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
+        run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
+        return run
+
+    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
+        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
+        of tokens that every rank runs alike."""
+        import torch.distributed as dist
+
+        if self.schedule not in ("auto", "chunks"):
+            raise ValueError(
+                f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
+                "(process_group=) runs in chunks of tokens"
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "process_group= (a vocabulary-parallel loss) needs torch.distributed "
+                "initialised (init_process_group)"
+            )
+        sizes = self._shard_sizes_of(process_group, call.vocab, call.device)
+        rank = dist.get_rank(process_group)
+        total = sum(sizes)
+        # Every rank must run as many chunks (each has its collectives): size them by
+        # the largest slice, the same on every rank.
+        chunk = self.chunk_size or chunk_rows(call.n_tokens, call.hid, max(sizes), call.es)
+        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+        return ShardedChunked(
+            sources,
+            layout,
+            zy_first,
+            call.device,
+            call.hyper,
+            call.ignore_index,
+            chunk,
+            process_group,
+            sum(sizes[:rank]),
+            total,
+        )
 
     def __repr__(self) -> str:
         return f"<fuser compiled loss {self.rule.name!r}>"
@@ -263,6 +250,57 @@ class CompiledLoss:
         from fuser.display import loss_html
 
         return loss_html(self)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a call's run is built from besides the tensors: the inputs' dtype name and
+    device, the hyperparameter row, and the sizes that choose chunks and schedules."""
+
+    dtype: str
+    device: torch.device
+    hyper: torch.Tensor
+    ignore_index: int
+    n_tokens: int
+    hid: int
+    vocab: int
+    es: int  # bytes per element of hidden
+
+
+def _check_call(hidden, weight, target, bias, reduction: str, accumulate_into: str | None) -> str:
+    """The inputs' dtype name, after raising the error of the first argument of a call
+    that is out of contract."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    if accumulate_into not in (None, "main_grad"):
+        raise ValueError(f"accumulate_into must be None or 'main_grad', not {accumulate_into!r}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [T, H] or [B, S, H], not {list(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], not {list(weight.shape)}")
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(
+            f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
+            + (f", {bias.dtype}" if bias is not None else "")
+        )
+    dtype = dtype_name(hidden.dtype)
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
+    lead = hidden.shape[:-1]
+    if target.shape != lead:
+        raise ValueError(f"target must have hidden's leading shape {list(lead)}, not {list(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
+    devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if accumulate_into == "main_grad" and weight.requires_grad:
+        mg = getattr(weight, "main_grad", None)
+        if not isinstance(mg, torch.Tensor) or mg.shape != weight.shape or mg.dtype != torch.float32:
+            raise ValueError(
+                "accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of weight's shape"
+            )
+    return dtype
 
 
 def make_loss(rule: Rule, **options) -> CompiledLoss:

@@ -259,6 +259,23 @@ def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
         src = textwrap.dedent(inspect.getsource(fn)).strip("\n")
     except (OSError, TypeError):
         src = f"<function {getattr(fn, '__name__', '?')}>"
+    args, kwargs = _trace_arguments(fn, hyper)
+    try:
+        result = fn(*args, **kwargs)
+    except RuleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
+        raise RuleError(
+            f"tracing failed: {type(e).__name__}: {e} (loss functions use arithmetic, fuser's "
+            "functions, fuser.losses reductions and z[y], with no `if` on values)",
+            line=_traceback_line(e, fn),
+        ) from None
+    return src, [Statement("loss", _loss_value(result), 1, 1)]
+
+
+def _trace_arguments(fn, hyper: dict) -> tuple[list, dict]:
+    """What ``fn`` is called with: the logits ``z`` and target ``y`` positionally,
+    hyperparameters by keyword."""
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     for pname, param in sig.parameters.items():
@@ -275,16 +292,11 @@ def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
         else:
             hint = " (make it keyword-only, after *)" if pname in hyper else ""
             raise RuleError(f"parameter {pname!r} is neither z nor y{hint}", line=1)
-    try:
-        result = fn(*args, **kwargs)
-    except RuleError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
-        raise RuleError(
-            f"tracing failed: {type(e).__name__}: {e} (loss functions use arithmetic, fuser's "
-            "functions, fuser.losses reductions and z[y], with no `if` on values)",
-            line=_traceback_line(e, fn),
-        ) from None
+    return args, kwargs
+
+
+def _loss_value(result) -> sympy.Expr:
+    """The per-token loss a loss function returned (the value or ``dict(loss=...)``), checked."""
     if isinstance(result, dict):
         if set(result) != {"loss"}:
             raise RuleError(
@@ -305,7 +317,7 @@ def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
         ) from None
     if not isinstance(value, sympy.Expr) or value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
         raise RuleError("the loss function returned a non-finite or non-numeric value", line=1)
-    return src, [Statement("loss", value, 1, 1)]
+    return value
 
 
 def _traceback_line(exc: BaseException, fn) -> int | None:

@@ -153,6 +153,25 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
 
 def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
     """Call ``fn`` with symbols; return (source text, statements, final env)."""
+    src, first_line = _function_source(fn)
+    args, kwargs = _trace_arguments(fn, hyper, state, first_line)
+    try:
+        result = fn(*args, **kwargs)
+    except RuleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
+        line = _traceback_line(e, fn)
+        raise RuleError(
+            f"tracing failed: {type(e).__name__}: {e} (rule functions must use only "
+            "arithmetic and fuser's functions, with no `if` on values)",
+            line=line,
+        ) from None
+    statements, env = _traced_statements(result, lang, state, first_line)
+    return src.strip("\n"), statements, env
+
+
+def _function_source(fn) -> tuple[str, int | None]:
+    """``fn``'s dedented source (or a placeholder) and the line it starts on, when known."""
     try:
         src = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -161,6 +180,12 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
         first_line = inspect.getsourcelines(fn)[1]
     except (OSError, TypeError):
         first_line = None
+    return src, first_line
+
+
+def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tuple[list, dict]:
+    """The symbols ``fn`` is called with: ``p``, ``g`` and states positionally,
+    hyperparameters, ``step`` and ``numel`` by keyword."""
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}
@@ -182,17 +207,11 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
                 hint = " (make it keyword-only, after *)" if pname in keyword_only else ""
                 raise RuleError(f"parameter {pname!r} is not p, g or a state{hint}", line=first_line)
             args.append(symbol(pname))
-    try:
-        result = fn(*args, **kwargs)
-    except RuleError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure of the traced body is the rule's
-        line = _traceback_line(e, fn)
-        raise RuleError(
-            f"tracing failed: {type(e).__name__}: {e} (rule functions must use only "
-            "arithmetic and fuser's functions, with no `if` on values)",
-            line=line,
-        ) from None
+    return args, kwargs
+
+
+def _traced_statements(result, lang: Language, state: dict, first_line: int | None) -> tuple[list, dict]:
+    """(statements, final env) of the dict a rule function returned, each value checked."""
     if not isinstance(result, dict):
         raise RuleError(
             f"the rule function must return a dict such as dict(p=..., m=...), not {type(result).__name__}",
@@ -218,7 +237,7 @@ def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
             )
         env[key] = value
         statements.append(Statement(key, value, first_line or 0, 1))
-    return src.strip("\n"), statements, env
+    return statements, env
 
 
 def _traceback_line(exc: BaseException, fn) -> int | None:

@@ -153,30 +153,9 @@ def unchanged(snap: Snapshot, opt, engine) -> bool:
         return False
     present_params = list(compress(flat, snap.has_grad))
     if not all(map(operator.is_, grads, map(operator.call, snap.grad_refs))):
-        # New gradient objects (set to None between steps): same parameters with and
-        # without one, and the same strides (torch checks size, dtype and device when
-        # a .grad is assigned; another attribute gets them checked here); then only
-        # their addresses may have moved.
-        if list(map(operator.is_not, grads, repeat(None))) != snap.has_grad:
+        # New gradient objects (set to None between steps): only their addresses may move.
+        if not _new_grads_fit(snap, grads, engine):
             return False
-        present = list(compress(grads, snap.has_grad))
-        if snap.grad_layouts is not None:
-            if list(map(distributed.layout, present)) != snap.grad_layouts:
-                return False
-            present = list(map(local, present))
-        if snap.grad_kinds is not None and (
-            list(map(kind, present)) != snap.grad_kinds or list(map(_numel, present)) != snap.param_numels
-        ):
-            return False
-        try:
-            if list(map(_stride, present)) != snap.grad_strides:
-                return False
-            ptrs = list(map(_data_ptr, present))
-        except RuntimeError:  # sparse and other storage-less gradients
-            return False
-        engine.grads_moved(ptrs)
-        # weakref.ref itself runs in C; weak (Python, once per tensor) only where some are None.
-        snap.grad_refs = list(map(weakref.ref if snap.every_grad else weak, grads))
     locals_ = present_params if snap.grad_layouts is None else list(map(local, present_params))
     if list(map(_data_ptr, locals_)) != snap.param_ptrs:
         return False
@@ -185,6 +164,35 @@ def unchanged(snap: Snapshot, opt, engine) -> bool:
     return (
         list(map(_stride, locals_)) == snap.param_strides and list(map(_numel, locals_)) == snap.param_numels
     )
+
+
+def _new_grads_fit(snap: Snapshot, grads: list, engine) -> bool:
+    """Whether new gradient objects still fit the tables; if so, tell ``engine`` their
+    addresses and note them in ``snap``."""
+    # Same parameters with and without one, and the same strides (torch checks size, dtype
+    # and device when a .grad is assigned; another attribute gets them checked here); then
+    # only their addresses may have moved.
+    if list(map(operator.is_not, grads, repeat(None))) != snap.has_grad:
+        return False
+    present = list(compress(grads, snap.has_grad))
+    if snap.grad_layouts is not None:
+        if list(map(distributed.layout, present)) != snap.grad_layouts:
+            return False
+        present = list(map(local, present))
+    if snap.grad_kinds is not None and (
+        list(map(kind, present)) != snap.grad_kinds or list(map(_numel, present)) != snap.param_numels
+    ):
+        return False
+    try:
+        if list(map(_stride, present)) != snap.grad_strides:
+            return False
+        ptrs = list(map(_data_ptr, present))
+    except RuntimeError:  # sparse and other storage-less gradients
+        return False
+    engine.grads_moved(ptrs)
+    # weakref.ref itself runs in C; weak (Python, once per tensor) only where some are None.
+    snap.grad_refs = list(map(weakref.ref if snap.every_grad else weak, grads))
+    return True
 
 
 def take_snapshot(opt, items) -> Snapshot | None:
