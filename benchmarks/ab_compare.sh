@@ -2,7 +2,8 @@
 # A/B on a GPU: fuser at an older commit (.bench/old) against this checkout (.), each in
 # its own processes, interleaved. Make the old tree with
 #   mkdir -p .bench/old && git archive 95b87c5 | tar -x -C .bench/old
-# and put the anchor wheels (pytorch-optimizer for LAMB) under .whl/.
+# and put the anchor wheels (pytorch-optimizer for LAMB) under .whl/. Where the tree travels
+# without its git state, write the commit to .bench/HEAD (`git rev-parse HEAD > .bench/HEAD`).
 #
 #   bash benchmarks/ab_compare.sh PART...    (results under $OUT, default /tmp/out)
 #     1: optim_bench llama1b small1000 lamb, old/new/old/new
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -1
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
-  echo "new: $(git rev-parse HEAD 2>/dev/null || cat .bench/HEAD)"; echo "old: 95b87c5"; } | tee "$OUT/versions.txt"
+  echo "new: $(cat .bench/HEAD 2>/dev/null || git rev-parse HEAD)"; echo "old: 95b87c5"; } | tee "$OUT/versions.txt"
 run() {  # name tree command...
   local name=$1 tree=$2; shift 2
   echo "=== $name $(date +%T)"
