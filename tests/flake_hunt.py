@@ -27,7 +27,9 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The tests that compare numbers with references (float64, torch.optim, pytorch-optimizer).
+# The tests that compare numbers with references (float64, torch.optim, pytorch-optimizer,
+# the model's own loss). Left out for time: tests/distributed (a process group per test) and
+# the other framework integrations.
 NUMERIC = [
     "tests/test_numerics.py",
     "tests/optim/test_core.py",
@@ -38,6 +40,8 @@ NUMERIC = [
     "tests/optim/test_scalar_state.py",
     "tests/optim/test_step_check.py",
     "tests/losses/test_loss_values.py",
+    "tests/losses/test_loss_schedules.py",
+    "tests/integrations/test_transformers_loss.py",
     # Ten seconds a run or more through the interpreter (hundreds of tensors), or no numbers:
     "-k",
     "not global_norm_clipping and not 500_tensors and not renders",
