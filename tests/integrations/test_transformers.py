@@ -107,8 +107,17 @@ def assert_same_training(model, logs, reference):
         assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
     init = dict(tiny_llama().named_parameters())
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(p, init[name]), f"{name} never moved"
+        # Norm-wise over each tensor, against the reference's update: the two optimizers
+        # round each element's update differently by a few u (~1e-6 of it), and later
+        # steps feed that back through the gradients, where Adam's g / sqrt(v) magnifies
+        # it without bound at an element whose gradient is near zero (seen: one embedding
+        # row 2e-5 of the largest update away, 9e-7 of the update's norm). 1e-4 of the
+        # norm keeps a margin of 100 over the per-element rounding; a wrong learning rate,
+        # beta or weight decay moves the whole update by far more.
+        update = (q - init[name]).detach().norm()
+        err = (p - q).detach().norm()
+        assert err <= 1e-4 * update, f"{name}: |p - torch's| = {err:.3g} > 1e-4 x |update| {update:.3g}"
 
 
 @pytest.mark.parametrize("optimizer", [fuser.optim.AdamW, ADAMW_RULE], ids=["builtin", "rule"])
