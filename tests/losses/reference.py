@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from numerics import SLACK, U
 
+from .rounding import own_rounding
+
 T, H, V = 37, 24, 211
 IGNORE = -100
 
@@ -102,7 +104,11 @@ def reference(
 #      and E U (|d_v| + max |d|) to each d_v. E = (depth of a sweep over the V logits) + 16
 #      operations per element on values no larger than the row's: a sweep sums each block
 #      as a tree (tl.sum; numpy's pairwise sum under the interpreter: depth <= log2 + 8) and
-#      chains the blocks (64 columns or more), so its depth is <= log2(V) + 8 + V / 64;
+#      chains the blocks (64 columns or more), so its depth is <= log2(V) + 8 + V / 64.
+#      Where l or d cancels (d_y = p_y - 1 of a confident token; an adjoint summing terms
+#      of both signs) their error is a fraction of the cancelling terms, not of |d|: the
+#      rule's own rounding, propagated by Monte Carlo arithmetic (tests/losses/rounding.py),
+#      is added;
 #   3. the gradients from D = d * grad_out (per token, / count for "mean"): matmuls of depth
 #      V (grad_hidden = D @ w), N (grad_weight = D.T @ x, accumulated over chunks) and a sum
 #      of N (grad_bias), each |dD| @ |.| + (depth + 2) U |D| @ |.|.
@@ -147,8 +153,13 @@ def fp32_bounds(per_token, hidden, weight, bias, target, reduction="mean", grad_
     grads, hess = _derivatives(per_token, z, ys)
     losses = per_token(z, ys).detach()
     own = epilogue_depth(v) * U
-    err_l = (grads.abs() * dz).sum(1) + own * (losses.abs() + z.abs().amax(1) + 1)
-    err_d = (hess.abs() @ dz[..., None])[..., 0] + own * (grads.abs() + grads.abs().amax(1, keepdim=True))
+    rounding_l, rounding_d = own_rounding(per_token, z, ys)
+    err_l = (grads.abs() * dz).sum(1) + own * (losses.abs() + z.abs().amax(1) + 1) + rounding_l
+    err_d = (
+        (hess.abs() @ dz[..., None])[..., 0]
+        + own * (grads.abs() + grads.abs().amax(1, keepdim=True))
+        + rounding_d
+    )
     go = torch.ones(n, dtype=torch.float64) if grad_out is None else grad_out.double().expand(target.shape)
     scale = go.reshape(-1) * valid
     if reduction == "mean":

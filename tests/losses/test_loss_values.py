@@ -10,7 +10,7 @@ import torch
 import fuser
 import fuser.losses
 
-from .reference import IGNORE, T, V, assert_close, assert_within, cross_entropy, make_inputs, reference
+from .reference import IGNORE, T, V, assert_close, assert_within, cross_entropy, decidable, make_inputs, reference
 
 # Low-precision inputs: bf16/fp16 logits against float64 on the same rounded logits, the
 # max error relative to the largest element (fp32 inputs are held to derived bounds).
@@ -292,6 +292,35 @@ def test_traced_function_rule_equals_text_rule():
         return lse - z.gather(1, y[:, None])[:, 0] + 1e-2 * lse**2
 
     check(got, reference(per_token, hidden, weight, b, target, reduction="sum"))
+
+
+def confident_logits(per_token, lead):
+    """Logits [T, V] as hidden states through an identity weight (exact logits), each
+    token's target ahead of every other logit's magnitude by ``lead`` or more."""
+    for _ in range(20):
+        z = torch.randn(T, V)
+        target = torch.randint(0, V, (T,))
+        z[torch.arange(T), target] = z.abs().amax(1) + lead + torch.rand(T)
+        weight = torch.eye(V)
+        if decidable(per_token, z, weight, None, target):
+            return z, weight, target
+    raise AssertionError("20 draws in a row within fp32's error of a branch of the rule")
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nested"])
+def test_confident_tokens_within_the_bound_of_their_cancelling_gradient(name):
+    # The target's gradient p_y - 1 is ~1e-6 or less while p_y ~ 1 carries the rounding of
+    # logsumexp (~u |lse|): the error is a fraction of the cancelling terms, not of d_y.
+    if name == "cross_entropy":
+        f, per_token, lead = fuser.losses.cross_entropy, cross_entropy, 20.0
+    else:
+        text, hyper, per_token = USER_RULES[name]
+        f, lead = fuser.compile(fuser.loss(text, name=name, hyper=hyper)), 3.0
+    z, eye, target = confident_logits(per_token, lead)
+    got = run(f, z, eye, None, target, reduction="sum")
+    ref = reference(per_token, z, eye, None, target, reduction="sum")
+    assert float(ref.grad_hidden[torch.arange(T), target].abs().max()) < 1e-5
+    check(got, ref)
 
 
 # --- reductions, ignore patterns, low precision -----------------------------------------------------
