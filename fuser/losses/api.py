@@ -35,7 +35,9 @@ class CompiledLoss:
     shape. ``reduction``: ``"mean"`` over targets other than ``ignore_index`` (0 when all are
     ignored), ``"sum"``, or ``"none"`` (one loss per token, 0 where ignored). With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
-    (fp32) instead of being returned (Megatron's contract). The loss has ``hidden``'s dtype.
+    (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
+    inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return
+    it: computed in fp32, a bf16 loss would lose ~3 digits in every training log.
 
     With ``process_group=pg`` the loss is vocabulary-parallel (Megatron's layout): ``weight``
     (and ``bias``) are this rank's contiguous slice of the vocabulary, the ranks' slices in
@@ -181,7 +183,7 @@ class CompiledLoss:
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
-        return out.to(hidden.dtype)
+        return out
 
     def _one_device_run(self, call: _Call, want_grad: bool, main_grad: bool, weight_fp32: bool):
         """The run of a one-device call: row kernels over chunks of tokens, or a staged

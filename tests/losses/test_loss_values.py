@@ -10,7 +10,17 @@ import torch
 import fuser
 import fuser.losses
 
-from .reference import IGNORE, T, V, assert_close, assert_within, cross_entropy, decidable, make_inputs, reference
+from .reference import (
+    IGNORE,
+    T,
+    V,
+    assert_close,
+    assert_within,
+    cross_entropy,
+    decidable,
+    make_inputs,
+    reference,
+)
 
 # Low-precision inputs: bf16/fp16 logits against float64 on the same rounded logits, the
 # max error relative to the largest element (fp32 inputs are held to derived bounds).
@@ -29,8 +39,10 @@ def run(f, hidden, weight, bias, target, *, reduction="mean", grad_out=None, **k
 
 def check(got, ref, tol=None, dtype=torch.float32):
     """Loss and gradients against the float64 reference: within fp32's derived bounds for
-    fp32 inputs (reference.fp32_bounds), within ``tol`` of the largest element otherwise."""
-    assert all(g.dtype == dtype for g in got if g is not None)
+    fp32 inputs (reference.fp32_bounds), within ``tol`` of the largest element otherwise.
+    The loss is fp32, the gradients have the inputs' ``dtype``."""
+    assert got[0].dtype == torch.float32
+    assert all(g.dtype == dtype for g in got[1:] if g is not None)
     names = ("loss", "grad hidden", "grad weight", "grad bias")
     for i, (a, e, name) in enumerate(zip(got, ref[:4], names)):
         if e is None:
@@ -367,6 +379,24 @@ def test_bf16_target_gradient_is_rounded_once():
     assert_close(gb, ref[3], 1e-2, "grad bias")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_precision_inputs_give_an_fp32_loss(dtype, reduction):
+    # Logits exact in the input dtype (hidden states through an identity weight), so the
+    # float64 loss on them is the truth: the loss comes back within fp32's bound of it, where
+    # rounding it to the inputs' dtype would move it by a good part of its spacing (2**-8 of
+    # the value in bf16: 11.9375 for 11.9167).
+    hidden = (torch.randn(T, V) * 2).to(dtype)
+    eye = torch.eye(V, dtype=dtype)
+    target = make_inputs(v=V)[3]
+    loss, *_ = run(fuser.losses.cross_entropy, hidden, eye, None, target, reduction=reduction)
+    assert loss.dtype == torch.float32
+    ref = reference(cross_entropy, hidden.float(), eye.float(), None, target, reduction=reduction)
+    assert_within(loss, ref.loss, ref.bounds[0], "loss")
+    rounded = ref.loss.to(dtype).double()
+    assert bool(((rounded - ref.loss).abs() > 4 * ref.bounds[0])[ref.loss != 0].any())
+
+
 def test_no_grad_call_and_hyper_overrides():
     hidden, weight, b, target = make_inputs()
     text, hyper, per_token = USER_RULES["softcap_zloss"]
@@ -463,7 +493,7 @@ def test_low_precision_cross_entropy_matches_torch(dtype):
     )
     ref = ref.reshape(3, 13)
     (ref * grad_out.to(dtype)).sum().backward()
-    assert got[0].shape == (3, 13) and got[0].dtype == dtype
+    assert got[0].shape == (3, 13) and got[0].dtype == torch.float32
     assert_close(got[0], ref.detach().double(), TOL[dtype], "loss")
     for a, e, n in ((got[1], x.grad, "hidden"), (got[2], w.grad, "weight"), (got[3], bb.grad, "bias")):
         assert a.dtype == e.dtype
