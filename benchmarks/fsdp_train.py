@@ -84,9 +84,9 @@ PRESETS = {
 }
 MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
-# Step-0 losses of the two runs must agree to this, relative to the loss. In bf16 fuser's
-# loss comes back in bf16 (hidden's dtype, as torch's cross-entropy of bf16 logits):
-# rounded by up to 2**-8 of its value, against the baseline's fp32 loss of bf16 logits.
+# Step-0 losses of the two runs must agree to this, relative to the loss. Both losses are
+# fp32; in bf16 their logits come from bf16 matmuls of different shapes (the full head, the
+# vocabulary shards), each product rounded to bf16 on its own, so 5e-3 is kept in bf16.
 STEP0_RTOL = {"fp32": 1e-5, "bf16": 5e-3}
 
 
@@ -471,7 +471,7 @@ def write_outputs(cfg: dict, world: int, device: torch.device, runs: dict, floor
         fuser=dict(
             optimizer="fuser.optim.AdamW",
             loss="fuser.losses.cross_entropy, vocab-parallel",
-            loss_dtype=cfg["dtype"],
+            loss_dtype="fp32",
         ),
     )
     g0 = (base["grad_norms"][0], fus["grad_norms"][0])
