@@ -24,8 +24,14 @@ def make_inputs(
 
     With ``rule`` (a per-token loss, as ``reference`` takes), draws again while some logit
     sits within fp32's error of one of the rule's branch points (see ``decidable``)."""
+    return decidable_draw(lambda: _draw(dtype, bias, ignore, seed, shape, h, v, scale), rule)
+
+
+def decidable_draw(draw, rule=None):
+    """``draw()`` -> (hidden, weight, bias, target), drawn again while ``rule`` is not
+    ``decidable`` there (20 tries)."""
     for _ in range(20):
-        drawn = _draw(dtype, bias, ignore, seed, shape, h, v, scale)
+        drawn = draw()
         if rule is None or decidable(rule, *drawn):
             return drawn
     raise AssertionError("20 draws in a row within fp32's error of a branch of the rule")
