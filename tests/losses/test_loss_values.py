@@ -394,8 +394,11 @@ def test_low_precision_inputs_give_an_fp32_loss(dtype, reduction):
     assert loss.dtype == torch.float32
     ref = reference(cross_entropy, hidden.float(), eye.float(), None, target, reduction=reduction)
     assert_within(loss, ref.loss, ref.bounds[0], "loss")
-    rounded = ref.loss.to(dtype).double()
-    assert bool(((rounded - ref.loss).abs() > 4 * ref.bounds[0])[ref.loss != 0].any())
+    if reduction == "none":
+        # ~28 per-token losses: rounded to the dtype, some lands beyond the bound (one mean
+        # may fall near a representable value by chance: fp16's spacing at 5 is 4e-3).
+        rounded = ref.loss.to(dtype).double()
+        assert bool(((rounded - ref.loss).abs() > 4 * ref.bounds[0])[ref.loss != 0].any())
 
 
 def test_no_grad_call_and_hyper_overrides():
