@@ -44,7 +44,7 @@ def _kernel_name(sym: sympy.Symbol) -> str:
     return sym.name.replace("$", "")
 
 
-class _Names(dict):
+class LossNames(dict):
     """Symbol -> kernel variable: rule inputs by fixed names, hyperparameters as ``h_<name>``,
     fuser's own symbols (which carry a ``$``) by their name without it."""
 
@@ -58,16 +58,16 @@ class _Names(dict):
         raise KeyError(sym)
 
 
-class _Printer(TritonPrinter):
-    def __init__(self, names: _Names):
+class LossPrinter(TritonPrinter):
+    def __init__(self, names: LossNames):
         super().__init__()
-        self.names = names  # keeps _Names.__missing__ (the base class copies into a dict)
+        self.names = names  # keeps LossNames.__missing__ (the base class copies into a dict)
 
     def _print_Symbol(self, expr):
         return self.names[expr]
 
 
-def _indicators(exprs, printer) -> list[str]:
+def indicator_lines(exprs, printer) -> list[str]:
     """`is_max<i>` lines for the argmax indicators read by ``exprs``."""
     used = set()
     for e in exprs:
@@ -173,7 +173,7 @@ def _pass_context(p: Pass, printer) -> dict:
         update += b
         finish += c
     exprs = [e for _, e in p.body] + [a.arg for a in p.accumulators]
-    body = _indicators(exprs, printer)
+    body = indicator_lines(exprs, printer)
     body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
     return dict(
         summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
@@ -185,7 +185,7 @@ def _pass_context(p: Pass, printer) -> dict:
     )
 
 
-def _comment(expr: sympy.Expr) -> str:
+def comment_text(expr: sympy.Expr) -> str:
     return str(expr).replace("$", "")
 
 
@@ -293,14 +293,14 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
     sharded = stage is not None
     layout = shard_layout(plan) if sharded else None
     loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
-    printer = _Printer(_Names(plan.hyper))
+    printer = LossPrinter(LossNames(plan.hyper))
     grad_body = _grad_body(plan, printer)
     passes = plan.passes[stage : stage + 1] if sharded else plan.passes
     return dict(
         name=plan.name,
         dtype=plan.dtype,
         rule_lines=plan.rule_text.splitlines(),
-        derivation=[f"{k}: {_comment(v)}" for k, v in plan.derivation],
+        derivation=[f"{k}: {comment_text(v)}" for k, v in plan.derivation],
         helpers=helpers_source(),
         hyper=plan.hyper,
         hyper_names=", ".join(plan.hyper) or "(none)",
@@ -327,6 +327,6 @@ def _grad_body(plan: LossPlan, printer) -> list[str]:
     grad_body = (
         ["is_y = (cols == y_safe).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in grad_exprs) else []
     )
-    grad_body += _indicators(grad_exprs, printer)
+    grad_body += indicator_lines(grad_exprs, printer)
     grad_body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
     return grad_body

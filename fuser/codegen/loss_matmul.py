@@ -1,0 +1,258 @@
+"""``LossPlan`` -> ``KernelSource``: a loss epilogue inside the matmul that makes the logits.
+
+The template (``templates/loss_matmul.py.jinja``) computes tiles ``hidden @ weight.T (+ bias)``
+of ``[BM, BN]`` logits in fp32 registers with ``tl.dot`` and never stores them. Two kinds of
+kernel come from one plan:
+
+- a *sweep* per reduction pass: each program takes BM tokens and one contiguous share of the
+  vocabulary tiles, reduces every tile per token (online max and sum of exponentials, sums,
+  max with its first argmax) and writes its share's partials; the driver combines the shares
+  in a fixed order, so results do not depend on scheduling;
+- the *gradient* kernel: one program per tile recomputes the logits, forms
+  ``scale * d loss / d logits`` from the combined per-token values in fp32 (the target term
+  included) and stores it rounded once, for the two gradient matmuls.
+
+The per-token values travel in the vocabulary-parallel layout of ``fuser.codegen.loss``
+(``ShardLayout``: ``red`` holds ``z[y]`` then each reduction), so the loss itself is the
+last kernel of that sequence, which reads ``red`` alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from fuser.codegen.loss import (
+    ARGMAX_COMBINE,
+    LossNames,
+    LossPrinter,
+    comment_text,
+    indicator_lines,
+    loss_entry,
+    shard_layout,
+)
+from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
+from fuser.codegen.source import KernelSource
+from fuser.ir.loss import IS_Y, Accumulator, LossPlan, Pass
+
+TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+
+COMMON_HEAD = (("x", None), ("w", None), ("bias", None), ("target", "*i64"), ("red", "*fp32"))
+COMMON_TAIL = (
+    ("hyper", "*fp32"),
+    ("n_rows", "i32"),
+    ("hid", "i32"),
+    ("n_cols", "i32"),
+    ("col_offset", "i64"),
+    ("vocab_total", "i64"),
+    ("ignore_index", "i64"),
+)
+SWEEP_ARGS = (("part", "*fp32"),)
+GRAD_ARGS = (("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_stride", "i32"))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Block shape and launch options of the matmul kernels. ``GROUP_M`` row blocks share
+    weight tiles in the gradient kernel's order; ``even_k``: the hidden size is a multiple
+    of ``BK`` (no masks along it)."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    even_k: bool = True
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, not {v}")
+
+    def for_hidden(self, hid: int, aligned: bool = True) -> Tiles:
+        """These tiles for hidden size ``hid``: ``even_k`` where ``hid`` is a multiple of
+        ``bk`` and the inputs are ``aligned`` (16 bytes)."""
+        even = hid % self.bk == 0 and aligned
+        return self if even == self.even_k else Tiles(**{**self.__dict__, "even_k": even})
+
+
+# The gradient kernel's block shape for rules whose gradient calls a function besides the
+# softmax's exp (a softcap's tanh): beside a [128, 256] fp32 tile its temporaries overflow
+# the registers (H100, T=32768, H=768, softcap: the lean backward 127 ms with [128, 256]
+# tiles, ~59 ms with these).
+NARROW_GRAD = Tiles(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+
+
+def gradient_tiles(plan: LossPlan) -> Tiles:
+    """The default block shape of ``plan``'s gradient kernel on a GPU."""
+    exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
+    calls = {type(f).__name__ for e in exprs for f in e.atoms(sympy.Function)}
+    return NARROW_GRAD if calls - {"exp"} else Tiles()
+
+
+def _sum(x: str) -> str:
+    return f"{SUM}({x}, 1, {SUM_COMBINE})"
+
+
+def _max(x: str) -> str:
+    return f"{SUM}({x}, 1, {MAX_COMBINE})"
+
+
+def _accumulator_lines(acc: Accumulator, arg: str, col: int) -> tuple[list[str], list[str], list[str]]:
+    """(init, update per tile, finish) of one reduction over a program's tiles; ``finish``
+    stores the partial at column ``col`` of ``out`` (0 for rows that are not live)."""
+    i = acc.index
+    if acc.op == "logsumexp":
+        # Online: the running max m and the sum s of exp(a - m), rescaled when m grows.
+        # A row that has seen nothing holds m = -inf, s = 0 and a partial of -inf, which
+        # the driver's logsumexp of the shares ignores; sm stands in 0 for m = -inf.
+        return (
+            [f'm{i} = tl.full((BM,), float("-inf"), tl.float32)', f"s{i} = tl.full((BM,), 0.0, tl.float32)"],
+            [
+                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                f"nm{i} = tl.maximum(m{i}, {_max(f'a{i}')})",
+                f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
+                f"s{i} = s{i} * tl.exp(m{i} - sm{i}) + {_sum(f'tl.exp(a{i} - sm{i}[:, None])')}",
+                f"m{i} = nm{i}",
+            ],
+            [
+                f'p{i} = tl.where(s{i} > 0.0, m{i} + tl.log(tl.where(s{i} > 0.0, s{i}, 1.0)), float("-inf"))',
+                f"tl.store(out + {col}, tl.where(live_row, p{i}, 0.0), mask=row_ok)",
+            ],
+        )
+    if acc.op == "sum":
+        return (
+            [f"acc{i} = tl.full((BM,), 0.0, tl.float32)"],
+            [f"acc{i} += {_sum(f'tl.where(mask, {arg}, 0.0)')}"],
+            [f"tl.store(out + {col}, tl.where(live_row, acc{i}, 0.0), mask=row_ok)"],
+        )
+    if acc.op == "max":
+        # The first column holding the maximum: the first in a tile (ties to the left),
+        # a later tile only when strictly greater. Positions in the tile are reduced (the
+        # interpreter returns positions whatever index values it is given).
+        return (
+            [f'mx{i} = tl.full((BM,), float("-inf"), tl.float32)', f"am{i} = tl.full((BM,), 0, tl.int64)"],
+            [
+                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                f"tm{i}, ta{i} = {SUM}((a{i}, tl.broadcast_to(tl.arange(0, BN)[None, :], (BM, BN))), 1, "
+                f"{ARGMAX_COMBINE})",
+                f"am{i} = tl.where(tm{i} > mx{i}, ta{i} + t * BN + col_offset, am{i})",
+                f"mx{i} = tl.maximum(mx{i}, tm{i})",
+            ],
+            [
+                f"tl.store(out + {col}, tl.where(live_row, mx{i}, 0.0), mask=row_ok)",
+                f"tl.store(out + {col + 1}, am{i}.to(tl.float32), mask=row_ok)",
+            ],
+        )
+    raise ValueError(f"unknown reduction {acc.op!r}")
+
+
+def _red_loads(plan: LossPlan, layout, passes: int) -> list[str]:
+    """``z_y`` and the reductions of the first ``passes`` passes, per row, from ``red``."""
+    lines = ["z_y = tl.load(at)"]
+    for p in plan.passes[:passes]:
+        for acc in p.accumulators:
+            c = layout.red_cols[acc.index]
+            lines.append(f"r{acc.index} = tl.load(at + {c})")
+            if acc.op == "max":
+                lines.append(f"am{acc.index} = tl.load(at + {c + 1}).to(tl.int64)")
+    return lines
+
+
+def _sweep_context(p: Pass, printer, layout, stage: int) -> dict:
+    init, update, finish = [], [], []
+    for acc, (_, _, col) in zip(p.accumulators, layout.part_cols[stage]):
+        a, b, c = _accumulator_lines(acc, printer.doprint_expr(acc.arg), col)
+        init += a
+        update += b
+        finish += c
+    exprs = [e for _, e in p.body] + [a.arg for a in p.accumulators]
+    body = indicator_lines(exprs, printer)
+    body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
+    return dict(
+        summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
+        prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
+        init=init,
+        body=body,
+        accumulate=update,
+        finish=finish,
+    )
+
+
+def _grad_context(plan: LossPlan, printer) -> dict:
+    exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
+    body = ["is_y = (cols == y).to(tl.float32)"] if any(IS_Y in e.free_symbols for e in exprs) else []
+    body += indicator_lines(exprs, printer)
+    body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
+    return dict(
+        epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
+        grad_body=body,
+        grad_value=printer.doprint_expr(plan.grad_value),
+        store=store_cast("d", plan.dtype),
+    )
+
+
+def matmul_entry(plan: LossPlan, stage: int | None) -> str:
+    return loss_entry(plan) + ("_mm_grad" if stage is None else f"_mm{stage}")
+
+
+def render_loss_matmul(
+    plan: LossPlan, tiles: Tiles = Tiles(), *, stage: int | None = None, has_bias: bool = False
+) -> KernelSource:
+    """The sweep kernel of pass ``stage`` (``0 .. len(plan.passes) - 1``), or with
+    ``stage=None`` the gradient kernel; ``has_bias``: the logits add a bias row."""
+    grad = stage is None
+    if not grad and not 0 <= stage < len(plan.passes):
+        raise ValueError(f"stage must be in [0, {len(plan.passes) - 1}], not {stage}")
+    layout = shard_layout(plan)
+    printer = LossPrinter(LossNames(plan.hyper))
+    entry = matmul_entry(plan, stage)
+    context = dict(
+        entry=entry,
+        name=plan.name,
+        dtype=plan.dtype,
+        rule_lines=plan.rule_text.splitlines(),
+        derivation=[f"{k}: {comment_text(v)}" for k, v in plan.derivation],
+        helpers=helpers_source(),
+        hyper=plan.hyper,
+        hyper_names=", ".join(plan.hyper) or "(none)",
+        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+        red_width=layout.red_width,
+        grad=grad,
+        n_passes=len(plan.passes),
+        stage=stage,
+        # fp32 inputs multiply in fp32 (torch's default), not TF32
+        dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
+    )
+    if grad:
+        context.update(loads=_red_loads(plan, layout, len(plan.passes)), **_grad_context(plan, printer))
+    else:
+        context.update(
+            loads=_red_loads(plan, layout, stage),
+            part_width=layout.part_widths[stage],
+            **_sweep_context(plan.passes[stage], printer, layout, stage),
+        )
+    text = environment().get_template("loss_matmul.py.jinja").render(**context)
+    ptr = TRITON_DTYPES[plan.dtype]
+    head = tuple((n, t or ptr) for n, t in COMMON_HEAD)
+    middle = tuple((n, t or ptr) for n, t in (GRAD_ARGS if grad else SWEEP_ARGS))
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=head + middle + COMMON_TAIL,
+        constexprs=(
+            ("BM", tiles.bm),
+            ("BN", tiles.bn),
+            ("BK", tiles.bk),
+            ("GROUP_M", tiles.group_m),
+            ("EVEN_K", tiles.even_k),
+            ("HAS_BIAS", has_bias),
+            ("INTERPRETED", False),
+        ),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        meta=(("rule", plan.name), ("kind", "loss-matmul"), ("dtypes", f"hidden:{plan.dtype}")),
+    )
