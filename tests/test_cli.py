@@ -216,8 +216,9 @@ def test_precompile_optimizer_options(cache_root, rules_file, capsys, monkeypatc
 
 
 def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
-    # the row kernel and the staged sequence (process_group= calls and the one-device
-    # whole / vocab schedules), with or without the older --vocab-parallel flag
+    # the row kernel, the staged sequence (process_group= calls and the one-device
+    # whole / vocab schedules) and the lean schedule's matmul kernels, with or without the
+    # older --vocab-parallel flag
     path = tmp_path / "losses.py"
     path.write_text(LOSSES)
     seen = _recording(monkeypatch)
@@ -228,7 +229,13 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
     assert rows and {r[4] for r in rows} == {"-"}
     ce = fuser.loss("loss = logsumexp(z) - z[y]", name="ce")
     entries = [s.entry for s in fuser.losses.kernel_sources(ce, "bf16")]
-    assert entries == ["ce_loss_rows", "ce_loss_rows_vp0", "ce_loss_rows_vp1"]
+    assert entries == [
+        "ce_loss_rows",
+        "ce_loss_rows_vp0",
+        "ce_loss_rows_vp1",
+        "ce_loss_rows_mm0",
+        "ce_loss_rows_mm_grad",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
+from fuser.codegen.loss_matmul import Tiles, gradient_tiles, render_loss_matmul
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.runtime.loss.fused import Fused, slice_cols
 from fuser.runtime.loss.staged import (
+    MAIN_GRAD_BUDGET,
     SCHEDULES,
     ShardedChunked,
     Staged,
@@ -22,13 +25,18 @@ from fuser.runtime.loss.staged import (
 )
 
 REDUCTIONS = ("mean", "sum", "none")
+MEMORY = ("auto", "lean", "fast")
+
+# Tiles of the matmul kernels in Triton's interpreter (CPU tensors): small, so that the
+# small tensors of tests cross several tiles in every direction.
+INTERPRETER_TILES = Tiles(bm=16, bn=32, bk=16, group_m=2, num_warps=4, num_stages=1)
 
 
 class CompiledLoss:
     """A fused ``linear + loss`` with autograd, compiled from a loss rule.
 
         loss = f(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                 accumulate_into=None, process_group=None, **hyper_overrides)
+                 accumulate_into=None, process_group=None, memory="auto", **hyper_overrides)
 
     ``hidden`` is ``[T, H]`` or ``[B, S, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]``, all of
     one dtype (fp32, bf16 or fp16); ``target`` holds class indices in ``hidden``'s leading
@@ -38,6 +46,14 @@ class CompiledLoss:
     (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
     inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return
     it: computed in fp32, a bf16 loss would lose ~3 digits in every training log.
+
+    ``memory`` picks the schedule: ``"lean"`` computes the logits tile by tile inside Triton
+    matmul kernels that reduce them in registers (forward) or turn them into
+    ``d loss / d logits`` (backward), so no ``[T, V]`` buffer exists, only a slice of the
+    logit gradient; rows whose target is ``ignore_index`` are left out of every matmul.
+    ``"fast"`` keeps a chunk (or all) of the logits in memory and takes the gradients in
+    forward where it can. ``"auto"`` picks by the sizes (the compile option ``schedule``,
+    when not ``"auto"``, names one schedule instead).
 
     With ``process_group=pg`` the loss is vocabulary-parallel (Megatron's layout): ``weight``
     (and ``bias``) are this rank's contiguous slice of the vocabulary, the ranks' slices in
@@ -55,6 +71,7 @@ class CompiledLoss:
         block: int = DEFAULT_BLOCK,
         num_warps: int = DEFAULT_WARPS,
         schedule: str = "auto",
+        tiles: Tiles | None = None,
     ):
         if rule.kind != "loss":
             raise TypeError(f"a loss needs a loss rule (fuser.loss), not a {rule.kind} rule")
@@ -62,7 +79,10 @@ class CompiledLoss:
             raise ValueError(f"chunk_size must be a positive int, not {chunk_size!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+        if tiles is not None and not isinstance(tiles, Tiles):
+            raise TypeError(f"tiles must be a fuser.codegen.loss_matmul.Tiles, not {type(tiles).__name__}")
         self.schedule = schedule
+        self.tiles = tiles
         self.rule = rule
         self.hyper_defaults = dict(rule.hyper)
         self.chunk_size = chunk_size
@@ -70,6 +90,8 @@ class CompiledLoss:
         self.num_warps = num_warps
         self._sources: dict[str, KernelSource] = {}
         self._sharded: dict[str, tuple] = {}
+        self._matmul: dict[tuple, tuple] = {}
+        self._grad_tiles: dict[str, Tiles] = {}
         self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
         self._hyper_rows: dict[tuple, torch.Tensor] = {}
         self.__name__ = rule.name
@@ -99,6 +121,34 @@ class CompiledLoss:
             )
             self._sharded[dtype] = (sources, shard_layout(plan), reads_zy)
         return self._sharded[dtype]
+
+    def matmul_kernel_sources(
+        self,
+        dtype: str = "bf16",
+        tiles: Tiles | None = None,
+        *,
+        grad_tiles: Tiles | None = None,
+        has_bias=False,
+    ):
+        """(sweeps, gradient) kernels of the lean schedule for ``dtype``: one sweep per
+        reduction pass, then the kernel that forms the logit gradient tile by tile. Block
+        shapes: ``tiles`` and ``grad_tiles``, else the compile option ``tiles`` for both,
+        else the GPU defaults (``Tiles()``; ``gradient_tiles`` for the gradient)."""
+        tiles = tiles or self.tiles or Tiles()
+        grad_tiles = grad_tiles or self.tiles or self._gradient_tiles(dtype)
+        key = (dtype, tiles, grad_tiles, has_bias)
+        if key not in self._matmul:
+            plan = lower_loss(self.rule, dtype)
+            sweeps = tuple(
+                render_loss_matmul(plan, tiles, stage=k, has_bias=has_bias) for k in range(len(plan.passes))
+            )
+            self._matmul[key] = (sweeps, render_loss_matmul(plan, grad_tiles, has_bias=has_bias))
+        return self._matmul[key]
+
+    def _gradient_tiles(self, dtype: str) -> Tiles:
+        if dtype not in self._grad_tiles:
+            self._grad_tiles[dtype] = gradient_tiles(lower_loss(self.rule, dtype))
+        return self._grad_tiles[dtype]
 
     def _shard_sizes_of(self, group, local: int, device: torch.device) -> tuple[int, ...]:
         """Every rank's vocabulary slice length, gathered once per (group, local length)."""
@@ -155,9 +205,17 @@ class CompiledLoss:
         reduction: str = "mean",
         accumulate_into: str | None = None,
         process_group=None,
+        memory: str = "auto",
         **hyper_overrides,
     ) -> torch.Tensor:
         dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
+        if memory not in MEMORY:
+            raise ValueError(f"memory must be one of {MEMORY}, not {memory!r}")
+        if memory != "auto" and self.schedule != "auto":
+            raise ValueError(
+                f"memory={memory!r} picks a schedule, and this loss was compiled with "
+                f"schedule={self.schedule!r}: give one or the other"
+            )
         main_grad = accumulate_into == "main_grad"
         x = hidden.reshape(-1, hidden.shape[-1])
         y = target.reshape(-1).to(torch.int64).contiguous()
@@ -175,31 +233,66 @@ class CompiledLoss:
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
         if process_group is None:
-            run = self._one_device_run(
-                call, want_grad, main_grad and weight.requires_grad, weight.dtype == torch.float32
-            )
+            out = self._one_device(call, x, weight, bias, y, memory, reduction, main_grad, want_grad)
         else:
+            if memory == "lean":
+                raise ValueError(
+                    "memory='lean' is for one device; a vocabulary-parallel loss runs in chunks of tokens"
+                )
             run = self._vocab_parallel_run(call, process_group)
-        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
+            out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
 
-    def _one_device_run(self, call: _Call, want_grad: bool, main_grad: bool, weight_fp32: bool):
-        """The run of a one-device call: row kernels over chunks of tokens, or a staged
-        schedule (``self.schedule``, or the one ``choose_schedule`` picks by memory)."""
-        chunk = self.chunk_size or chunk_rows(call.n_tokens, call.hid, call.vocab, call.es)
-        plan = self.schedule
-        if plan == "auto":
-            plan = choose_schedule(
-                call.n_tokens,
-                call.hid,
-                call.vocab,
-                call.es,
-                chunk=chunk,
-                main_grad=main_grad,
-                weight_fp32=weight_fp32,
-            )
+    def _one_device(self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad):
+        """A call on one device. Rows whose target is ``ignore_index`` are left out of every
+        kernel and matmul (finding them reads their count on the host, once per call): their
+        loss and their ``grad_hidden`` are 0."""
+        live = y != call.ignore_index
+        n_live = int(live.sum())
+        idx = None
+        if 0 < n_live < y.shape[0]:
+            idx = live.nonzero()[:, 0]
+            x, y = x.index_select(0, idx), y.index_select(0, idx)
+            call = replace(call, n_tokens=n_live)
+        plan = self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight)
+        if plan == "fused":
+            x, weight = x.contiguous(), weight.contiguous()
+            run = self._fused_run(call, x, weight, bias)
+        else:
+            run = self._one_device_run(call, plan, want_grad)
+        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
+        if idx is not None and reduction == "none":
+            out = torch.zeros(live.shape, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
+        return out
+
+    def _schedule_of(self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight) -> str:
+        """The schedule a one-device call runs: ``self.schedule``, or the one ``memory``
+        names, or (auto) the one ``choose_schedule`` picks by memory."""
+        if self.schedule != "auto":
+            return self.schedule
+        if memory == "lean":
+            return "fused"
+        if not want_grad:
+            return "chunks"
+        return choose_schedule(
+            call.n_tokens,
+            call.hid,
+            call.vocab,
+            call.es,
+            chunk=self._chunk(call),
+            main_grad=main_grad and memory == "auto",
+            weight_fp32=weight.dtype == torch.float32,
+        )
+
+    def _chunk(self, call: _Call) -> int:
+        return self.chunk_size or chunk_rows(call.n_tokens, call.hid, call.vocab, call.es)
+
+    def _one_device_run(self, call: _Call, plan: str, want_grad: bool):
+        """The run of a one-device call with logits in memory: row kernels over chunks of
+        tokens, or a staged schedule."""
+        chunk = self._chunk(call)
         if not want_grad or plan == "chunks":
             return Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
         sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
@@ -208,6 +301,31 @@ class CompiledLoss:
         run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
         run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
         return run
+
+    def _fused_run(self, call: _Call, x, weight, bias) -> Fused:
+        """The lean schedule's run: matmul kernels for this device, hidden size and bias."""
+        if self.tiles is None and call.device.type == "cuda":
+            tiles, grad_tiles = Tiles(), self._gradient_tiles(call.dtype)
+        else:
+            tiles = grad_tiles = self.tiles or INTERPRETER_TILES
+        aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+        tiles, grad_tiles = (t.for_hidden(call.hid, aligned) for t in (tiles, grad_tiles))
+        sweeps, grad = self.matmul_kernel_sources(
+            call.dtype, tiles, grad_tiles=grad_tiles, has_bias=bias is not None
+        )
+        sources, layout, _ = self.sharded_kernel_sources(call.dtype)
+        cols = slice_cols(call.n_tokens, call.hid, call.es, max(tiles.bn, grad_tiles.bn), MAIN_GRAD_BUDGET)
+        return Fused(
+            sweeps,
+            grad,
+            sources[-1],
+            layout,
+            (tiles, grad_tiles),
+            call.device,
+            call.hyper,
+            call.ignore_index,
+            cols,
+        )
 
     def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
         """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
@@ -308,17 +426,24 @@ def _check_call(hidden, weight, target, bias, reduction: str, accumulate_into: s
 def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
     chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``,
-    ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"`` or ``"vocab"``: see
-    ``fuser.runtime.loss.staged``; ``auto`` picks by memory)."""
+    ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"`` or ``"fused"``: see
+    ``fuser.runtime.loss.staged`` and ``fuser.runtime.loss.fused``; ``auto`` lets each
+    call's ``memory=`` pick), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of
+    the matmul kernels)."""
     return CompiledLoss(rule, **options)
 
 
 def kernel_sources(
     rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
 ) -> list[KernelSource]:
-    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel and
-    the staged sequence (which calls with ``process_group=`` and the ``whole`` and
-    ``vocab`` schedules launch); with ``vocab_parallel=True``, the staged sequence only."""
+    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
+    staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab`` and
+    ``fused`` schedules launch) and the lean schedule's matmul kernels (GPU tiles, no bias,
+    a hidden size that is a multiple of their ``bk``); with ``vocab_parallel=True``, the
+    staged sequence only."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
-    return staged if vocab_parallel else [f.kernel_source(dtype), *staged]
+    if vocab_parallel:
+        return staged
+    sweeps, grad = f.matmul_kernel_sources(dtype)
+    return [f.kernel_source(dtype), *staged, *sweeps, grad]

@@ -75,6 +75,7 @@ def cross_entropy(
     temperature: float = 1.0,
     accumulate_into: str | None = None,
     process_group=None,
+    memory: str = "auto",
 ) -> torch.Tensor:
     """Fused ``cross_entropy(hidden @ weight.T + bias, target)`` with autograd, never holding
     the full logits: ``torch.nn.functional.linear_cross_entropy`` where the two overlap.
@@ -82,7 +83,8 @@ def cross_entropy(
     ``label_smoothing`` as in torch; ``z_loss`` adds ``z_loss * logsumexp(z)**2`` per token;
     ``softcap`` applies ``softcap * tanh(z / softcap)`` to the logits, then ``temperature``
     divides them. Plain cross-entropy runs the leanest kernel. With ``process_group``,
-    ``weight`` and ``bias`` are this rank's slice of the vocabulary (see ``CompiledLoss``).
+    ``weight`` and ``bias`` are this rank's slice of the vocabulary; ``memory="lean"`` keeps
+    no logits in memory (see ``CompiledLoss`` for both).
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], not {label_smoothing}")
@@ -93,6 +95,7 @@ def cross_entropy(
         reduction=reduction,
         accumulate_into=accumulate_into,
         process_group=process_group,
+        memory=memory,
     )
     extras = dict(label_smoothing=label_smoothing, z_loss=z_loss, temperature=temperature)
     if softcap is not None:
@@ -118,6 +121,7 @@ def entropy_regularized_cross_entropy(
     temperature: float = 1.0,
     accumulate_into: str | None = None,
     process_group=None,
+    memory: str = "auto",
 ) -> torch.Tensor:
     """Fused ``cross_entropy(z, target) - entropy_coef * entropy(softmax(z))`` per token, with
     ``z = (hidden @ weight.T + bias) / temperature``."""
@@ -132,6 +136,7 @@ def entropy_regularized_cross_entropy(
         reduction=reduction,
         accumulate_into=accumulate_into,
         process_group=process_group,
+        memory=memory,
         entropy_coef=entropy_coef,
         temperature=temperature,
     )

@@ -11,6 +11,7 @@ import torch
 
 import fuser
 import fuser.losses
+from fuser.codegen.loss_matmul import Tiles
 from fuser.losses import api
 from fuser.runtime.loss.chunked import chunk_rows
 from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
@@ -18,12 +19,20 @@ from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, choose_schedule, forward
 from .reference import T, V, assert_close, cross_entropy, make_inputs, reference
 from .test_loss_values import USER_RULES, check, label_smoothed, run
 
-SCHEDULES = ["chunks", "whole", "vocab"]
+SCHEDULES = ["chunks", "whole", "vocab", "fused"]
+LOGIT_BUFFERS = ["chunks", "whole", "vocab"]  # the schedules that keep logits in memory
+
+
+def rounded(schedule, dtype):
+    """The dtype a schedule's logits pass through: the inputs' (as torch's matmul rounds
+    them), except in ``fused``, whose logits stay in fp32 registers."""
+    return None if schedule == "fused" or dtype == torch.float32 else dtype
 
 
 @pytest.fixture
 def short_slices(monkeypatch):
     monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 64)
+    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 64)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -37,7 +46,7 @@ def test_cross_entropy_every_schedule(schedule, reduction, short_slices):
     check(got, ref)
 
 
-@pytest.mark.parametrize("schedule", ["whole", "vocab"])
+@pytest.mark.parametrize("schedule", ["whole", "vocab", "fused"])
 @pytest.mark.parametrize("name", ["max_margin", "max_of_scaled", "lse_of_lse", "softcap_zloss"])
 def test_user_rules_every_schedule(schedule, name, short_slices):
     # max_*: the argmax column must follow the slice in ``vocab``; lse_of_lse: two sweeps
@@ -56,7 +65,7 @@ def test_bf16_every_schedule(schedule, short_slices):
     f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
     got = run(f, hidden, weight, b, target, grad_out=torch.tensor(0.3))
     ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3),
-                    round_logits_to=torch.bfloat16)  # fmt: skip
+                    round_logits_to=rounded(schedule, torch.bfloat16))  # fmt: skip
     check(got, ref, 2e-2, torch.bfloat16)
 
 
@@ -73,7 +82,8 @@ def test_main_grad_every_schedule(schedule, reduction, short_slices):
     out = f(x, w, target, reduction=reduction, accumulate_into="main_grad")
     (out * grad_out.to(out.dtype)).sum().backward()
     ref = reference(cross_entropy, hidden, weight, None, target, reduction=reduction,
-                    grad_out=grad_out.to(torch.bfloat16).float(), round_logits_to=torch.bfloat16)  # fmt: skip
+                    grad_out=grad_out.to(torch.bfloat16).float(),
+                    round_logits_to=rounded(schedule, torch.bfloat16))  # fmt: skip
     assert w.grad is None
     assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad increment")
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
@@ -120,6 +130,55 @@ def test_schedule_option_is_checked():
         f(hidden, weight, target, b, process_group=object())
 
 
+def test_memory_keyword_is_checked():
+    hidden, weight, b, target = make_inputs()
+    with pytest.raises(ValueError, match="memory must be one of"):
+        fuser.losses.cross_entropy(hidden, weight, target, b, memory="small")
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="whole")
+    with pytest.raises(ValueError, match="give one or the other"):
+        f(hidden, weight, target, b, memory="lean")
+    with pytest.raises(ValueError, match="for one device"):
+        fuser.losses.cross_entropy(hidden, weight, target, b, memory="lean", process_group=object())
+
+
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_ignored_rows_reach_no_kernel(memory, monkeypatch):
+    # only the live rows go into the autograd Function (and so into every kernel and
+    # matmul); the ignored rows still get a loss of 0 and a zero grad_hidden
+    seen = []
+    apply = api.LinearLoss.apply
+
+    def recording(x, *rest):
+        seen.append(x.shape[0])
+        return apply(x, *rest)
+
+    monkeypatch.setattr(api.LinearLoss, "apply", recording)
+    hidden, weight, b, target = make_inputs(ignore="some")
+    live = int((target != -100).sum())
+    assert 0 < live < T
+    grad_out = torch.rand(T) + 0.5
+    got = run(fuser.losses.cross_entropy, hidden, weight, b, target, reduction="none", grad_out=grad_out,
+              memory=memory)  # fmt: skip
+    assert seen == [live]
+    check(got, reference(cross_entropy, hidden, weight, b, target, reduction="none", grad_out=grad_out))
+    assert torch.equal(got[0][target == -100], torch.zeros(T - live))
+    assert torch.equal(got[1][target == -100], torch.zeros(T - live, hidden.shape[1]))
+
+
+def test_gradient_kernel_is_narrower_for_rules_beyond_exp():
+    # a softcap's tanh in the gradient: [128, 128] tiles; the sweeps keep [128, 256]
+    def widths(f):
+        sweeps, grad = f.matmul_kernel_sources("bf16")
+        return [dict(k.constexprs)["BN"] for k in (*sweeps, grad)]
+
+    assert widths(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY)) == [256, 128]
+    assert widths(fuser.compile(fuser.losses.CROSS_ENTROPY_FULL)) == [256, 256]
+    assert widths(fuser.compile(fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY)) == [256, 256, 256]
+    # a block shape given at compile time is used for every kernel
+    tiles = Tiles(bm=64, bn=64, bk=32)
+    assert widths(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY, tiles=tiles)) == [64, 64]
+
+
 # --- which schedule, and how big its pieces are ---------------------------------------------------
 
 GIST = (32768, 768, 128256)
@@ -159,7 +218,7 @@ def test_chunk_rows_leaves_room_for_the_accumulator():
     assert chunk_rows(*LLAMA8B, 2) == 4096  # twice the weight's bytes, capped at 1 GiB
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", LOGIT_BUFFERS)
 def test_every_launch_gets_16_byte_aligned_rows(schedule, short_slices, monkeypatch):
     # the kernels load full blocks 16 bytes at a time and assume aligned rows: V = 211 is
     # not a multiple of 8, so every driver must pad its buffers' rows
@@ -205,5 +264,5 @@ def test_row_padding_holds_no_garbage(schedule, short_slices, monkeypatch):
         f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
         got = run(f, hidden, weight, b, target, grad_out=torch.tensor(0.3))
         ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3),
-                        round_logits_to=dtype if dtype != torch.float32 else None)  # fmt: skip
+                        round_logits_to=rounded(schedule, dtype))  # fmt: skip
         check(got, ref, tol, dtype)

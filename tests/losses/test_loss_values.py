@@ -115,7 +115,8 @@ def test_cross_entropy_label_smoothing_and_batched_input_match_torch():
     check((ref, x.grad, w.grad, bb.grad), want)
 
 
-def test_cross_entropy_all_options_against_float64():
+@pytest.mark.parametrize("memory", ["auto", "lean"])
+def test_cross_entropy_all_options_against_float64(memory):
     hidden, weight, b, target = make_inputs(scale=3.0)
     cap, temp, ls, zl = 4.0, 0.7, 0.05, 1e-3
 
@@ -134,6 +135,7 @@ def test_cross_entropy_all_options_against_float64():
         temperature=temp,
         label_smoothing=ls,
         z_loss=zl,
+        memory=memory,
     )
     check(got, reference(per_token, hidden, weight, b, target))
 
@@ -261,7 +263,8 @@ def test_user_rule_against_float64(name):
     check(got, reference(per_token, hidden, weight, b, target))
 
 
-def test_entropy_regularized_builtin_across_chunks_and_blocks():
+@pytest.mark.parametrize("memory", ["auto", "lean"])
+def test_entropy_regularized_builtin_across_chunks_and_blocks(memory):
     # 3 token chunks (16 + 16 + 5), 4 vocabulary blocks per row (64 * 4 > 211)
     hidden, weight, b, target = make_inputs()
     rule = fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY
@@ -283,6 +286,7 @@ def test_entropy_regularized_builtin_across_chunks_and_blocks():
         grad_out=grad_out,
         entropy_coef=0.2,
         temperature=1.3,
+        memory=memory,
     )
     check(got2, ref)
 
@@ -422,7 +426,8 @@ def test_launches_one_kernel_per_chunk():
     f(hidden, weight, target, b)  # load once
     before = fuser.stats()["launches"]
     run(f, hidden, weight, b, target)
-    assert fuser.stats()["launches"] - before == 3
+    live = int((target != IGNORE).sum())  # ignored rows are left out before the chunks
+    assert fuser.stats()["launches"] - before == -(-live // 16) < -(-T // 16)
 
 
 # --- Megatron's main_grad ----------------------------------------------------------------------------

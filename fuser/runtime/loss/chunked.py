@@ -185,9 +185,15 @@ class LinearLoss(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        ctx.schedule = getattr(run, "schedule", "chunks") if want_grad else "chunks"
+        ctx.schedule = getattr(run, "schedule", "chunks")
+        if not want_grad and ctx.schedule != "fused":
+            ctx.schedule = "chunks"
         ctx.eager = want_grad and reduction != "none" and not main_grad and ctx.schedule == "chunks"
-        if ctx.schedule == "whole":
+        if ctx.schedule == "fused":
+            red = run.forward(x, weight, bias, target, loss_tok)
+            if want_grad:
+                ctx.save_for_backward(x, weight, bias, target, count, red)
+        elif ctx.schedule == "whole":
             ctx.kept = run.forward_whole(x, weight, bias, target, loss_tok)
             ctx.save_for_backward(x, weight, bias, target, count)
         elif ctx.schedule == "vocab":
@@ -233,9 +239,11 @@ class LinearLoss(torch.autograd.Function):
         x, weight, bias, target, count, *red = ctx.saved_tensors
         scale = _grad_scale(grad_out, ctx.reduction, count)
         main_grad = ctx.main_grad and need_w
-        if ctx.schedule in ("whole", "vocab"):
+        if ctx.schedule in ("whole", "vocab", "fused"):
             flags = dict(need_x=need_x, need_w=need_w, need_b=need_b, main_grad=main_grad)
-            if ctx.schedule == "whole":
+            if ctx.schedule == "fused":
+                gx, gw, gb = run.backward(red[0], x, weight, bias, target, scale, **flags)
+            elif ctx.schedule == "whole":
                 if ctx.kept is None:
                     raise RuntimeError(_ONCE)
                 (logits, kept_red), ctx.kept = ctx.kept, None

@@ -1,0 +1,172 @@
+"""The *lean* schedule: the loss epilogue inside the logits matmul, nothing ``[T, V]`` in memory.
+
+Forward: ``z[y]`` per token (a gathered dot product, fp32), then one sweep kernel per
+reduction pass of the rule (``fuser.codegen.loss_matmul``): tiles of logits computed in
+fp32 registers and reduced there. Each program covers BM tokens and one contiguous share of
+the vocabulary; the shares' partials are combined here in a fixed order (logsumexp, sum,
+or max keeping the first column), so the result does not depend on scheduling. The loss
+kernel of the staged sequence then reads the combined ``red`` alone.
+
+Backward (vocabulary slices, as ``Staged.backward_vocab``): the gradient kernel recomputes
+each tile of a slice's logits (one program per tile, in groups of row blocks that share
+weight tiles), forms ``scale * d loss / d logits`` in fp32 and stores it rounded once into
+a ``[T, slice]`` buffer, which the two gradient matmuls read:
+``grad_hidden`` accumulated in fp32 over slices, ``grad_weight`` written once per slice (or
+added into ``weight.main_grad``).
+
+Ignored tokens: ``CompiledLoss`` passes only the rows whose target is not
+``ignore_index``, so every matmul skips them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuser.cache import load_kernel
+from fuser.runtime.loss.chunked import MIB, accumulate_mm, accumulate_weight_grad, logits_buffer
+
+# Bytes of the fp32 temporaries of the gathered z[y] dot product.
+ZY_BUDGET = 64 * MIB
+
+
+def target_logits(x, weight, bias, target, out) -> None:
+    """``out[t] = x[t] . weight[target[t]] (+ bias)`` in fp32 for targets in range (0 elsewhere)."""
+    n, vocab = x.shape[0], weight.shape[0]
+    if vocab == 0:
+        out.zero_()
+        return
+    rows = max(1, ZY_BUDGET // max(8 * x.shape[1], 1))
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        y = target[s:e]
+        ok = (y >= 0) & (y < vocab)
+        ys = torch.where(ok, y, 0)
+        v = (x[s:e].float() * weight.index_select(0, ys).float()).sum(1)
+        if bias is not None:
+            v += bias.index_select(0, ys).float()
+        out[s:e] = torch.where(ok, v, 0.0)
+
+
+def shares(tiles_m: int, tiles_n: int, processors: int) -> int:
+    """How many shares of the vocabulary each block of tokens is split into: the one (of 1
+    to 8, at most ``tiles_n``) whose programs fill the processors' last wave best; ties
+    to the fewest."""
+    best, best_fill = 1, 0.0
+    for n in range(1, min(8, max(tiles_n, 1)) + 1):
+        total = tiles_m * n
+        fill = total / (-(-total // processors) * processors)
+        if fill > best_fill + 0.02:
+            best, best_fill = n, fill
+    return best
+
+
+class Fused:
+    """The lean schedule's kernels for one (dtype, tiles, bias) and what a call needs;
+    ``tiles``: the block shapes of the sweeps and of the gradient kernel."""
+
+    schedule = "fused"
+
+    def __init__(self, sweeps, grad, final, layout, tiles, device, hyper, ignore_index, cols):
+        self.sweeps = [load_kernel(s, device) for s in sweeps]
+        self.grad_kernel = load_kernel(grad, device)
+        self.final = load_kernel(final, device)
+        self.layout = layout
+        self.tiles, self.grad_tiles = tiles
+        self.hyper = hyper
+        self.ignore_index = int(ignore_index)
+        self.cols = cols  # vocabulary rows per backward slice
+        if device.type == "cuda":
+            self.processors = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.processors = 4
+
+    def _common(self, x, weight, bias, target):
+        return (x, weight, bias if bias is not None else weight, target)
+
+    def forward(self, x, weight, bias, target, loss_tok) -> torch.Tensor:
+        """Per-token losses into ``loss_tok``; returns ``red`` (per-token values) for
+        ``backward``."""
+        n, vocab = x.shape[0], weight.shape[0]
+        red = torch.zeros(n, self.layout.red_width, dtype=torch.float32, device=x.device)
+        if n == 0:
+            return red
+        target_logits(x, weight, bias, target, red[:, 0])
+        tiles_m = -(-n // self.tiles.bm)
+        tiles_n = -(-vocab // self.tiles.bn)
+        split = shares(tiles_m, tiles_n, self.processors)
+        tail = (self.hyper, n, x.shape[1], vocab, 0, vocab, self.ignore_index)
+        if vocab:
+            for stage, kernel in enumerate(self.sweeps):
+                part = torch.empty(
+                    split, n, self.layout.part_widths[stage], dtype=torch.float32, device=x.device
+                )
+                kernel((tiles_m, split), *self._common(x, weight, bias, target), red, part, *tail)
+                self._combine(stage, part, red)
+        rest = (self.hyper, vocab, self.ignore_index, 0, red, red, 0, vocab)
+        self.final((n,), x, 0, target, loss_tok, loss_tok, 0, *rest)
+        return red
+
+    def _combine(self, stage: int, part: torch.Tensor, red: torch.Tensor) -> None:
+        """The shares' partials of sweep ``stage`` into ``red``, in share order."""
+        for i, op, c in self.layout.part_cols[stage]:
+            rc = self.layout.red_cols[i]
+            vals = part[:, :, c]
+            if op == "sum":
+                red[:, rc] = vals.sum(0)
+            elif op == "logsumexp":
+                red[:, rc] = torch.logsumexp(vals, 0)
+            else:
+                best, share = vals.max(0)  # the first share holding the maximum
+                red[:, rc] = best
+                red[:, rc + 1] = part[:, :, c + 1].gather(0, share[None])[0]
+
+    def backward(self, red, x, weight, bias, target, scale, *, need_x, need_w, need_b, main_grad):
+        """``(grad_hidden, grad_weight, grad_bias)`` as ``Staged.backward_vocab`` returns
+        them, from what ``forward`` returned."""
+        n, vocab = x.shape[0], weight.shape[0]
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        gw = (
+            torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
+            if need_w and not main_grad
+            else None
+        )
+        gb = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_b else None
+        if n == 0 or vocab == 0:
+            if gw is not None:
+                gw.zero_()
+            return _as_input(gx, x), gw, gb
+        cols = min(self.cols, vocab)
+        buf = logits_buffer(n, cols, x)
+        scale_stride = 0 if scale.numel() == 1 else 1
+        tiles_m = -(-n // self.grad_tiles.bm)
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            dz, w = buf[:, : v1 - v0], weight[v0:v1]
+            b = bias[v0:v1] if bias is not None else w
+            grid = (tiles_m * -(-(v1 - v0) // self.grad_tiles.bn),)
+            self.grad_kernel(
+                grid, x, w, b, target, red, scale, scale_stride, dz, dz.stride(0), self.hyper,
+                n, x.shape[1], v1 - v0, v0, vocab, self.ignore_index,
+            )  # fmt: skip
+            if need_x:
+                accumulate_mm(gx, dz, w)
+            if need_w and main_grad:
+                accumulate_weight_grad(weight.main_grad[v0:v1], dz, x)
+            elif need_w:
+                torch.mm(dz.t(), x, out=gw[v0:v1])
+            if need_b:
+                torch.sum(dz, 0, dtype=torch.float32, out=gb[v0:v1])
+        del buf, dz
+        return _as_input(gx, x), gw, gb
+
+
+def _as_input(gx, x):
+    return gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
+
+
+def slice_cols(n_tokens: int, hidden: int, element_size: int, bn: int, budget: int) -> int:
+    """Vocabulary rows per backward slice: the ``[T, slice]`` gradient buffer and the fp32
+    ``[T, H]`` hidden gradient within ``budget``; a multiple of ``bn``, at least ``bn``."""
+    room = budget - 4 * n_tokens * hidden
+    cols = room // max(n_tokens * element_size, 1)
+    return int(max(bn, cols // bn * bn))
