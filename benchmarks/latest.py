@@ -46,6 +46,11 @@ def loss_rows(doc: dict, source: str) -> list[dict]:
     for r in doc["rows"]:
         if "error" in r:
             continue
+        if "option" in r:  # time only, beside plain cross-entropy (--options)
+            workload = f"lce_{r['cfg']}_option_{r['option']}"
+            impl = f"fuser memory={r['memory']}"
+            out.append(dict(workload=workload, impl=impl, ms=r["fwd_bwd_ms"], device=device, source=source))
+            continue
         out.append(
             dict(
                 workload=r.get("workload", f"lce_{r['cfg']}"),

@@ -38,6 +38,25 @@ def test_latest_json_rows_from_recorded_results(tmp_path):
     assert {"first_step_cold", "first_step_warm"} <= {r["workload"] for r in rows}
 
 
+def test_latest_json_keeps_the_option_rows_and_skips_failed_anchors(tmp_path):
+    # loss_bench --options rows are time only; an anchor that failed to import is a row
+    # with an error, left out of latest.json
+    src = os.path.join(RESULTS, "loss_2026-11-25.json")
+    with open(src) as f:
+        recorded = json.load(f)["rows"]
+    out = tmp_path / "latest.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latest.py"), src, "--out", str(out)],
+                   check=True, capture_output=True)  # fmt: skip
+    by = {(r["workload"], r["impl"]): r for r in json.loads(out.read_text())}
+    options = [r for r in recorded if "option" in r]
+    assert options
+    for r in options:
+        row = by[(f"lce_{r['cfg']}_option_{r['option']}", f"fuser memory={r['memory']}")]
+        assert row["ms"] == r["fwd_bwd_ms"] and "peak_mib" not in row
+    assert by[("lce_gist_lean", "fuser memory=lean")]["peak_mib"] > 0
+    assert len(by) == len([r for r in recorded if "error" not in r])
+
+
 def test_scaling_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
