@@ -50,8 +50,7 @@ class CompiledLoss:
     ``memory`` picks the schedule: ``"lean"`` computes the logits tile by tile inside Triton
     matmul kernels that reduce them in registers (forward) or turn them into
     ``d loss / d logits`` (backward), so no ``[T, V]`` buffer exists, only a slice of the
-    logit gradient; rows whose target is ``ignore_index`` are left out of every matmul.
-    ``"fast"`` keeps a chunk (or all) of the logits in memory and takes the gradients in
+    logit gradient. ``"fast"`` keeps a chunk (or all) of the logits in memory and takes the gradients in
     forward where it can. ``"auto"`` picks by the sizes (the compile option ``schedule``,
     when not ``"auto"``, names one schedule instead).
 
@@ -60,7 +59,11 @@ class CompiledLoss:
     rank order (sizes may differ), while ``hidden`` and ``target`` (global class indices) are
     the same on every rank. Every vocabulary reduction of the rule is combined across the
     group; each rank gets the full loss, the gradient of ``hidden`` summed over the group, and
-    the gradients of its own ``weight``/``bias`` slice.
+    the gradients of its own ``weight``/``bias`` slice; ``memory="lean"`` runs the matmul
+    kernels over each rank's rows, any other runs row kernels over chunks of tokens.
+
+    Rows whose target is ``ignore_index`` are left out of every kernel, matmul and
+    collective; finding them reads their count on the host, once per call.
     """
 
     def __init__(
@@ -232,23 +235,16 @@ class CompiledLoss:
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
-        if process_group is None:
-            out = self._one_device(call, x, weight, bias, y, memory, reduction, main_grad, want_grad)
-        else:
-            if memory == "lean":
-                raise ValueError(
-                    "memory='lean' is for one device; a vocabulary-parallel loss runs in chunks of tokens"
-                )
-            run = self._vocab_parallel_run(call, process_group)
-            out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
+        out = self._run_call(call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group)
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
 
-    def _one_device(self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad):
-        """A call on one device. Rows whose target is ``ignore_index`` are left out of every
-        kernel and matmul (finding them reads their count on the host, once per call): their
-        loss and their ``grad_hidden`` are 0."""
+    def _run_call(self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group):
+        """Rows whose target is ``ignore_index`` are left out of every kernel, matmul and
+        collective (finding them reads their count on the host, once per call; every rank
+        of ``group`` holds the same targets, so all leave out the same rows): their loss and
+        their ``grad_hidden`` are 0. Then the schedule runs."""
         live = y != call.ignore_index
         n_live = int(live.sum())
         idx = None
@@ -256,12 +252,19 @@ class CompiledLoss:
             idx = live.nonzero()[:, 0]
             x, y = x.index_select(0, idx), y.index_select(0, idx)
             call = replace(call, n_tokens=n_live)
-        plan = self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight)
-        if plan == "fused":
-            x, weight = x.contiguous(), weight.contiguous()
-            run = self._fused_run(call, x, weight, bias)
+        if group is not None and memory != "lean" and self.schedule != "fused":
+            run = self._vocab_parallel_run(call, group)
         else:
-            run = self._one_device_run(call, plan, want_grad)
+            plan = (
+                "fused"
+                if group is not None
+                else self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight)
+            )
+            if plan == "fused":
+                x, weight = x.contiguous(), weight.contiguous()
+                run = self._fused_run(call, x, weight, bias, group)
+            else:
+                run = self._one_device_run(call, plan, want_grad)
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
         if idx is not None and reduction == "none":
             out = torch.zeros(live.shape, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
@@ -302,8 +305,9 @@ class CompiledLoss:
         run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
         return run
 
-    def _fused_run(self, call: _Call, x, weight, bias) -> Fused:
-        """The lean schedule's run: matmul kernels for this device, hidden size and bias."""
+    def _fused_run(self, call: _Call, x, weight, bias, group=None) -> Fused:
+        """The lean schedule's run: matmul kernels for this device, hidden size and bias;
+        with ``group``, over this rank's slice of the vocabulary."""
         if self.tiles is None and call.device.type == "cuda":
             tiles, grad_tiles = Tiles(), self._gradient_tiles(call.dtype)
         else:
@@ -315,35 +319,32 @@ class CompiledLoss:
         )
         sources, layout, _ = self.sharded_kernel_sources(call.dtype)
         cols = slice_cols(call.n_tokens, call.hid, call.es, max(tiles.bn, grad_tiles.bn), MAIN_GRAD_BUDGET)
-        return Fused(
-            sweeps,
-            grad,
-            sources[-1],
-            layout,
-            (tiles, grad_tiles),
-            call.device,
-            call.hyper,
-            call.ignore_index,
-            cols,
-        )
+        kernels = (sweeps, grad, sources[-1])
+        run = Fused(kernels, layout, (tiles, grad_tiles), call.device, call.hyper, call.ignore_index, cols)
+        if group is not None:
+            run.shard(group, *self._shards(call, group))
+        return run
 
-    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
-        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
-        of tokens that every rank runs alike."""
+    def _shards(self, call: _Call, group) -> tuple[tuple[int, ...], int]:
+        """Every rank's vocabulary slice length and this rank's index in ``group``."""
         import torch.distributed as dist
 
-        if self.schedule not in ("auto", "chunks"):
-            raise ValueError(
-                f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
-                "(process_group=) runs in chunks of tokens"
-            )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "process_group= (a vocabulary-parallel loss) needs torch.distributed "
                 "initialised (init_process_group)"
             )
-        sizes = self._shard_sizes_of(process_group, call.vocab, call.device)
-        rank = dist.get_rank(process_group)
+        return self._shard_sizes_of(group, call.vocab, call.device), dist.get_rank(group)
+
+    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
+        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
+        of tokens that every rank runs alike."""
+        if self.schedule not in ("auto", "chunks"):
+            raise ValueError(
+                f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
+                "(process_group=) runs in chunks of tokens, or with memory='lean' in the matmul kernels"
+            )
+        sizes, rank = self._shards(call, process_group)
         total = sum(sizes)
         # Every rank must run as many chunks (each has its collectives): size them by
         # the largest slice, the same on every rank.
@@ -439,11 +440,11 @@ def kernel_sources(
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
     staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab`` and
     ``fused`` schedules launch) and the lean schedule's matmul kernels (GPU tiles, no bias,
-    a hidden size that is a multiple of their ``bk``); with ``vocab_parallel=True``, the
-    staged sequence only."""
+    a hidden size that is a multiple of their ``bk``); with ``vocab_parallel=True``, those a
+    call with ``process_group=`` launches: all but the row kernel."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
-    if vocab_parallel:
-        return staged
     sweeps, grad = f.matmul_kernel_sources(dtype)
+    if vocab_parallel:
+        return [*staged, *sweeps, grad]
     return [f.kernel_source(dtype), *staged, *sweeps, grad]

@@ -14,6 +14,11 @@ a ``[T, slice]`` buffer, which the two gradient matmuls read:
 ``grad_hidden`` accumulated in fp32 over slices, ``grad_weight`` written once per slice (or
 added into ``weight.main_grad``).
 
+Vocabulary-parallel (``Fused.shard``): each rank runs the same kernels over its slice of
+the vocabulary rows; ``z[y]`` is summed across the group and each sweep's partials are
+gathered (one collective each) and combined in rank order, then share order, which is the
+vocabulary's order; ``grad_hidden`` is summed across the group, ``grad_weight`` stays local.
+
 Ignored tokens: ``CompiledLoss`` passes only the rows whose target is not
 ``ignore_index``, so every matmul skips them.
 """
@@ -66,7 +71,8 @@ class Fused:
 
     schedule = "fused"
 
-    def __init__(self, sweeps, grad, final, layout, tiles, device, hyper, ignore_index, cols):
+    def __init__(self, kernels, layout, tiles, device, hyper, ignore_index, cols):
+        sweeps, grad, final = kernels
         self.sweeps = [load_kernel(s, device) for s in sweeps]
         self.grad_kernel = load_kernel(grad, device)
         self.final = load_kernel(final, device)
@@ -79,6 +85,31 @@ class Fused:
             self.processors = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             self.processors = 4
+        self.group, self.col_offset, self.vocab_total, self.widest = None, 0, None, None
+
+    def shard(self, group, sizes: tuple[int, ...], rank: int) -> None:
+        """Run over rank ``rank``'s rows of a vocabulary split over ``group`` in rank order
+        (``sizes``: every rank's row count): ``z[y]`` and each sweep's partials are combined
+        across the ranks (one collective each), ``grad_hidden`` is summed."""
+        self.group, self.col_offset, self.vocab_total = group, sum(sizes[:rank]), sum(sizes)
+        self.widest = max(sizes)
+
+    def _gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``part`` (``[shares, rows, width]``), in rank order along dim 0."""
+        if self.group is None:
+            return part
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.group)
+        out = torch.empty((world,) + tuple(part.shape), dtype=part.dtype, device=part.device)
+        dist.all_gather(list(out.unbind(0)), part.contiguous(), group=self.group)
+        return out.flatten(0, 1)
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
 
     def _common(self, x, weight, bias, target):
         return (x, weight, bias if bias is not None else weight, target)
@@ -87,24 +118,34 @@ class Fused:
         """Per-token losses into ``loss_tok``; returns ``red`` (per-token values) for
         ``backward``."""
         n, vocab = x.shape[0], weight.shape[0]
+        total = vocab if self.vocab_total is None else self.vocab_total
         red = torch.zeros(n, self.layout.red_width, dtype=torch.float32, device=x.device)
         if n == 0:
             return red
-        target_logits(x, weight, bias, target, red[:, 0])
+        zy = torch.empty(n, dtype=torch.float32, device=x.device)
+        target_logits(x, weight, bias, target - self.col_offset, zy)
+        self._all_reduce(zy)  # (only the target's owner holds z[y])
+        red[:, 0] = zy
         tiles_m = -(-n // self.tiles.bm)
-        tiles_n = -(-vocab // self.tiles.bn)
-        split = shares(tiles_m, tiles_n, self.processors)
-        tail = (self.hyper, n, x.shape[1], vocab, 0, vocab, self.ignore_index)
-        if vocab:
-            for stage, kernel in enumerate(self.sweeps):
-                part = torch.empty(
-                    split, n, self.layout.part_widths[stage], dtype=torch.float32, device=x.device
-                )
+        widest = vocab if self.widest is None else self.widest  # the same shares on every rank
+        split = shares(tiles_m, -(-widest // self.tiles.bn), self.processors)
+        tail = (self.hyper, n, x.shape[1], vocab, self.col_offset, total, self.ignore_index)
+        for stage, kernel in enumerate(self.sweeps):
+            part = torch.empty(split, n, self.layout.part_widths[stage], dtype=torch.float32, device=x.device)
+            if vocab:
                 kernel((tiles_m, split), *self._common(x, weight, bias, target), red, part, *tail)
-                self._combine(stage, part, red)
-        rest = (self.hyper, vocab, self.ignore_index, 0, red, red, 0, vocab)
+            else:  # a rank with no rows of the vocabulary: partials of nothing
+                self._empty_partials(stage, part)
+            self._combine(stage, self._gather(part), red)
+        rest = (self.hyper, vocab, self.ignore_index, 0, red, red, self.col_offset, total)
         self.final((n,), x, 0, target, loss_tok, loss_tok, 0, *rest)
         return red
+
+    def _empty_partials(self, stage: int, part: torch.Tensor) -> None:
+        for _, op, c in self.layout.part_cols[stage]:
+            part[:, :, c] = 0.0 if op == "sum" else float("-inf")
+            if op == "max":
+                part[:, :, c + 1] = 0.0
 
     def _combine(self, stage: int, part: torch.Tensor, red: torch.Tensor) -> None:
         """The shares' partials of sweep ``stage`` into ``red``, in share order."""
@@ -131,10 +172,18 @@ class Fused:
             else None
         )
         gb = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_b else None
-        if n == 0 or vocab == 0:
-            if gw is not None:
-                gw.zero_()
-            return _as_input(gx, x), gw, gb
+        if n and vocab:
+            self._slices(red, x, weight, bias, target, scale, gx, gw, gb, main_grad and need_w)
+        elif gw is not None:
+            gw.zero_()
+        if gx is not None:
+            self._all_reduce(gx)  # every rank's columns' share of grad_hidden
+        return _as_input(gx, x), gw, gb
+
+    def _slices(self, red, x, weight, bias, target, scale, gx, gw, gb, main_grad) -> None:
+        """The backward over slices of this device's vocabulary rows."""
+        n, vocab = x.shape[0], weight.shape[0]
+        total = vocab if self.vocab_total is None else self.vocab_total
         cols = min(self.cols, vocab)
         buf = logits_buffer(n, cols, x)
         scale_stride = 0 if scale.numel() == 1 else 1
@@ -146,18 +195,16 @@ class Fused:
             grid = (tiles_m * -(-(v1 - v0) // self.grad_tiles.bn),)
             self.grad_kernel(
                 grid, x, w, b, target, red, scale, scale_stride, dz, dz.stride(0), self.hyper,
-                n, x.shape[1], v1 - v0, v0, vocab, self.ignore_index,
+                n, x.shape[1], v1 - v0, self.col_offset + v0, total, self.ignore_index,
             )  # fmt: skip
-            if need_x:
+            if gx is not None:
                 accumulate_mm(gx, dz, w)
-            if need_w and main_grad:
+            if main_grad:
                 accumulate_weight_grad(weight.main_grad[v0:v1], dz, x)
-            elif need_w:
+            elif gw is not None:
                 torch.mm(dz.t(), x, out=gw[v0:v1])
-            if need_b:
+            if gb is not None:
                 torch.sum(dz, 0, dtype=torch.float32, out=gb[v0:v1])
-        del buf, dz
-        return _as_input(gx, x), gw, gb
 
 
 def _as_input(gx, x):
