@@ -166,9 +166,15 @@ def _max_lines(i: int, arg: str) -> tuple[list[str], list[str], list[str]]:
 
 
 def _pass_context(p: Pass, printer) -> dict:
+    return pass_context(p, printer, _accumulator_lines)
+
+
+def pass_context(p: Pass, printer, accumulator_lines) -> dict:
+    """The template context of one reduction pass; ``accumulator_lines(acc, arg)`` gives the
+    (init, update, finish) lines of one accumulator in the template's own terms."""
     init, update, finish = [], [], []
     for acc in p.accumulators:
-        a, b, c = _accumulator_lines(acc, printer.doprint_expr(acc.arg))
+        a, b, c = accumulator_lines(acc, printer.doprint_expr(acc.arg))
         init += a
         update += b
         finish += c
@@ -237,16 +243,22 @@ def shard_layout(plan: LossPlan) -> ShardLayout:
     return ShardLayout(tuple(part_cols), tuple(part_widths), red_cols, width)
 
 
-def _shard_lines(plan: LossPlan, layout: ShardLayout, stage: int) -> tuple[list[str], list[str]]:
-    """(loads, stores) of one stage: combined values read from ``red``, partials written."""
-    at = f"red + row * {layout.red_width}"
-    loads = [f"z_y = tl.load({at})"]
-    for p in plan.passes[:stage]:
+def red_loads(plan: LossPlan, layout: ShardLayout, passes: int, at: str, index_type: str) -> list[str]:
+    """Loads of ``z_y`` and of the reductions of the first ``passes`` passes from the
+    row of ``red`` at ``at`` (a max's argmax column as ``index_type``)."""
+    lines = [f"z_y = tl.load({at})"]
+    for p in plan.passes[:passes]:
         for acc in p.accumulators:
             c = layout.red_cols[acc.index]
-            loads.append(f"r{acc.index} = tl.load({at} + {c})")
+            lines.append(f"r{acc.index} = tl.load({at} + {c})")
             if acc.op == "max":
-                loads.append(f"am{acc.index} = tl.load({at} + {c + 1}).to(tl.int32)")
+                lines.append(f"am{acc.index} = tl.load({at} + {c + 1}).to({index_type})")
+    return lines
+
+
+def _shard_lines(plan: LossPlan, layout: ShardLayout, stage: int) -> tuple[list[str], list[str]]:
+    """(loads, stores) of one stage: combined values read from ``red``, partials written."""
+    loads = red_loads(plan, layout, stage, f"red + row * {layout.red_width}", "tl.int32")
     stores = []
     if stage < len(plan.passes):
         w = layout.part_widths[stage]
@@ -287,6 +299,21 @@ def render_loss(
     )
 
 
+def rule_context(plan: LossPlan) -> dict:
+    """What every loss template reads of the plan: the rule and its derivation (for the
+    header), the helpers, and the hyperparameters' loads."""
+    return dict(
+        name=plan.name,
+        dtype=plan.dtype,
+        rule_lines=plan.rule_text.splitlines(),
+        derivation=[f"{k}: {comment_text(v)}" for k, v in plan.derivation],
+        helpers=helpers_source(),
+        hyper=plan.hyper,
+        hyper_names=", ".join(plan.hyper) or "(none)",
+        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+    )
+
+
 def _template_context(plan: LossPlan, stage: int | None) -> dict:
     """What the row-kernel template reads besides the entry's name: the plan, the sweeps of
     ``stage`` (every pass when ``None``), and the lines of the loss and the gradient."""
@@ -297,14 +324,7 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
     grad_body = _grad_body(plan, printer)
     passes = plan.passes[stage : stage + 1] if sharded else plan.passes
     return dict(
-        name=plan.name,
-        dtype=plan.dtype,
-        rule_lines=plan.rule_text.splitlines(),
-        derivation=[f"{k}: {comment_text(v)}" for k, v in plan.derivation],
-        helpers=helpers_source(),
-        hyper=plan.hyper,
-        hyper_names=", ".join(plan.hyper) or "(none)",
-        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+        **rule_context(plan),
         passes=[_pass_context(p, printer) for p in passes],
         sharded=sharded,
         final=not sharded or stage == len(plan.passes),

@@ -27,12 +27,14 @@ from fuser.codegen.loss import (
     ARGMAX_COMBINE,
     LossNames,
     LossPrinter,
-    comment_text,
     indicator_lines,
     loss_entry,
+    pass_context,
+    red_loads,
+    rule_context,
     shard_layout,
 )
-from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
+from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, store_cast
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import IS_Y, Accumulator, LossPlan, Pass
 
@@ -152,34 +154,12 @@ def _accumulator_lines(acc: Accumulator, arg: str, col: int) -> tuple[list[str],
 
 def _red_loads(plan: LossPlan, layout, passes: int) -> list[str]:
     """``z_y`` and the reductions of the first ``passes`` passes, per row, from ``red``."""
-    lines = ["z_y = tl.load(at)"]
-    for p in plan.passes[:passes]:
-        for acc in p.accumulators:
-            c = layout.red_cols[acc.index]
-            lines.append(f"r{acc.index} = tl.load(at + {c})")
-            if acc.op == "max":
-                lines.append(f"am{acc.index} = tl.load(at + {c + 1}).to(tl.int64)")
-    return lines
+    return red_loads(plan, layout, passes, "at", "tl.int64")
 
 
 def _sweep_context(p: Pass, printer, layout, stage: int) -> dict:
-    init, update, finish = [], [], []
-    for acc, (_, _, col) in zip(p.accumulators, layout.part_cols[stage]):
-        a, b, c = _accumulator_lines(acc, printer.doprint_expr(acc.arg), col)
-        init += a
-        update += b
-        finish += c
-    exprs = [e for _, e in p.body] + [a.arg for a in p.accumulators]
-    body = indicator_lines(exprs, printer)
-    body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
-    return dict(
-        summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
-        prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
-        init=init,
-        body=body,
-        accumulate=update,
-        finish=finish,
-    )
+    cols = {i: c for i, _, c in layout.part_cols[stage]}  # each partial's column of `part`
+    return pass_context(p, printer, lambda acc, arg: _accumulator_lines(acc, arg, cols[acc.index]))
 
 
 def _grad_context(plan: LossPlan, printer) -> dict:
@@ -211,15 +191,8 @@ def render_loss_matmul(
     printer = LossPrinter(LossNames(plan.hyper))
     entry = matmul_entry(plan, stage)
     context = dict(
+        **rule_context(plan),
         entry=entry,
-        name=plan.name,
-        dtype=plan.dtype,
-        rule_lines=plan.rule_text.splitlines(),
-        derivation=[f"{k}: {comment_text(v)}" for k, v in plan.derivation],
-        helpers=helpers_source(),
-        hyper=plan.hyper,
-        hyper_names=", ".join(plan.hyper) or "(none)",
-        hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
         red_width=layout.red_width,
         grad=grad,
         n_passes=len(plan.passes),
