@@ -245,39 +245,33 @@ class CompiledLoss:
         collective (finding them reads their count on the host, once per call; every rank
         of ``group`` holds the same targets, so all leave out the same rows): their loss and
         their ``grad_hidden`` are 0. Then the schedule runs."""
-        live = y != call.ignore_index
-        n_live = int(live.sum())
-        idx = None
-        if 0 < n_live < y.shape[0]:
-            idx = live.nonzero()[:, 0]
+        n = y.shape[0]
+        idx = (y != call.ignore_index).nonzero()[:, 0]  # (the one host read)
+        if 0 < idx.shape[0] < n:
             x, y = x.index_select(0, idx), y.index_select(0, idx)
-            call = replace(call, n_tokens=n_live)
-        if group is not None and memory != "lean" and self.schedule != "fused":
+            call = replace(call, n_tokens=idx.shape[0])
+        plan = self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight, group)
+        if plan == "fused":
+            x, weight = x.contiguous(), weight.contiguous()
+            run = self._fused_run(call, x, weight, bias, group)
+        elif group is not None:
             run = self._vocab_parallel_run(call, group)
         else:
-            plan = (
-                "fused"
-                if group is not None
-                else self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight)
-            )
-            if plan == "fused":
-                x, weight = x.contiguous(), weight.contiguous()
-                run = self._fused_run(call, x, weight, bias, group)
-            else:
-                run = self._one_device_run(call, plan, want_grad)
+            run = self._one_device_run(call, plan, want_grad)
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
-        if idx is not None and reduction == "none":
-            out = torch.zeros(live.shape, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
+        if call.n_tokens < n and reduction == "none":
+            out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
         return out
 
-    def _schedule_of(self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight) -> str:
-        """The schedule a one-device call runs: ``self.schedule``, or the one ``memory``
-        names, or (auto) the one ``choose_schedule`` picks by memory."""
+    def _schedule_of(self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight, group) -> str:
+        """The schedule a call runs: ``self.schedule``, or the one ``memory`` names, or
+        (auto) chunks of tokens with ``group`` or without gradients, else the one
+        ``choose_schedule`` picks by memory."""
         if self.schedule != "auto":
             return self.schedule
         if memory == "lean":
             return "fused"
-        if not want_grad:
+        if group is not None or not want_grad:
             return "chunks"
         return choose_schedule(
             call.n_tokens,
