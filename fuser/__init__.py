@@ -12,6 +12,7 @@ from fuser.errors import RuleError
 from fuser.explainer import explain
 from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
+from fuser.rules import REDUCTIONS as _REDUCTIONS
 from fuser.rules import Rule, loss, rule
 from fuser.rules.rule import set_latex_renderer as _set_latex_renderer
 
@@ -41,6 +42,20 @@ minimum = _FUNCTIONS["minimum"]
 maximum = _FUNCTIONS["maximum"]
 where = _FUNCTIONS["where"]
 clamp = _FUNCTIONS["clamp"]
+# Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
+norm = _REDUCTIONS["norm"]
+sum = _REDUCTIONS["sum"]  # noqa: A001 - the rule language's name
+mean = _REDUCTIONS["mean"]
+amax = _REDUCTIONS["amax"]
+global_norm = _REDUCTIONS["global_norm"]
+rowsum = _REDUCTIONS["rowsum"]
+rowmean = _REDUCTIONS["rowmean"]
+rownorm = _REDUCTIONS["rownorm"]
+rowamax = _REDUCTIONS["rowamax"]
+colsum = _REDUCTIONS["colsum"]
+colmean = _REDUCTIONS["colmean"]
+colnorm = _REDUCTIONS["colnorm"]
+colamax = _REDUCTIONS["colamax"]
 
 
 def compile(rule: Rule, **options):  # noqa: A001 - the public name
@@ -90,6 +105,19 @@ __all__ = [
     "maximum",
     "where",
     "clamp",
+    "norm",
+    "sum",
+    "mean",
+    "amax",
+    "global_norm",
+    "rowsum",
+    "rowmean",
+    "rownorm",
+    "rowamax",
+    "colsum",
+    "colmean",
+    "colnorm",
+    "colamax",
     "optim",
     "losses",
 ]

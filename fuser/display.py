@@ -18,7 +18,7 @@ from sympy.codegen.cfunctions import expm1, log1p
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid
+from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid, spelling
 from fuser.rules.parse import Language, Statement, Walker, symbol
 
 _GREEK = {
@@ -98,7 +98,7 @@ class RuleLatexPrinter(LatexPrinter):
         return self._fn("\\operatorname{expm1}", expr, exp)
 
     def _print_Reduction(self, expr, exp=None):
-        return self._fn(f"\\operatorname{{{expr.op}}}", expr, exp)
+        return self._fn(f"\\operatorname{{{spelling(expr)}}}", expr, exp)
 
     def _print_sign(self, expr, exp=None):
         return self._fn("\\operatorname{sign}", expr, exp)
@@ -129,7 +129,7 @@ class RuleStrPrinter(StrPrinter):
 
     def _print(self, expr, **kwargs):
         if isinstance(expr, Reduction):  # before sympy's Sum and Max printers
-            return self._call(expr.op, expr)
+            return self._call(spelling(expr), expr)
         return super()._print(expr, **kwargs)
 
     def _print_Piecewise(self, expr):

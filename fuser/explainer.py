@@ -82,6 +82,7 @@ _ACCUMULATE = {
     "global_norm": "sum of squares over every tensor, then sqrt",
     "amax": "max",
 }
+_OVER = {"row": "over each row's columns", "col": "over each column's rows"}
 
 
 def _explain_optim(rule: Rule, dtype: str, **options) -> str:
@@ -138,14 +139,24 @@ def _hoisted(plan) -> list[str]:
 
 
 def _elementwise(plan) -> list[str]:
-    by_column = {r.column: r for r in plan.reductions}
+    by_column = {r.column: r for r in plan.reductions if r.column >= 0}
 
     def lines(ph) -> list[str]:
-        return [
+        out = [
             *(f"{sym} = {_s(e)}" for sym, e in ph.body),
             *(f"accumulate {by_column[col].symbol} += {_s(e)}" for col, e in ph.reduce),
+            *(
+                f"accumulate {plan.reductions[i].symbol}[{plan.reductions[i].axis}] += {_s(e)}"
+                for i, e in ph.axis_reduce
+            ),
             *(f"store {name} = {_s(e)}" for name, e in ph.stores),
         ]
+        for tail in ph.tails:
+            out.append(f"then, per tensor, for each {tail.axis}:")
+            out += [f"  {sym} = {_s(e)}" for sym, e in tail.body]
+            out += [f"  accumulate {by_column[col].symbol} += {_s(e)}" for col, e in tail.reduce]
+            out += [f"  store {name}[{tail.axis}] = {_s(e)}" for name, e in tail.stores]
+        return out
 
     return _per_phase(plan, lines)
 
@@ -154,9 +165,16 @@ def _phases(plan) -> list[str]:
     out = []
     for r in plan.reductions:
         scope = "over every tensor" if r.global_column >= 0 else "per tensor"
+        where = f"accumulated in phase {r.phase}"
+        if r.axis:
+            scope = f"per {r.axis}, {_OVER[r.axis]}"
+        elif r.over != "element":
+            scope, where = f"per tensor, of {r.over} values", f"reduced by the tail of phase {r.phase}"
+        how = _ACCUMULATE.get(r.op, r.op)
+        if r.op == "mean" and (r.axis or r.over != "element"):
+            how = "sum, then / the count"
         out.append(
-            f"   {r.symbol} = {r.op}(...) {scope}: accumulated in phase {r.phase} "
-            f"({_ACCUMULATE.get(r.op, r.op)}), read from phase {r.phase + 1}"
+            f"   {r.symbol} = {r.axis}{r.op}(...) {scope}: {where} ({how}), read from phase {r.phase + 1}"
         )
     many = len(plan.phases) > 1
     return (out or ["   reductions: none"]) + [

@@ -16,7 +16,7 @@ import sympy
 
 from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import ACCUMULATE, NUMEL, STEP, OptimPlan, Phase
+from fuser.ir.optim import ACCUMULATE, COL, COLS, NUMEL, ROW, ROWS, STEP, OptimPlan, Phase, Tail
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
@@ -44,7 +44,16 @@ OPTIM_SIGNATURE = (
     ("n_parts", "i32"),
     ("seed", "i64"),
 )
+# Shape-aware (tiled) phase kernels also take each tensor's 2-D view and the axis buffer.
+TILED_SIGNATURE = (
+    ("shapes", "*i64"),
+    ("axis", "*fp32"),
+    ("total_rows", "i64"),
+    ("total_cols", "i64"),
+)
 REDUCE_BLOCK = 128
+# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view.
+TILE_ROWS, TILE_COLS = 8, 256
 # Reductions call tl.reduce with Triton's own combine functions rather than tl.sum/tl.max:
 # those are jitted library functions, which only run in the interpreter when it was on
 # at import, while the interpreter recognises these combiners and sums with numpy. The
@@ -98,9 +107,11 @@ def store_cast(value: str, dtype: str, random: str | None = None) -> str:
     return f"({value}).to(tl.float16)"
 
 
-def _finalize(op: str, raw: str) -> str:
+def _finalize(op: str, raw: str, size: str = "numel") -> str:
+    """A reduction's result from its accumulated ``raw`` value; ``size`` counts what it
+    ran over (for ``mean``)."""
     if op == "mean":
-        return f"{raw} / numel"
+        return f"{raw} / {size}"
     if op in ("norm", "global_norm"):
         return f"tl.sqrt({raw})"
     return raw
@@ -128,9 +139,14 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         sections.update(_scalar_update_lines(ctx))
     else:
         sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
+        masked_lines += _axis_partial_lines(ctx)
+    sections["tail_lines"] = _tail_lines(ctx)
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
     block, warps = optim_launch_config(plan)
+    tiles = (("BR", TILE_ROWS), ("BC", TILE_COLS)) if plan.tiled else ()
+    block = TILE_ROWS * TILE_COLS if plan.tiled else block
+    constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles)
     text = _kernel_text(
         ctx,
         entry,
@@ -146,8 +162,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     return KernelSource(
         text=text,
         entry=entry,
-        signature=OPTIM_SIGNATURE,
-        constexprs=(("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False)),
+        signature=OPTIM_SIGNATURE + (TILED_SIGNATURE if plan.tiled else ()),
+        constexprs=constexprs,
         num_warps=warps,
         num_stages=1,
         meta=(
@@ -198,21 +214,31 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
 
     scalar_names = {symbol(h): f"h_{h}" for h in plan.hyper}
     scalar_names.update({STEP: "step", NUMEL: "numel"})
+    if plan.tiled:
+        scalar_names.update({ROWS: "rows", COLS: "cols"})
     scalar_names.update({symbol(s): f"c_{s}" for s in plan.scalar_states})
-    scalar_names.update({r.symbol: r.symbol.name for r in known})
+    scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis})
     scalar_names.update({s: s.name for s, _ in phase.prologue})
 
     results = phase.stores if last else phase.reduce
     body_free = set()
-    for _, e in (*phase.body, *results):
+    for _, e in (*phase.body, *results, *phase.axis_reduce):
         body_free |= e.free_symbols
-    scalars_in_body = sorted((s for s in body_free if s in scalar_names), key=lambda s: scalar_names[s])
+    tail_free = set()
+    for tail in phase.tails:
+        for _, e in (*tail.body, *tail.reduce, *tail.stores):
+            tail_free |= e.free_symbols
+    scalars_in_body = sorted(
+        (s for s in body_free | tail_free if s in scalar_names), key=lambda s: scalar_names[s]
+    )
     body_names = {symbol(sl.name): f"x_{sl.name}" for sl in plan.slots}
     body_names.update({s: f"f_{scalar_names[s]}" for s in scalars_in_body})
+    body_names.update({r.symbol: f"a_{r.symbol.name}" for r in known if r.axis})
     body_names.update({s: s.name for s, _ in phase.body})
 
     read = {s.name for s in body_free}
-    written = {n for n, _ in phase.stores}
+    written = {n for n, _ in phase.stores} | {n for t in phase.tails for n, _ in t.stores}
+    touched = read | written | {s.name for s in tail_free}
     return _PhaseContext(
         plan=plan,
         phase=phase,
@@ -225,7 +251,7 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
         scalar_names=scalar_names,
         scalars_in_body=scalars_in_body,
         read=read,
-        used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in read or sl.name in written],
+        used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in touched],
         p64=TritonPrinter(scalar_names, fp64=True),
         p32=TritonPrinter(body_names),
     )
@@ -241,15 +267,19 @@ def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: s
     ]
     lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
     lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
+    if plan.tiled:
+        lines.append(f"{names[ROWS]} = tl.load(shapes + {row}{m}).to(tl.float64)")
+        lines.append(f"{names[COLS]} = tl.load(shapes + n_tensors + {row}{m}).to(tl.float64)")
     lines += [
         f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
         for j, s in enumerate(plan.scalar_states)
     ]
+    sizes = {"element": names[NUMEL], "row": names.get(ROWS), "col": names.get(COLS)}
     for r in ctx.known:
-        if r.global_column >= 0:
+        if r.global_column >= 0 or r.axis:
             continue
         raw = f"tl.load(red + {row} * {ctx.nred} + {r.column}{m}).to(tl.float64)"
-        lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw).replace('numel', names[NUMEL])}")
+        lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw, sizes[r.over])}")
     return lines
 
 
@@ -278,6 +308,8 @@ def _pointer_lines(ctx: _PhaseContext) -> list[str]:
 
 
 def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
+    if ctx.plan.tiled:
+        return [] if fast else _tile_lines(ctx)
     lines = []
     for _, sl in ctx.used_slots:
         if fast:
@@ -289,6 +321,131 @@ def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
             lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
     lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
     return lines
+
+
+# How a tile reads a value of each kind: per element at ``offs``, per row at ``ri`` as a
+# column vector, per column at ``ci`` as a row vector.
+_TILE_INDEX = {
+    "element": ("offs", "mask", ""),
+    ROW: ("ri", "rm", "[:, None]"),
+    COL: ("ci", "cm", "[None, :]"),
+}
+_SLOT_KIND = {"param": "element", "grad": "element", "state": "element", "row": ROW, "col": COL}
+
+
+def _tile_lines(ctx: _PhaseContext) -> list[str]:
+    """A tiled phase's loads (elements, row and column states, finished axis reductions)
+    and its temporaries."""
+    lines = []
+    for _, sl in ctx.used_slots:
+        if sl.name in ctx.read:
+            idx, mask, shape = _TILE_INDEX[_SLOT_KIND[sl.role]]
+            scale = " * inv_scale" if sl.role == "grad" else ""
+            load = f"tl.load({sl.name}_ptr + {idx}, mask={mask}, other=0.0)"
+            lines.append(f"x_{sl.name} = {load}.to(tl.float32){shape}{scale}")
+    used = {
+        s
+        for _, e in (*ctx.phase.body, *ctx.phase.stores, *ctx.phase.reduce, *ctx.phase.axis_reduce)
+        for s in e.free_symbols
+    }
+    for r in ctx.known:
+        if r.axis and r.symbol in used:
+            idx, mask, shape = _TILE_INDEX[r.axis]
+            value = _axis_result(ctx, r, idx, mask)
+            lines.append(f"a_{r.symbol.name} = ({value}){shape}")
+    lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
+    return lines
+
+
+def _axis_base(ctx: _PhaseContext, r) -> str:
+    """Where tensor ``t``'s results of axis reduction ``r`` start in the axis buffer."""
+    if r.axis == ROW:
+        return f"{r.axis_column} * total_rows + roff"
+    return f"{ctx.plan.n_axis[0]} * total_rows + {r.axis_column} * total_cols + coff"
+
+
+def _axis_result(ctx: _PhaseContext, r, idx: str, mask: str) -> str:
+    """Axis reduction ``r``'s finished results at rows (columns) ``idx``, fp32."""
+    raw = f"tl.load(axis + {_axis_base(ctx, r)} + {idx}, mask={mask}, other=0.0)"
+    other = "cols_t" if r.axis == ROW else "rows_t"
+    return _finalize(r.op, raw, f"{other}.to(tl.float32)").replace("tl.sqrt(", "tl.sqrt_rn(")
+
+
+def _axis_partial_lines(ctx: _PhaseContext) -> list[str]:
+    """Each tile's partial of the phase's axis reductions, added into the axis buffer."""
+    lines = []
+    for index, e in ctx.phase.axis_reduce:
+        r = ctx.plan.reductions[index]
+        value = ctx.p32.doprint_expr(e)
+        dim, idx, mask = (1, "ri", "rm") if r.axis == ROW else (0, "ci", "cm")
+        if ACCUMULATE[r.op][1] == "sum":
+            part = f"{SUM}(tl.where(mask, {value}, 0.0), {dim}, {SUM_COMBINE})"
+            op = "tl.atomic_add"
+        else:
+            part = f"{SUM}(tl.where(mask, {value}, float('-inf')), {dim}, {MAX_COMBINE})"
+            op = "tl.atomic_max"
+        lines.append(f'{op}(axis + {_axis_base(ctx, r)} + {idx}, {part}, mask={mask}, sem="relaxed")')
+    return lines
+
+
+def _tail_lines(ctx: _PhaseContext) -> list[str]:
+    """The program that finishes tensor ``t``'s tiles of the phase: each tail's loop over
+    the tensor's rows or columns (reductions of their values, or the new row and column
+    states)."""
+    lines = []
+    for j, tail in enumerate(ctx.phase.tails):
+        lines += _one_tail(ctx, j, tail)
+    return lines
+
+
+def _one_tail(ctx: _PhaseContext, j: int, tail: Tail) -> list[str]:
+    plan, phase = ctx.plan, ctx.phase
+    size = "rows_t" if tail.axis == ROW else "cols_t"
+    names = {s: n for s, n in ctx.p32.names.items() if not n.startswith(("x_", "a_"))}
+    free = {s for _, e in (*tail.body, *tail.reduce, *tail.stores) for s in e.free_symbols}
+    lines, loop = [], []
+    sizes = {"element": "numel", ROW: "rows", COL: "cols"}
+    for r in plan.reductions:
+        if r.symbol not in free:
+            continue
+        if r.axis:
+            names[r.symbol] = f"b_{r.symbol.name}"
+            loop.append(f"b_{r.symbol.name} = {_axis_result(ctx, r, 'tix', 'tim')}")
+        elif r.phase == phase.index:  # finished by this program, before this tail
+            names[r.symbol] = f"f_{r.symbol.name}"
+            raw = f"tl.load(red + t * {ctx.nred} + {r.column})"
+            lines.append(f"f_{r.symbol.name} = ({_finalize(r.op, raw, sizes[r.over])}).to(tl.float32)")
+    for sl in plan.slots:
+        if symbol(sl.name) in free:
+            names[symbol(sl.name)] = f"y_{sl.name}"
+            loop.append(f"y_{sl.name} = tl.load({sl.name}_ptr + tix, mask=tim, other=0.0).to(tl.float32)")
+    names.update({s: s.name for s, _ in tail.body})
+    pr = TritonPrinter(names)
+    loop += [f"{s.name} = {pr.doprint_expr(e)}" for s, e in tail.body]
+    after = []
+    for col, e in tail.reduce:
+        r = next(x for x in plan.reductions if x.column == col and not x.axis)
+        acc = f"tacc{j}_{col}"
+        if ACCUMULATE[r.op][1] == "sum":
+            lines.append(f"{acc} = tl.full([RBLOCK], 0.0, tl.float32)")
+            loop.append(f"{acc} += tl.where(tim, {pr.doprint_expr(e)}, 0.0)")
+            after.append(f"tl.store(red + t * {ctx.nred} + {col}, {SUM}({acc}, 0, {SUM_COMBINE}))")
+        else:
+            lines.append(f"{acc} = tl.full([RBLOCK], float('-inf'), tl.float32)")
+            loop.append(f"{acc} = tl.maximum({acc}, tl.where(tim, {pr.doprint_expr(e)}, float('-inf')))")
+            after.append(f"tl.store(red + t * {ctx.nred} + {col}, {SUM}({acc}, 0, {MAX_COMBINE}))")
+    for name, e in tail.stores:
+        dtype = _slot(plan, name).dtype
+        value = store_cast(pr.doprint_expr(e), dtype)
+        loop.append(f"tl.store({name}_ptr + tix, {value}, mask=tix < tl.where(keep, {size}, 0))")
+    lines += [
+        "ti = 0",
+        f"while ti < {size}:",
+        "    tix = ti + tl.arange(0, RBLOCK)",
+        f"    tim = tix < {size}",
+    ]
+    lines += [f"    {ln}" for ln in loop] + ["    ti += RBLOCK"]
+    return lines + after
 
 
 def _add_stores(
@@ -364,9 +521,10 @@ def _reduction_lines(
             f"tl.store(partials + pid * {nred} + {col}, "
             f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
         )
-        masked_lines.append(
-            f"tl.store(partials + pid * {nred} + {col}, {SUM}(tl.where(mask, {value}, {neutral}), 0, {comb}))"
-        )
+        masked = f"tl.where(mask, {value}, {neutral})"
+        if plan.tiled:  # a tile: across its columns, then its rows
+            masked = f"{SUM}({masked}, 1, {comb})"
+        masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
         if combine == "sum":
             lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
             lines["combine_step"].append(
@@ -403,6 +561,7 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             phase=phase.index + 1,
             n_phases=len(plan.phases),
             last=ctx.last,
+            tiled=plan.tiled,
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
             rule_lines=plan.rule_text.splitlines(),
             helpers=helpers_source(),

@@ -14,6 +14,14 @@ must run:
 - *per-element work* (``body``): the rest, after ``sympy.cse``, in fp32;
 - *per-tensor scalar states* (``scalar_updates``): states whose update reads no
   per-element value (NAdam's ``mu_product``) are one number per tensor, not a tensor.
+
+*Shape-aware* rules (``rows``, ``cols``, the axis reductions ``rowmean`` ... ``colamax``,
+states of one number per row or column) run their phases over tiles of each tensor's 2-D
+view (``OptimPlan.tiled``). An axis reduction accumulates per-row (per-column) partials of
+its phase's tiles; the program that finishes a tensor's last tile of a phase then runs
+that tensor's *tails*: loops over its rows or columns that reduce row or column values
+to per-tensor numbers (``mean(row_var)``) and, in the last phase, write the new row and
+column states, once every program has read their old values.
 """
 
 from __future__ import annotations
@@ -23,15 +31,19 @@ from dataclasses import dataclass
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import Reduction
+from fuser.rules.functions import AxisReduction, Reduction
 from fuser.rules.parse import symbol
 from fuser.rules.rule import Rule
+from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
 
 # Storage dtypes a tensor may have, by the short name used in plans and cache entries.
 DTYPES = ("fp32", "bf16", "fp16")
 
 STEP = symbol("step")
 NUMEL = symbol("numel")
+ROWS = symbol("rows")
+COLS = symbol("cols")
+
 
 # How a reduction accumulates over elements and how its result is read back.
 # op -> (value accumulated per element, combine: "sum" or "max")
@@ -46,24 +58,46 @@ ACCUMULATE = {
 
 @dataclass(frozen=True)
 class Slot:
-    """One per-element tensor of the step: its rule name, role, storage dtype, and
-    whether the kernel writes it."""
+    """One tensor of the step: its rule name, role, storage dtype, and whether the kernel
+    writes it. Roles: ``param``, ``grad``, ``state`` (per element), ``row`` and ``col``
+    (a state of one number per row or column)."""
 
     name: str
-    role: str  # "param", "grad" or "state"
+    role: str
     dtype: str
     written: bool
 
 
 @dataclass(frozen=True)
 class ReductionPlan:
-    """One reduction of the rule: ``symbol`` stands for its result in later phases."""
+    """One reduction of the rule: ``symbol`` stands for its result in later phases.
+
+    ``axis`` is ``"row"`` or ``"col"`` for an axis reduction (one result per row or
+    column, accumulated in ``axis_column`` of the axis buffer), else ``""``. ``over`` says
+    what a per-tensor reduction runs over: ``"element"`` (accumulated by every program
+    of ``phase``), or ``"row"`` / ``"col"`` (row or column values, reduced by the tail of
+    ``phase``)."""
 
     symbol: sympy.Symbol
     op: str
     phase: int  # the phase that accumulates it; its result is usable from phase + 1
-    column: int  # column in the per-tensor result table
+    column: int  # column in the per-tensor result table (-1 for axis reductions)
     global_column: int  # column in the per-device table (global reductions), else -1
+    axis: str = ""
+    axis_column: int = -1  # index among the reductions of its axis
+    over: str = ELEMENT
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A loop over one tensor's rows (``axis="row"``) or columns, run once the phase's
+    programs have finished that tensor: temporaries, then per-tensor reductions of row
+    values (``reduce``: (reduction column, value)) or new row states (``stores``)."""
+
+    axis: str
+    body: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    reduce: tuple[tuple[int, sympy.Expr], ...]
+    stores: tuple[tuple[str, sympy.Expr], ...]
 
 
 @dataclass(frozen=True)
@@ -76,6 +110,8 @@ class Phase:
     reduce: tuple[tuple[int, sympy.Expr], ...]  # (reduction column, per-element value accumulated)
     stores: tuple[tuple[str, sympy.Expr], ...]  # slot name -> value stored (last phase only)
     scalar_updates: tuple[tuple[str, sympy.Expr], ...]  # new scalar-state values (last phase only)
+    axis_reduce: tuple[tuple[int, sympy.Expr], ...] = ()  # (reduction index, per-element value)
+    tails: tuple[Tail, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +124,7 @@ class OptimPlan:
     reductions: tuple[ReductionPlan, ...]
     phases: tuple[Phase, ...]
     stochastic_rounding: bool = False
+    tiled: bool = False  # phases walk tiles of each tensor's 2-D view (shape-aware rules)
 
     @property
     def dtype_key(self) -> str:
@@ -97,29 +134,34 @@ class OptimPlan:
     def n_global(self) -> int:
         return sum(1 for r in self.reductions if r.global_column >= 0)
 
+    @property
+    def n_axis(self) -> tuple[int, int]:
+        """(row reductions, column reductions): the axis buffer's two parts."""
+        return tuple(sum(1 for r in self.reductions if r.axis == a) for a in (ROW, COL))
+
+
+def symbol_kinds(rule: Rule) -> dict[sympy.Symbol, str]:
+    kinds = {symbol(n): k for n, k in state_kinds(rule).items()}
+    kinds.update({symbol("p"): ELEMENT, symbol("g"): ELEMENT})
+    return kinds
+
 
 def scalar_state_names(rule: Rule) -> tuple[str, ...]:
-    """States whose every update reads only hyperparameters, ``step``, ``numel``, reduction
+    """States whose every update reads only hyperparameters, ``step``, sizes, reduction
     results and other such states: one number per tensor."""
-    outputs = {n: _replace_reductions(e) for n, e in rule.outputs}
-    candidates = {s for s, init in rule.state if s in outputs and init != "p"}
-    base = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL}
-    changed = True
-    while changed:
-        changed = False
-        allowed = base | {symbol(s) for s in candidates}
-        for s in sorted(candidates):
-            free = {x for x in outputs[s].free_symbols if not x.name.startswith("__red")}
-            if not free <= allowed:
-                candidates.discard(s)
-                changed = True
-    return tuple(s for s, _ in rule.state if s in candidates)
+    kinds = state_kinds(rule)
+    return tuple(s for s, _ in rule.state if kinds[s] == SCALAR)
 
 
-def _replace_reductions(e: sympy.Expr) -> sympy.Expr:
-    """``e`` with each reduction call replaced by a placeholder symbol (for dependency checks)."""
-    reds = sorted(e.atoms(Reduction), key=sympy.default_sort_key)
-    return e.xreplace({r: sympy.Symbol(f"__red{i}", real=True) for i, r in enumerate(reds)})
+def is_tiled(rule: Rule) -> bool:
+    """Whether the rule reads the 2-D view of its tensors (sizes, axis reductions or
+    states per row or column): its phases then walk tiles."""
+    if any(k in (ROW, COL) for k in state_kinds(rule).values()):
+        return True
+    for _, e in rule.outputs:
+        if e.free_symbols & {ROWS, COLS} or e.atoms(AxisReduction):
+            return True
+    return False
 
 
 class _Hoister:
@@ -154,29 +196,52 @@ class _Hoister:
         return e.func(*[self(a) for a in e.args])
 
 
-def _extract_reductions(outputs: dict[str, sympy.Expr]):
+@dataclass(frozen=True)
+class _Found:
+    """A reduction found in the rule, with its argument over earlier results."""
+
+    symbol: sympy.Symbol
+    op: str
+    arg: sympy.Expr
+    phase: int
+    axis: str  # "row" / "col" for an axis reduction
+    over: str  # what a per-tensor reduction reduces: element, row or col values
+
+
+def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
     """Replace every reduction call by a symbol ``r<i>``, innermost first.
 
-    Returns (outputs over the symbols, [(symbol, op, argument over earlier symbols, phase)]).
+    A reduction of per-element values runs in the phase after the last one its argument
+    reads; a reduction of row or column values runs in the tail of the phase of the last
+    result its argument reads. Returns (outputs over the symbols, [_Found], kinds of the
+    symbols, with each result's).
     """
-    found: dict[sympy.Expr, tuple] = {}
+    found: dict[tuple, _Found] = {}
+    kinds = dict(kinds)
 
     def visit(e):
         if not e.args:
             return e
-        new = e.func(*[visit(a) for a in e.args]) if not isinstance(e, Reduction) else None
-        if isinstance(e, Reduction):
-            arg = visit(e.args[0])
-            key = (e.op, arg)
-            if key not in found:
-                inner = [found[k] for k in found if found[k][0] in arg.free_symbols]
-                phase = 1 + max((i[3] for i in inner), default=-1)
-                found[key] = (sympy.Symbol(f"r{len(found)}", real=True), e.op, arg, phase)
-            return found[key][0]
-        return new
+        if not isinstance(e, Reduction):
+            return e.func(*[visit(a) for a in e.args])
+        arg = visit(e.args[0])
+        key = (type(e), arg)
+        if key not in found:
+            over = kind_of(arg, kinds)
+            over = ELEMENT if over == SCALAR else over
+            inner = [f.phase for f in found.values() if f.symbol in arg.free_symbols]
+            axis = e.axis if isinstance(e, AxisReduction) else ""
+            if over == ELEMENT:
+                phase = 1 + max(inner, default=-1)
+            else:
+                phase = max(inner, default=0)
+            sym = sympy.Symbol(f"r{len(found)}", real=True)
+            found[key] = _Found(sym, e.op, arg, phase, axis, over)
+            kinds[sym] = axis or SCALAR
+        return found[key].symbol
 
     replaced = {n: visit(e) for n, e in outputs.items()}
-    return replaced, list(found.values())
+    return replaced, list(found.values()), kinds
 
 
 def lower_optim(
@@ -193,87 +258,153 @@ def lower_optim(
     for k, v in dtypes.items():
         if v not in DTYPES:
             raise ValueError(f"dtype {v!r} of {k!r} is not one of {DTYPES}")
-    outputs, reds = _extract_reductions(dict(rule.outputs))
-    scalar_states = scalar_state_names(rule)
-    element_states = [s for s, _ in rule.state if s not in scalar_states]
+    try:
+        skinds = state_kinds(rule)
+        outputs, reds, kinds = _extract_reductions(dict(rule.outputs), symbol_kinds(rule))
+    except RuleError as e:
+        raise e.with_rule(rule.name) from None
+    scalar_states = tuple(s for s, _ in rule.state if skinds[s] == SCALAR)
     reductions = _reduction_plans(reds)
-    phases = _lower_phases(rule, outputs, reds, scalar_states, element_states)
+    phases = _lower_phases(rule, outputs, reds, reductions, skinds, kinds)
     return OptimPlan(
         name=rule.name,
         rule_text=rule.text,
         hyper=tuple(h for h, _ in rule.hyper),
-        slots=_slots(phases, element_states, dtypes),
+        slots=_slots(phases, skinds, dtypes),
         scalar_states=scalar_states,
         reductions=reductions,
         phases=tuple(phases),
         stochastic_rounding=stochastic_rounding,
+        tiled=is_tiled(rule),
     )
 
 
-def _reduction_plans(reds: list[tuple]) -> tuple[ReductionPlan, ...]:
-    """One plan per reduction, in order; global norms also get their column of ``glob``."""
-    reductions, gcol = [], 0
-    for i, (sym, op, _, phase) in enumerate(reds):
-        reductions.append(ReductionPlan(sym, op, phase, i, gcol if op == "global_norm" else -1))
-        gcol += op == "global_norm"
+def _reduction_plans(reds: list[_Found]) -> tuple[ReductionPlan, ...]:
+    """One plan per reduction, in order: per-tensor ones get a column of ``red`` (global
+    norms also one of ``glob``), axis ones a part of the axis buffer."""
+    reductions, col, gcol, acol = [], 0, 0, {ROW: 0, COL: 0}
+    for f in reds:
+        if f.axis:
+            reductions.append(ReductionPlan(f.symbol, f.op, f.phase, -1, -1, f.axis, acol[f.axis], f.over))
+            acol[f.axis] += 1
+            continue
+        glob = gcol if f.op == "global_norm" else -1
+        reductions.append(ReductionPlan(f.symbol, f.op, f.phase, col, glob, "", -1, f.over))
+        col += 1
+        gcol += f.op == "global_norm"
     return tuple(reductions)
 
 
-def _lower_phases(rule: Rule, outputs: dict, reds: list[tuple], scalar_states, element_states) -> list[Phase]:
+def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, kinds) -> list[Phase]:
     """A phase per level of reductions (each computes those whose arguments read only the
     earlier ones' results), then the last: the stores and the scalar states' updates."""
-    red_syms = {r[0] for r in reds}
-    scalar = (
-        {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL} | {symbol(s) for s in scalar_states} | red_syms
-    )
-    element = {symbol(n) for n in ("p", "g", *element_states)}
-    n_phases = 1 + max((r[3] for r in reds), default=-1) + 1
+    by_symbol = {r.symbol: r for r in plans}
+    scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS}
+    scalar |= {symbol(s) for s, k in skinds.items() if k == SCALAR}
+    scalar |= {r.symbol for r in plans if not r.axis}
+    n_phases = 1 + max((f.phase for f in reds), default=-1) + 1
 
     phases = []
     for k in range(n_phases):
         last = k == n_phases - 1
-        # Results of reductions of phase k and later are not known yet in phase k.
-        unknown = {r[0] for r in reds if r[3] >= k}
+        # Results of reductions of phase k and later are not known when phase k starts.
+        unknown = {f.symbol for f in reds if f.phase >= k}
         if last:
-            targets = []
-            for name in ("p", *element_states):
-                if name in outputs:
-                    expr = sympy.collect(outputs[name], sorted(element, key=str), evaluate=True)
-                    targets.append((name, expr))
-            updates = [(s, outputs[s]) for s in scalar_states]
-        else:
             targets = [
-                (i, ACCUMULATE[op][0](arg)) for i, (_, op, arg, phase) in enumerate(reds) if phase == k
+                (n, outputs[n]) for n in ("p", *skinds) if n in outputs and _kind(n, skinds) == ELEMENT
+            ]
+            targets = [
+                (n, sympy.collect(e, sorted(_element_symbols(kinds), key=str), evaluate=True))
+                for n, e in targets
+            ]
+            updates = [(s, outputs[s]) for s, kd in skinds.items() if kd == SCALAR and s in outputs]
+            tails = [
+                _TailSpec(
+                    a, (), tuple((s, outputs[s]) for s, kd in skinds.items() if kd == a and s in outputs)
+                )
+                for a in (ROW, COL)
+            ]
+            axis = []
+        else:
+            here = [f for f in reds if f.phase == k]
+            targets = [
+                (by_symbol[f.symbol].column, ACCUMULATE[f.op][0](f.arg))
+                for f in here
+                if f.over == ELEMENT and not f.axis
+            ]
+            axis = [(plans.index(by_symbol[f.symbol]), ACCUMULATE[f.op][0](f.arg)) for f in here if f.axis]
+            tails = [
+                _TailSpec(f.over, ((by_symbol[f.symbol].column, ACCUMULATE[f.op][0](f.arg)),), ())
+                for f in here
+                if f.over != ELEMENT
             ]
             updates = []
-        for _, e in targets + updates:
-            bad = e.free_symbols & unknown
-            if bad:
-                raise RuleError(f"internal: phase {k} reads reductions not yet computed", rule=rule.name)
-        phases.append(_lower_phase(k, targets, updates, scalar - unknown, last))
+        tails = [t for t in tails if t.reduce or t.stores]
+        _check_known(rule, k, unknown, targets, updates, tails, axis, reds)
+        phases.append(_lower_phase(k, targets, updates, axis, tails, scalar - unknown, last))
     return phases
 
 
-def _slots(phases: list[Phase], element_states: list[str], dtypes: dict[str, str]) -> tuple[Slot, ...]:
-    """``p`` and ``g``, then each element state that a phase reads or the last one writes."""
+@dataclass(frozen=True)
+class _TailSpec:
+    axis: str
+    reduce: tuple
+    stores: tuple
+
+
+def _kind(name: str, skinds: dict) -> str:
+    return ELEMENT if name == "p" else skinds[name]
+
+
+def _element_symbols(kinds: dict) -> set:
+    return {s for s, k in kinds.items() if k == ELEMENT}
+
+
+def _check_known(rule, k, unknown, targets, updates, tails, axis, reds) -> None:
+    """Each value of phase ``k`` reads only results finished before it (a tail also those
+    its own phase finished before it)."""
+    same_phase_ok = {f.symbol for f in reds if f.phase == k}
+    for _, e in [*targets, *updates, *axis]:
+        if e.free_symbols & unknown:
+            raise RuleError(f"internal: phase {k} reads reductions not yet computed", rule=rule.name)
+    for t in tails:
+        for _, e in (*t.reduce, *t.stores):
+            if e.free_symbols & (unknown - same_phase_ok):
+                raise RuleError(
+                    f"internal: a tail of phase {k} reads reductions not yet computed", rule=rule.name
+                )
+
+
+def _slots(phases: list[Phase], skinds: dict[str, str], dtypes: dict[str, str]) -> tuple[Slot, ...]:
+    """``p`` and ``g``, then each state stored in a tensor that a phase reads or the last
+    one writes."""
     used = set()
     for ph in phases:
-        for _, e in (*ph.body, *ph.stores, *ph.reduce):
+        exprs = [*ph.body, *ph.stores, *ph.reduce, *ph.axis_reduce]
+        for t in ph.tails:
+            exprs += [*t.body, *t.reduce, *t.stores]
+        for _, e in exprs:
             used |= {s.name for s in e.free_symbols}
     written = {n for n, _ in phases[-1].stores}
+    written |= {n for t in phases[-1].tails for n, _ in t.stores}
     slots = [
         Slot("p", "param", dtypes.get("p", "fp32"), True),
         Slot("g", "grad", dtypes.get("g", "fp32"), False),
     ]
-    for s in element_states:
-        if s in used or s in written:
-            slots.append(Slot(s, "state", dtypes.get(s, "fp32"), s in written))
+    roles = {ELEMENT: "state", ROW: "row", COL: "col"}
+    for s, kind in skinds.items():
+        if kind != SCALAR and (s in used or s in written):
+            slots.append(Slot(s, roles[kind], dtypes.get(s, "fp32"), s in written))
     return tuple(slots)
 
 
-def _lower_phase(index, targets, updates, scalar, last) -> Phase:
+def _lower_phase(index, targets, updates, axis, tails, scalar, last) -> Phase:
     hoist = _Hoister(scalar, "__h")
     hoisted_targets = [(n, hoist(e)) for n, e in targets]
+    hoisted_axis = [(n, hoist(e)) for n, e in axis]
+    hoisted_tails = [
+        (t, [(n, hoist(e)) for n, e in t.reduce], [(n, hoist(e)) for n, e in t.stores]) for t in tails
+    ]
 
     # Per-step scalars: CSE over everything hoisted plus the scalar-state updates.
     hoisted_items = list(hoist.found.items())
@@ -286,10 +417,12 @@ def _lower_phase(index, targets, updates, scalar, last) -> Phase:
         prologue.append((sym, e))
     scalar_updates = list(zip([n for n, _ in updates], pro_reduced[len(hoisted_items) :]))
 
+    elementwise = hoisted_targets + hoisted_axis
     body_repl, body_reduced = sympy.cse(
-        [e for _, e in hoisted_targets], symbols=sympy.numbered_symbols("__t"), optimizations="basic"
+        [e for _, e in elementwise], symbols=sympy.numbered_symbols("__t"), optimizations="basic"
     )
     results = list(zip([n for n, _ in hoisted_targets], body_reduced))
+    axis_results = list(zip([n for n, _ in hoisted_axis], body_reduced[len(hoisted_targets) :]))
 
     # Readable names: s0, s1 ... for scalars, t0, t1 ... for per-element temporaries.
     mapping = {sym: sympy.Symbol(f"s{i}", real=True) for i, (sym, _) in enumerate(prologue)}
@@ -298,14 +431,32 @@ def _lower_phase(index, targets, updates, scalar, last) -> Phase:
     def sub(e):
         return e.xreplace(mapping)
 
-    prologue = tuple((mapping[s], sub(e)) for s, e in prologue)
-    body = tuple((mapping[s], sub(e)) for s, e in body_repl)
     results = tuple((n, sub(e)) for n, e in results)
     return Phase(
         index=index,
-        prologue=prologue,
-        body=body,
+        prologue=tuple((mapping[s], sub(e)) for s, e in prologue),
+        body=tuple((mapping[s], sub(e)) for s, e in body_repl),
         reduce=() if last else results,
         stores=results if last else (),
         scalar_updates=tuple((n, sub(e)) for n, e in scalar_updates) if last else (),
+        axis_reduce=tuple((n, sub(e)) for n, e in axis_results),
+        tails=tuple(_lower_tail(j, spec, red, st, sub) for j, (spec, red, st) in enumerate(hoisted_tails)),
+    )
+
+
+def _lower_tail(j: int, spec: _TailSpec, reduce, stores, sub) -> Tail:
+    """A tail's values after CSE, its temporaries named ``k<j>_<i>``."""
+    values = [e for _, e in reduce] + [e for _, e in stores]
+    repl, reduced = sympy.cse(values, symbols=sympy.numbered_symbols("__k"), optimizations="basic")
+    mapping = {sym: sympy.Symbol(f"k{j}_{i}", real=True) for i, (sym, _) in enumerate(repl)}
+
+    def sub2(e):
+        return sub(e).xreplace(mapping)
+
+    n = len(reduce)
+    return Tail(
+        axis=spec.axis,
+        body=tuple((mapping[s], sub2(e)) for s, e in repl),
+        reduce=tuple((c, sub2(e)) for (c, _), e in zip(reduce, reduced[:n])),
+        stores=tuple((name, sub2(e)) for (name, _), e in zip(stores, reduced[n:])),
     )

@@ -14,7 +14,7 @@ import torch
 import torch.optim.optimizer as _optimizer
 
 from fuser.display import NotebookDisplay
-from fuser.ir.optim import scalar_state_names
+from fuser.ir.optim import state_kinds
 from fuser.rules.rule import Rule
 from fuser.runtime import distributed
 from fuser.runtime.engine import StepEngine
@@ -26,6 +26,7 @@ from fuser.runtime.plans import (
     plan_and_sources,
     state_dtype,
 )
+from fuser.runtime.tables import view_2d
 from fuser.runtime.tracking import ParamState
 
 __all__ = ["FuserOptimizer", "Options", "kernel_sources", "make_optimizer", "parse_options"]
@@ -130,6 +131,12 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         return state_dtype(self.options, p.dtype)
 
+    def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
+        """The shape of a new state of one number per row (``kind="row"``) or column of
+        ``p``'s 2-D view: a vector (built-ins may keep torch's shapes)."""
+        rows, cols = view_2d(p.shape)
+        return (rows if kind == "row" else cols,)
+
     def state_dict(self) -> dict:
         # Plain dicts: torch.load(weights_only=True) takes nothing else.
         sd = super().state_dict()
@@ -145,9 +152,11 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
         id_to_param = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
-        scalar_names = scalar_state_names(self.rule)
+        kinds = state_kinds(self.rule)
         keys = self._state_keys
-        element_keys = {keys[s] for s in keys if s not in scalar_names}
+        scalar_names = [s for s in keys if kinds[s] == "scalar"]
+        element_keys = {keys[s] for s in keys if kinds[s] == "element"}
+        reduced_keys = {keys[s] for s in keys if kinds[s] in ("row", "col")}
         # The step too: a live optimizer's state_dict() holds views of its scalar table,
         # which its next step advances.
         scalar_keys = {keys[s] for s in scalar_names} | {"step"}
@@ -160,6 +169,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                     continue
                 if key in element_keys and value.shape == p.shape:
                     value = distributed.like_param(value, p)
+                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+                elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
                 elif key in scalar_keys and value.numel() == 1:
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())

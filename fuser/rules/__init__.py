@@ -3,6 +3,6 @@
 from fuser.rules.functions import Reduction
 from fuser.rules.loss import loss
 from fuser.rules.parse import Statement, symbol
-from fuser.rules.rule import FUNCTIONS, Rule, rule
+from fuser.rules.rule import FUNCTIONS, REDUCTIONS, Rule, rule
 
-__all__ = ["FUNCTIONS", "Reduction", "Rule", "Statement", "loss", "rule", "symbol"]
+__all__ = ["FUNCTIONS", "REDUCTIONS", "Reduction", "Rule", "Statement", "loss", "rule", "symbol"]

@@ -37,6 +37,11 @@ class Reduction(sympy.Function):
     op = ""
 
 
+def spelling(r: Reduction) -> str:
+    """The name a rule calls reduction ``r`` by (``rowmean``, ``norm``)."""
+    return getattr(type(r), "axis", "") + r.op
+
+
 class Norm(Reduction):
     op = "norm"
 
@@ -59,6 +64,46 @@ class Max(Reduction):
 
 class GlobalNorm(Reduction):
     op = "global_norm"
+
+
+class AxisReduction(Reduction):
+    """A reduction along one axis of a tensor's 2-D view ``[rows, cols]`` (a 1-D tensor is
+    one row; an N-D one is ``[shape[0], prod(rest)]``): ``axis`` ``"row"`` gives one value
+    per row (over its columns), ``"col"`` one per column (over the rows)."""
+
+    axis = ""
+
+
+class RowSum(AxisReduction):
+    op, axis = "sum", "row"
+
+
+class RowMean(AxisReduction):
+    op, axis = "mean", "row"
+
+
+class RowNorm(AxisReduction):
+    op, axis = "norm", "row"
+
+
+class RowAmax(AxisReduction):
+    op, axis = "amax", "row"
+
+
+class ColSum(AxisReduction):
+    op, axis = "sum", "col"
+
+
+class ColMean(AxisReduction):
+    op, axis = "mean", "col"
+
+
+class ColNorm(AxisReduction):
+    op, axis = "norm", "col"
+
+
+class ColAmax(AxisReduction):
+    op, axis = "amax", "col"
 
 
 class LogSumExp(Reduction):
@@ -103,6 +148,14 @@ OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {
     "mean": Mean,
     "amax": Amax,
     "global_norm": GlobalNorm,
+    "rowsum": RowSum,
+    "rowmean": RowMean,
+    "rownorm": RowNorm,
+    "rowamax": RowAmax,
+    "colsum": ColSum,
+    "colmean": ColMean,
+    "colnorm": ColNorm,
+    "colamax": ColAmax,
 }
 LOSS_REDUCTIONS: dict[str, type[Reduction]] = {
     "logsumexp": LogSumExp,

@@ -15,9 +15,13 @@ import sympy
 from fuser.errors import RuleError
 from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS
 from fuser.rules.parse import Language, Statement, parse_text, symbol
+from fuser.rules.shapes import check_kinds
 
 # Names an optimizer rule starts with besides its hyperparameters and states.
 OPTIM_INPUTS = ("p", "g", "step")
+# Per-tensor sizes an optimizer rule may read: elements, and the rows and columns of the
+# tensor's 2-D view (a 1-D tensor is one row; an N-D one is [shape[0], prod(rest)]).
+SHAPE_SYMBOLS = ("numel", "rows", "cols")
 LOSS_INPUTS = ("z", "y")
 # The symbol that stands for the logit at the target, z[y].
 ZY = "z_y"
@@ -83,7 +87,7 @@ def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) ->
     """Raise ``RuleError`` for a hyperparameter or state name that is no identifier or is
     reserved, or whose default is not a finite number."""
     reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
-    reserved |= {"numel", ZY, "loss"}
+    reserved |= {*SHAPE_SYMBOLS, ZY, "loss"}
     for what, names in (("hyperparameter", hyper), ("state", state)):
         for n in names:
             if not isinstance(n, str) or not n.isidentifier() or keyword.iskeyword(n):
@@ -107,9 +111,12 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     """Define an optimizer update rule from text or a function.
 
     Text: statements such as ``m = beta1 * m + (1 - beta1) * g``, run in order; it reads
-    ``p``, ``g``, ``step``, ``numel``, each state and each hyperparameter, may call the
-    per-tensor reductions ``norm sum mean amax`` and ``global_norm`` (over every tensor the
-    step updates), and must assign ``p``.
+    ``p``, ``g``, ``step``, ``numel``, ``rows``, ``cols``, each state and each
+    hyperparameter, may call the per-tensor reductions ``norm sum mean amax``,
+    ``global_norm`` (over every tensor the step updates) and the axis reductions
+    ``rowsum rowmean rownorm rowamax colsum colmean colnorm colamax`` of the tensor's 2-D
+    view, and must assign ``p``. A state assigned from row (column) values holds one
+    number per row (column); one assigned from per-tensor values, one number per tensor.
     A function is called once with sympy symbols (per-element inputs as positional
     parameters, hyperparameters and ``step`` as keyword-only ones) and returns a dict of
     the new ``p`` and states. Used as ``@fuser.rule(hyper=..., state=...)`` it decorates.
@@ -122,13 +129,14 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
     check_names("optim", hyper, state, OPTIM_INPUTS)
     lang = Language(
-        readable=frozenset({*OPTIM_INPUTS, "numel", *hyper, *state}),
-        frozen=frozenset({"g", "step", "numel", *hyper}),
+        readable=frozenset({*OPTIM_INPUTS, *SHAPE_SYMBOLS, *hyper, *state}),
+        frozen=frozenset({"g", "step", *SHAPE_SYMBOLS, *hyper}),
         reductions=OPTIM_REDUCTIONS,
         subscripts={},
     )
     rule_name = name or getattr(source, "__name__", None) or "rule"
     try:
+        lines = None
         if callable(source):
             text, statements, env = _trace_optim(source, lang, hyper, state)
         else:
@@ -136,10 +144,11 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
             text = "\n".join(lines)
             if not any(s.target == "p" for s in statements):
                 raise RuleError("the rule never assigns p (its last value is the new parameter)")
+        outputs = [("p", env["p"])]
+        outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
+        check_kinds(statements, dict(outputs), tuple(state.items()), lines)
     except RuleError as e:
         raise e.with_rule(rule_name) from None
-    outputs = [("p", env["p"])]
-    outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
     return Rule(
         "optim",
         identifier(rule_name),
@@ -185,11 +194,11 @@ def _function_source(fn) -> tuple[str, int | None]:
 
 def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tuple[list, dict]:
     """The symbols ``fn`` is called with: ``p``, ``g`` and states positionally,
-    hyperparameters, ``step`` and ``numel`` by keyword."""
+    hyperparameters, ``step``, ``numel``, ``rows`` and ``cols`` by keyword."""
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}
-    keyword_only = {*hyper, "step", "numel"}
+    keyword_only = {*hyper, "step", *SHAPE_SYMBOLS}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise RuleError(
@@ -269,4 +278,16 @@ def _export(name: str):
     return f
 
 
+def _export_reduction(name: str):
+    cls = OPTIM_REDUCTIONS[name]
+
+    def f(x):
+        return cls(sympy.sympify(x))
+
+    f.__name__ = name
+    f.__doc__ = f"Symbolic {name} for optimizer rule functions traced by fuser.rule."
+    return f
+
+
 FUNCTIONS = {n: _export(n) for n in ELEMENTWISE}
+REDUCTIONS = {n: _export_reduction(n) for n in OPTIM_REDUCTIONS}

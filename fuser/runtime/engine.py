@@ -48,6 +48,8 @@ class LaunchGroup:
     members: list[int]  # index in the step's parameter list of each table row
     grad_column: int  # column of the gradient in ``tables.ptrs``
     part: int  # row of this launch in its device's global-reduction table
+    axis: torch.Tensor | None = None  # fp32: axis reductions' per-row, then per-column results
+    axis_init: torch.Tensor | None = None  # what ``axis`` holds before a step (0, or -inf for amax)
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,18 @@ class KernelStep:
 
     kernel: object
     group: LaunchGroup
+    first: bool = False  # the step's first launch of the group: it resets the axis buffer
 
     def __call__(self, engine: StepEngine, opt, seed: int) -> None:
         g = self.group
         t = g.tables
         device = t.ptrs.device
         grad_scale, found_inf = engine.amp_tensors(opt, device)
+        tiled = ()
+        if g.plan.tiled:
+            if self.first and g.axis_init is not None:
+                g.axis.copy_(g.axis_init)
+            tiled = (t.shapes, g.axis, t.total_rows, t.total_cols)
         self.kernel(
             (t.n_blocks,),
             t.ptrs,
@@ -84,6 +92,7 @@ class KernelStep:
             g.part,
             engine.n_parts[device],
             seed,
+            *tiled,
         )
 
 
@@ -104,7 +113,7 @@ def program(groups: list[LaunchGroup], shards) -> list:
     steps = []
     n_phases = len(groups[0].kernels)
     for phase in range(n_phases):
-        steps += [KernelStep(group.kernels[phase], group) for group in groups]
+        steps += [KernelStep(group.kernels[phase], group, phase == 0) for group in groups]
         if shards is not None and phase < n_phases - 1:
             steps.append(CollectiveStep(phase))
     return steps
@@ -319,16 +328,48 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
         rows.append([distributed.local(slot_tensor[sl.name]) for sl in plan.slots])
     block = dict(sources[0].constexprs)["BLOCK"]
     tables = build_tables(
-        rows, [gi for _, _, gi in members], block, device, [p.numel() for p, _, _ in members]
+        rows,
+        [gi for _, _, gi in members],
+        block,
+        device,
+        [p.numel() for p, _, _ in members],
+        plan.tile if plan.tiled else None,
     )
     scalars = pack_scalars(opt, members, scalar_names, device)
     nred = max(1, plan.n_reductions)
     red = torch.zeros(tables.n_tensors, nred, device=device)
     partials = torch.zeros(tables.n_blocks if plan.n_reductions else 1, nred, device=device)
     grad_column = [sl.name for sl in plan.slots].index("g")
+    axis, axis_init = axis_buffers(plan, tables, device)
     return LaunchGroup(
-        kernels, plan, tables, scalars, red, partials, [m[0] for m in indexed], grad_column, part
+        kernels,
+        plan,
+        tables,
+        scalars,
+        red,
+        partials,
+        [m[0] for m in indexed],
+        grad_column,
+        part,
+        axis,
+        axis_init,
     )
+
+
+def axis_buffers(plan: StepLayout, tables: Tables, device) -> tuple:
+    """The axis reductions' buffer (each row reduction's results for every tensor's rows,
+    then each column reduction's) and its value before a step; (None, None) without them."""
+    if not plan.tiled:
+        return None, None
+    parts = []
+    for axis, total in (("row", tables.total_rows), ("col", tables.total_cols)):
+        for r in plan.reductions:
+            if r.axis == axis:
+                parts.append(torch.full((total,), -math.inf if r.op == "amax" else 0.0))
+    if not parts:
+        return torch.zeros(1, device=device), None
+    init = torch.cat(parts).to(device)
+    return init.clone(), init
 
 
 def launched_sources(obj) -> list:

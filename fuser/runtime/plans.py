@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from fuser.cache import rendered
-from fuser.codegen.render import render_optim, template_dir
+from fuser.codegen.render import TILE_COLS, TILE_ROWS, render_optim, template_dir
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim
 from fuser.rules.rule import Rule
@@ -91,7 +91,9 @@ class StepLayout:
     slots: tuple[Slot, ...]
     n_reductions: int
     n_global: int
-    reductions: tuple[ReductionPlan, ...]  # symbols left out: (op, phase, column, global_column)
+    reductions: tuple[ReductionPlan, ...]  # symbols left out
+    tiled: bool = False  # phases walk tiles of each tensor's 2-D view
+    tile: tuple[int, int] = (0, 0)  # (rows, cols) of a tile, when tiled
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,6 +126,8 @@ def plan_and_sources(
         len(plan.reductions),
         plan.n_global,
         tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions),
+        plan.tiled,
+        (TILE_ROWS, TILE_COLS) if plan.tiled else (0, 0),
     )
     sources = render_optim(plan)
     rendered.store(key, _to_memo(layout, sources))
@@ -138,7 +142,12 @@ def _to_memo(layout: StepLayout, sources: list[KernelSource]) -> dict:
         "slots": [dataclasses.asdict(s) for s in layout.slots],
         "n_reductions": layout.n_reductions,
         "n_global": layout.n_global,
-        "reductions": [(r.op, r.phase, r.column, r.global_column) for r in layout.reductions],
+        "reductions": [
+            (r.op, r.phase, r.column, r.global_column, r.axis, r.axis_column, r.over)
+            for r in layout.reductions
+        ],
+        "tiled": layout.tiled,
+        "tile": list(layout.tile),
         "sources": [{f: getattr(k, f) for f in _SOURCE_FIELDS} for k in sources],
     }
 
@@ -149,6 +158,8 @@ def _from_memo(memo: dict) -> tuple[StepLayout, list[KernelSource]]:
         memo["n_reductions"],
         memo["n_global"],
         tuple(ReductionPlan(None, *r) for r in memo["reductions"]),
+        memo["tiled"],
+        tuple(memo["tile"]),
     )
     sources = [
         KernelSource(

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fuser.ir.optim import scalar_state_names
+from fuser.ir.optim import COL, ROW, SCALAR, is_tiled, state_kinds
 from fuser.runtime import distributed
 from fuser.runtime.distributed import local
 from fuser.runtime.plans import TORCH_DTYPES, state_dtype
-from fuser.runtime.tables import check_layout
+from fuser.runtime.tables import check_layout, view_2d
 
 
 def validate(opt, items) -> None:
@@ -47,19 +47,41 @@ def validate(opt, items) -> None:
             raise RuntimeError(
                 f"{where} is on {p.device}; fuser runs on CUDA (and on CPU through Triton's interpreter)"
             )
+    if is_tiled(opt.rule):
+        _validate_shaped(opt, items)
+
+
+def _validate_shaped(opt, items) -> None:
+    """A rule that reads rows and columns walks each tensor's 2-D view in memory order."""
+    name = type(opt).__name__
+    for p, g, _ in items:
+        where = f"parameter of shape {tuple(p.shape)}"
+        if distributed.layout(p) is not None:
+            raise RuntimeError(
+                f"{name} reads rows and columns of its tensors, which a DTensor shard does not "
+                f"hold whole ({where}); give it full tensors (e.g. outside FSDP)"
+            )
+        if not (p.is_contiguous() and g.is_contiguous()):
+            raise RuntimeError(
+                f"{name} reads rows and columns of its tensors, so a {where} and its "
+                f".{opt.options.grad_attr} must be contiguous (call .contiguous() on them)"
+            )
 
 
 def ensure_states(opt, items) -> None:
     """Create each missing element state, and give each one its parameter's device, layout
     and the state dtype; check that per-tensor (scalar) states are one number."""
     init = dict(opt.rule.state)
-    scalar_names = scalar_state_names(opt.rule)
+    kinds = state_kinds(opt.rule)
     for p, _, _ in items:
         st = opt.state[p]
         want = state_dtype(opt.options, p.dtype)
         for s, key in opt._state_keys.items():
-            if s in scalar_names:
+            if kinds[s] == SCALAR:
                 _check_scalar(key, st.get(key))  # packed into the scalar table by pack_scalars
+                continue
+            if kinds[s] in (ROW, COL):
+                st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want)
                 continue
             if key not in st:
                 st[key] = _initial(p, init[s], want)
@@ -73,6 +95,25 @@ def ensure_states(opt, items) -> None:
                 fixed.copy_(st[key])
                 st[key] = fixed
             check_layout(f"state {key!r}", local(st[key]), local(p))
+
+
+def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype) -> torch.Tensor:
+    """A state of one number per row (column) of ``p``'s 2-D view: new, or checked and
+    moved to the state dtype. Its shape is the front end's ``_reduced_shape(p, kind)``."""
+    rows, cols = view_2d(p.shape)
+    n = rows if kind == ROW else cols
+    if value is None:
+        return torch.full(opt._reduced_shape(p, kind), float(init), dtype=dtype, device=p.device)
+    if not torch.is_tensor(value):
+        raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
+    if value.numel() != n:
+        raise RuntimeError(
+            f"state {key!r} of a parameter of shape {tuple(p.shape)} holds one number per {kind} "
+            f"({n}), but has shape {tuple(value.shape)}"
+        )
+    if value.dtype != dtype or value.device != p.device or not value.is_contiguous():
+        value = value.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    return value
 
 
 def _check_scalar(key: str, value) -> None:
@@ -97,6 +138,7 @@ def pack_scalars(opt, members, scalar_names, device) -> torch.Tensor:
     keys = opt._state_keys
     init = dict(opt.rule.state)
     cols = []
+    scalar_names = tuple(scalar_names)
     for p, _, _ in members:
         st = opt.state[p]
         vals = [st.get("step", 0.0)]

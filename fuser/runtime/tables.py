@@ -29,6 +29,25 @@ class Tables:
     counters: torch.Tensor  # int32 [n_tensors + 2]: zero between launches
     n_tensors: int
     n_blocks: int
+    # Tiled launches (shape-aware rules) only: each tensor's 2-D view and where its rows and
+    # columns start in the axis buffer (int64 [4, n_tensors]), and their totals.
+    shapes: torch.Tensor | None = None
+    total_rows: int = 0
+    total_cols: int = 0
+
+
+def view_2d(shape) -> tuple[int, int]:
+    """(rows, cols) of a tensor's 2-D view: a scalar is 1 x 1, a 1-D tensor one row, an
+    N-D tensor ``[shape[0], prod(shape[1:])]``."""
+    shape = tuple(shape)
+    if not shape:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    cols = 1
+    for n in shape[1:]:
+        cols *= n
+    return shape[0], cols
 
 
 def build_tables(
@@ -37,6 +56,7 @@ def build_tables(
     block: int,
     device: torch.device,
     logical_numels: list[int] | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
@@ -47,16 +67,29 @@ def build_tables(
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
     empty tensor still gets one (masked-off) block, so that every tensor reports its
     reductions and the step advances.
+
+    With ``tile`` (rows, cols), a block is a tile of the tensor's 2-D view (``view_2d``
+    of the first tensor of its row, which must be contiguous) and ``block_start`` its
+    index among the tensor's tiles, row-major.
     """
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
     logical = numels if logical_numels is None else torch.tensor(logical_numels, dtype=torch.int64)
     counts = ((numels + block - 1) // block).clamp_min(1)
+    shapes, views = None, []
+    if tile is not None:
+        views = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
+        tiles = ((views[:, 0] + tile[0] - 1) // tile[0]) * ((views[:, 1] + tile[1] - 1) // tile[1])
+        counts = tiles.clamp_min(1)
+        offsets = torch.cumsum(views, 0) - views
+        shapes = torch.cat([views.T, offsets.T]).contiguous()
     total = int(counts.sum())
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
-    block_start = (torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]) * block
+    block_start = torch.arange(total, dtype=torch.int64) - first[block_tensor.long()]
+    if tile is None:
+        block_start = block_start * block
     count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
@@ -69,6 +102,9 @@ def build_tables(
         counters=torch.zeros(n + 2, dtype=torch.int32, device=device),
         n_tensors=n,
         n_blocks=total,
+        shapes=None if shapes is None else shapes.to(device),
+        total_rows=int(views[:, 0].sum()) if tile is not None and n else 0,
+        total_cols=int(views[:, 1].sum()) if tile is not None and n else 0,
     )
 
 

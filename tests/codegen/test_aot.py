@@ -56,6 +56,21 @@ RULES["clipped_lamb"] = fuser.rule(
     state=dict(m=0.0),
 )
 
+# Shape-aware: every axis reduction, row and column states, a reduction of row values,
+# the view's sizes: tiled phases with tails.
+RULES["shaped"] = fuser.rule(
+    """
+    r = beta * r + (1 - beta) * rowmean(g**2) + rowamax(abs(g)) * 0.001
+    c = beta * c + (1 - beta) * colmean(g**2) + colamax(g) * 0.001
+    n = rownorm(g) + colnorm(p) + rowsum(g) - colsum(g)
+    v = r * c / maximum(mean(r), 1e-30) + sum(c) / cols * 0.001
+    p = p - lr * g / (sqrt(v) + 1e-8) * where(rows > 1, 1, 0.5) - 1e-4 * lr * n / norm(n)
+""",
+    name="shaped",
+    hyper=dict(lr=1e-3, beta=0.9),
+    state=dict(r=0.0, c=0.0),
+)
+
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("rule", sorted(RULES))

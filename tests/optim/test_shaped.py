@@ -1,0 +1,241 @@
+"""Shape-aware rules: the sizes of each tensor's 2-D view, axis reductions, states of one
+number per row or column, and reductions of row and column values, against float64
+references written with torch on the view ``[shape[0], prod(rest)]``."""
+
+import pytest
+import torch
+
+import fuser
+
+# Odd sizes: many tiles down (300 rows), across (2 x 600), a tile's corner (9 x 257),
+# one row (1-D), N-D, a single element and an empty tensor.
+SHAPES = [(7, 13), (29,), (3, 5, 4), (300, 17), (2, 600), (9, 257), (1,), (0, 5)]
+
+
+def view(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    if t.dim() == 1:
+        return t.reshape(1, -1)
+    return t.reshape(t.shape[0], -1)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().reshape(-1), want.detach().double().reshape(-1)
+    if want.numel() == 0:
+        return 0.0
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def params_and_grads(shapes, steps, dtype=torch.float32):
+    params = [torch.randn(s).to(dtype) for s in shapes]
+    grads = [[torch.randn(s).to(dtype) for s in shapes] for _ in range(steps)]
+    return params, grads
+
+
+def run(opt_cls, params, grads, **kw):
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = opt_cls(mine, **kw)
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g.clone()
+        opt.step()
+    return mine, opt
+
+
+AXES = fuser.rule(
+    """
+    u = rowmean(g**2) * g + 0.1 * colsum(g) - 0.05 * colamax(abs(g)) + 0.05 * rowamax(g)
+    u = u + 0.01 * rownorm(p) - 0.02 * colnorm(g) + 0.03 * rowsum(p) + 0.2 * colmean(g)
+    p = p - lr * u * (rows + 2 * cols) / numel
+""",
+    name="axes",
+    hyper=dict(lr=0.1),
+)
+
+
+def axes_reference(p, g, lr):
+    p2, g2 = view(p.double()), view(g.double())
+    rows, cols = p2.shape
+    u = (g2**2).mean(1, keepdim=True) * g2 + 0.1 * g2.sum(0, keepdim=True)
+    u = u - 0.05 * g2.abs().amax(0, keepdim=True) + 0.05 * g2.amax(1, keepdim=True)
+    u = u + 0.01 * p2.norm(dim=1, keepdim=True) - 0.02 * g2.norm(dim=0, keepdim=True)
+    u = u + 0.03 * p2.sum(1, keepdim=True) + 0.2 * g2.mean(0, keepdim=True)
+    return (p2 - lr * u * (rows + 2 * cols) / p2.numel()).reshape(p.shape)
+
+
+def test_axis_reductions_and_view_sizes_match_float64():
+    shapes = [s for s in SHAPES if 0 not in s]
+    params, grads = params_and_grads(shapes, 2)
+    mine, _ = run(fuser.compile(AXES), params, grads, lr=0.1)
+    for p, start, g0, g1 in zip(mine, params, grads[0], grads[1]):
+        want = axes_reference(axes_reference(start, g0, 0.1), g1, 0.1)
+        assert rel_err(p, want) < 2e-6, p.shape
+
+
+FACTORED = fuser.rule(
+    """
+    r = beta * r + (1 - beta) * rowmean(g**2)
+    c = beta * c + (1 - beta) * colmean(g**2)
+    s = s * beta + amax(r) + norm(c) / cols
+    v = r * c / mean(r)
+    p = p - lr * g / (sqrt(v) + eps) - lr * 1e-3 * s * p
+""",
+    name="factored",
+    hyper=dict(lr=0.01, beta=0.9, eps=1e-8),
+    state=dict(r=0.0, c=0.0, s=0.0),
+)
+
+
+def factored_reference(params, grads, lr=0.01, beta=0.9, eps=1e-8):
+    out = []
+    for i, start in enumerate(params):
+        p = view(start.double())
+        r = torch.zeros(p.shape[0], 1, dtype=torch.float64)
+        c = torch.zeros(1, p.shape[1], dtype=torch.float64)
+        s = torch.zeros((), dtype=torch.float64)
+        for gs in grads:
+            g = view(gs[i].double())
+            r = beta * r + (1 - beta) * (g**2).mean(1, keepdim=True)
+            c = beta * c + (1 - beta) * (g**2).mean(0, keepdim=True)
+            s = s * beta + r.amax() + c.norm() / p.shape[1]
+            v = r * c / r.mean()
+            p = p - lr * g / (v.sqrt() + eps) - lr * 1e-3 * s * p
+        out.append((p.reshape(start.shape), r.reshape(-1), c.reshape(-1), s))
+    return out
+
+
+def test_row_column_and_scalar_states_follow_float64_over_steps():
+    shapes = [s for s in SHAPES if 0 not in s]
+    params, grads = params_and_grads(shapes, 4)
+    Factored = fuser.compile(FACTORED)
+    assert Factored.rule.name == "factored"
+    mine, opt = run(Factored, params, grads)
+    for p, (want, r, c, s) in zip(mine, factored_reference(params, grads)):
+        st = opt.state[p]
+        rows, cols = view(p).shape
+        assert st["r"].shape == (rows,) and st["c"].shape == (cols,) and st["s"].shape == ()
+        assert rel_err(p, want) < 2e-6, p.shape
+        assert rel_err(st["r"], r) < 2e-6 and rel_err(st["c"], c) < 2e-6
+        assert rel_err(st["s"], s) < 2e-6
+
+
+def test_a_shaped_step_is_two_launches_whatever_the_number_of_tensors():
+    # Phases: axis sums; the tails' amax(r), norm(c) and mean(r) need them, so the
+    # update runs in a second launch.
+    shapes = [(5, 3)] * 3 + [(11,)] * 4
+    params, grads = params_and_grads(shapes, 2)
+    mine = [torch.nn.Parameter(p) for p in params]
+    opt = fuser.compile(FACTORED)(mine)
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g
+        before = fuser.stats()["launches"]
+        opt.step()
+        assert fuser.stats()["launches"] - before == 2
+
+
+def test_empty_tensors_and_groups_with_their_own_hyperparameters():
+    params, grads = params_and_grads([(4, 6), (0, 5), (9,)], 3)
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = fuser.compile(FACTORED)([dict(params=mine[:2], lr=0.02), dict(params=mine[2:])], lr=0.01)
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g.clone()
+        opt.step()
+    ((want0, *_),) = factored_reference([params[0]], [[gs[0]] for gs in grads], lr=0.02)
+    ((want2, *_),) = factored_reference([params[2]], [[gs[2]] for gs in grads], lr=0.01)
+    assert rel_err(mine[0], want0) < 2e-6 and rel_err(mine[2], want2) < 2e-6
+    assert mine[1].shape == (0, 5) and opt.state[mine[1]]["r"].shape == (0,)
+
+
+def test_bf16_parameters_with_fp32_row_and_column_states():
+    params, grads = params_and_grads([(33, 70), (70,)], 3, torch.bfloat16)
+    mine, opt = run(fuser.compile(FACTORED), params, grads)
+    for p, (want, r, c, _) in zip(mine, factored_reference(params, grads)):
+        assert p.dtype == torch.bfloat16 and opt.state[p]["r"].dtype == torch.float32
+        # fp32 states follow float64 closely; the parameter carries bf16's rounding each step.
+        assert rel_err(opt.state[p]["r"], r) < 2e-6 and rel_err(opt.state[p]["c"], c) < 2e-6
+        assert rel_err(p, want) < 3 * 2**-8
+
+
+def test_a_skipped_amp_step_changes_no_row_or_column_state():
+    params, grads = params_and_grads([(6, 7), (8,)], 2)
+    mine, opt = run(fuser.compile(FACTORED), params, grads[:1])
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in mine}
+    kept = [p.detach().clone() for p in mine]
+    for p, g in zip(mine, grads[1]):
+        p.grad = g.clone()
+    opt.found_inf = torch.ones(())
+    opt.step()
+    for p, k in zip(mine, kept):
+        assert torch.equal(p.detach(), k)
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, before[id(p)][key]), key
+
+
+def test_state_dict_round_trip_continues_the_same_run():
+    params, grads = params_and_grads([(12, 5), (7,), (2, 3, 4)], 4)
+    Factored = fuser.compile(FACTORED)
+    straight, _ = run(Factored, params, grads)
+    first, opt = run(Factored, params, grads[:2])
+    saved = opt.state_dict()
+    assert saved["state"][0]["r"].shape == (12,)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    opt2 = Factored(resumed)
+    opt2.load_state_dict(saved)
+    for gs in grads[2:]:
+        for p, g in zip(resumed, gs):
+            p.grad = g.clone()
+        opt2.step()
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_a_state_of_the_wrong_size_is_refused_before_anything_changes():
+    params, grads = params_and_grads([(4, 6)], 1)
+    mine, opt = run(fuser.compile(FACTORED), params, grads)
+    kept = mine[0].detach().clone()
+    opt.state[mine[0]]["r"] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="one number per row"):
+        opt.step()
+    assert torch.equal(mine[0].detach(), kept)
+
+
+def test_non_contiguous_parameters_are_refused_with_the_fix():
+    p = torch.nn.Parameter(torch.randn(6, 4).t())
+    p.grad = torch.randn(6, 4).t()
+    opt = fuser.compile(FACTORED)([p])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("p = p - lr * rowmean(rowmean(g))", r"rowmean\(\) reduces a value per element"),
+        ("r = rowmean(g)\np = p - lr * colsum(r) * g", r"colsum\(\) reduces a value per element"),
+        ("p = p - lr * global_norm(rowsum(g)) * g", r"global_norm\(\) takes a value per element"),
+        ("p = p - lr * rowmean(g, 1)", r"rowmean\(\) takes 1 argument"),
+        ("rows = 3\np = p", "'rows' is an input of the rule"),
+    ],
+)
+def test_misuse_of_axis_reductions_names_the_line(text, message):
+    with pytest.raises(fuser.RuleError, match=message) as info:
+        fuser.compile(fuser.rule(text, hyper=dict(lr=0.1)))
+    assert "line" in str(info.value)
+
+
+def test_traced_rules_use_the_same_axis_reductions():
+    @fuser.rule(hyper=dict(lr=0.01, beta=0.9, eps=1e-8), state=dict(r=0.0, c=0.0, s=0.0))
+    def factored(p, g, r, c, s, *, lr, beta, eps, cols):
+        r = beta * r + (1 - beta) * fuser.rowmean(g**2)
+        c = beta * c + (1 - beta) * fuser.colmean(g**2)
+        s = s * beta + fuser.amax(r) + fuser.norm(c) / cols
+        v = r * c / fuser.mean(r)
+        return dict(p=p - lr * g / (fuser.sqrt(v) + eps) - lr * 1e-3 * s * p, r=r, c=c, s=s)
+
+    params, grads = params_and_grads([(7, 13), (29,)], 3)
+    mine, _ = run(fuser.compile(factored), params, grads)
+    for p, (want, *_) in zip(mine, factored_reference(params, grads)):
+        assert rel_err(p, want) < 2e-6
