@@ -1,0 +1,414 @@
+"""A zoo of optimizers from pytorch-optimizer 4.1.0, each written as a fuser rule with the
+public API alone.
+
+``ZOO`` maps a name to a :class:`ZooEntry`: the rule, the pytorch_optimizer class it
+reproduces (``pytorch_optimizer.load_optimizer(reference)``), and one configuration given
+twice, as the reference's constructor keywords and as the compiled rule's keywords, so that
+both optimizers follow the same trajectory. Each rule's defaults are its reference's
+defaults; ``doc`` says which keywords of the reference the rule covers (the others keep
+their defaults). ``NOT_EXPRESSIBLE`` lists the optimizers of that package that the rule
+language cannot reproduce exactly, with the missing primitive.
+
+``python examples/zoo.py`` runs every rule a few steps on a small model and prints a table
+(on CPU through Triton's interpreter when there is no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fuser  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One optimizer of the zoo.
+
+    ``fuser.compile(rule)(params, **hyper)`` and
+    ``pytorch_optimizer.load_optimizer(reference)(params, **reference_kwargs)`` are the same
+    optimizer; ``states`` maps a state of the rule to the reference's state key holding the
+    same tensor (or per-tensor scalar)."""
+
+    rule: fuser.Rule
+    reference: str
+    reference_kwargs: dict
+    hyper: dict
+    states: dict = field(default_factory=dict)
+    doc: str = ""
+
+
+ZOO: dict[str, ZooEntry] = {}
+
+
+def _add(name, text, *, defaults, state, reference=None, reference_kwargs, hyper, states=None, doc):
+    ZOO[name] = ZooEntry(
+        rule=fuser.rule(text, name=name, hyper=defaults, state=state),
+        reference=reference or name,
+        reference_kwargs=reference_kwargs,
+        hyper=hyper,
+        states=states or {},
+        doc=doc,
+    )
+
+
+# --- Adam relatives -------------------------------------------------------------------------
+
+_add(
+    "adabelief",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_var = beta2 * exp_avg_var + (1 - beta2) * (g - exp_avg)**2 + eps
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_var) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-16),
+    state=dict(exp_avg=0.0, exp_avg_var=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_var="exp_avg_var"),
+    doc="AdaBelief(lr, betas, weight_decay, eps); weight_decouple=True, fixed_decay=False, "
+    "rectify=False, ams_bound=False as by default.",
+)
+
+_ADABOUND = """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    step_size = lr * sqrt(1 - beta2**step) / (1 - beta1**step)
+    lower = final_lr * (1 - 1 / (gamma * step + 1))
+    upper = final_lr * (1 + 1 / (gamma * step))
+    p = p - clamp(step_size / (sqrt({v} + 1e-15) + eps), lower, upper) * exp_avg
+    """
+_ADABOUND_DEFAULTS = dict(
+    lr=1e-3, final_lr=0.1, beta1=0.9, beta2=0.999, gamma=1e-3, weight_decay=0.0, eps=1e-8
+)
+_add(
+    "adabound",
+    _ADABOUND.format(v="exp_avg_sq"),
+    defaults=_ADABOUND_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, final_lr=0.05, betas=(0.8, 0.99), gamma=0.1, weight_decay=0.1),
+    hyper=dict(lr=1e-2, final_lr=0.05, beta1=0.8, beta2=0.99, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AdaBound(lr, final_lr, betas, gamma, weight_decay, eps) with a constant learning rate "
+    "(the reference scales final_lr by lr / initial lr under a scheduler); decoupled decay.",
+)
+_add(
+    "amsbound",
+    "\n    max_exp_avg_sq = maximum(max_exp_avg_sq, beta2 * exp_avg_sq + (1 - beta2) * g**2)"
+    + _ADABOUND.format(v="max_exp_avg_sq"),
+    reference="adabound",
+    defaults=_ADABOUND_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, max_exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), gamma=0.1, weight_decay=0.1, ams_bound=True),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", max_exp_avg_sq="max_exp_avg_sq"),
+    doc="AdaBound(..., ams_bound=True): AMSBound, otherwise as adabound.",
+)
+
+_add(
+    "adamod",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    u = lr * sqrt(1 - beta2**step) / (1 - beta1**step) / (sqrt(exp_avg_sq) + eps)
+    exp_avg_lr = beta3 * exp_avg_lr + (1 - beta3) * u
+    p = p - minimum(u, exp_avg_lr) * exp_avg
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, beta3=0.9999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_lr=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.7), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.7, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_lr="exp_avg_lr"),
+    doc="AdaMod(lr, betas, weight_decay, eps); decoupled decay as by default.",
+)
+
+_add(
+    "adan",
+    """
+    diff = where(step > 1, g - previous_grad, 0)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_diff = beta2 * exp_avg_diff + (1 - beta2) * diff
+    n = g + beta2 * diff
+    exp_avg_sq = beta3 * exp_avg_sq + (1 - beta3) * n**2
+    de_nom = sqrt(exp_avg_sq) / sqrt(1 - beta3**step) + eps
+    p = p - lr / (1 - beta1**step) * exp_avg / de_nom - lr * beta2 / (1 - beta2**step) * exp_avg_diff / de_nom
+    p = p / (1 + lr * weight_decay)
+    previous_grad = g
+    """,
+    defaults=dict(lr=1e-3, beta1=0.98, beta2=0.92, beta3=0.99, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_diff=0.0, exp_avg_sq=0.0, previous_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.9, beta2=0.8, beta3=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_diff="exp_avg_diff", exp_avg_sq="exp_avg_sq"),
+    doc="Adan(lr, betas, weight_decay, eps) with weight_decouple=False and max_grad_norm=0 as by "
+    "default (the reference keeps -g in previous_grad; the rule keeps g).",
+)
+
+_add(
+    "adopt",
+    """
+    d = g + weight_decay * p
+    normed = clamp(d / maximum(sqrt(exp_avg_sq), eps), -step**0.25, step**0.25)
+    exp_avg = where(step > 1, beta1 * exp_avg + (1 - beta1) * normed, exp_avg)
+    p = where(step > 1, p - lr * exp_avg, p)
+    exp_avg_sq = where(step > 1, beta2 * exp_avg_sq + (1 - beta2) * d**2, exp_avg_sq + d**2)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.9999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="ADOPT(lr, betas, weight_decay, eps) with the default clip_lambda step**0.25 and "
+    "coupled (L2) weight decay as by default.",
+)
+
+_add(
+    "aggmo",
+    """
+    d = g + weight_decay * p
+    m1 = beta1 * m1 + d
+    m2 = beta2 * m2 + d
+    m3 = beta3 * m3 + d
+    p = p - lr / 3 * (m1 + m2 + m3)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.0, beta2=0.9, beta3=0.99, weight_decay=0.0),
+    state=dict(m1=0.0, m2=0.0, m3=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.0, 0.7, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.0, beta2=0.7, beta3=0.9, weight_decay=0.1),
+    doc="AggMo(lr, betas, weight_decay) with three betas and coupled decay as by default.",
+)
+
+_add(
+    "diffgrad",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    dfc = sigmoid(abs(previous_grad - g)) * exp_avg
+    p = p - lr * sqrt(1 - beta2**step) / (1 - beta1**step) * dfc / (sqrt(exp_avg_sq + 1e-15) + eps)
+    previous_grad = g
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, previous_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", previous_grad="previous_grad"),
+    doc="DiffGrad(lr, betas, weight_decay, eps); decoupled decay, rectify=False, ams_bound=False.",
+)
+
+_add(
+    "laprop",
+    """
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    exp_avg_lr_1 = beta1 * exp_avg_lr_1 + (1 - beta1) * lr
+    de_nom = (sqrt(exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * lr * g / de_nom
+    p = p - exp_avg / (exp_avg_lr_1 / lr)
+    p = p * (1 - lr * weight_decay)
+    """,
+    defaults=dict(lr=4e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-15),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_lr_1=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_lr_1="exp_avg_lr_1"),
+    doc="LaProp(lr, betas, weight_decay, eps) with centered=False, ams_bound=False; decoupled "
+    "decay after the step. exp_avg_lr_1 is a per-tensor scalar, so lr schedules match too.",
+)
+
+_add(
+    "madgrad",
+    """
+    d = g + weight_decay * p
+    lam = (lr + eps) * sqrt(step)
+    grad_sum_sq = grad_sum_sq + lam * d**2
+    s = s + lam * d
+    z = x0 - s / (grad_sum_sq**(1 / 3) + eps)
+    p = p + (1 - momentum) * (z - p)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.9, weight_decay=0.0, eps=1e-6),
+    state=dict(grad_sum_sq=0.0, s=0.0, x0="p"),
+    reference_kwargs=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    states=dict(grad_sum_sq="grad_sum_sq", s="s", x0="x0"),
+    doc="MADGRAD(lr, momentum > 0, weight_decay, eps) with lr > 0 and coupled decay "
+    "(weight_decouple=False) as by default; one param group (the reference counts steps "
+    "for the whole optimizer).",
+)
+
+_add(
+    "novograd",
+    """
+    grads_ema = where(step > 1, beta2 * grads_ema + (1 - beta2) * sum(g**2), sum(g**2))
+    d = g / (sqrt(grads_ema) + eps) + weight_decay * p
+    moments = where(step > 1, beta1 * moments + d, d)
+    p = p - lr * moments
+    """,
+    defaults=dict(lr=1e-3, beta1=0.95, beta2=0.98, weight_decay=0.0, eps=1e-8),
+    state=dict(grads_ema=0.0, moments=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(grads_ema="grads_ema", moments="moments"),
+    doc="NovoGrad(lr, betas, weight_decay, eps) with coupled decay, grad_averaging=False, "
+    "adam_debias=False as by default.",
+)
+
+_add(
+    "qhadam",
+    """
+    d = g + weight_decay * p
+    beta1_weight = beta1 * beta1_weight + 1
+    beta2_weight = beta2 * beta2_weight + 1
+    exp_avg = exp_avg + (d - exp_avg) / beta1_weight
+    exp_avg_sq = exp_avg_sq + (d**2 - exp_avg_sq) / beta2_weight
+    num = nu1 * exp_avg + (1 - nu1) * d
+    p = p - lr * num / (sqrt(nu2 * exp_avg_sq + (1 - nu2) * d**2) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, nu1=1.0, nu2=1.0, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, beta1_weight=0.0, beta2_weight=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), nus=(0.7, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, nu1=0.7, nu2=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="QHAdam(lr, betas, nus, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "stableadamw",
+    """
+    beta1_comp = 1 - (beta1**step - beta1) / (beta1**step - 1)
+    beta2_hat = (beta2**step - beta2) / (beta2**step - 1)
+    exp_avg = exp_avg + beta1_comp * (g - exp_avg)
+    exp_avg_sq = beta2_hat * exp_avg_sq + (1 - beta2_hat) * g**2
+    rms = maximum(sqrt(mean(g**2 / maximum(exp_avg_sq, eps**2))), 1)
+    p = p * (1 - weight_decay * lr / rms)
+    p = p - lr / rms * exp_avg / (sqrt(exp_avg_sq) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=1e-2, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="StableAdamW(lr, betas, weight_decay, eps) with decoupled decay as by default, for fp32 "
+    "(and bf16) parameters; kahan_sum only acts on 16-bit parameters.",
+)
+
+_add(
+    "tiger",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta * exp_avg + (1 - beta) * g
+    p = p - lr * sign(exp_avg)
+    """,
+    defaults=dict(lr=1e-3, beta=0.965, weight_decay=0.01),
+    state=dict(exp_avg=0.0),
+    reference_kwargs=dict(lr=1e-2, beta=0.9, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg"),
+    doc="Tiger(lr, beta, weight_decay) with decoupled decay as by default.",
+)
+
+_ADEMAMIX = """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    exp_avg_slow = beta3_t * exp_avg_slow + (1 - beta3_t) * d
+    de_nom = sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps
+    p = p - lr * (exp_avg / (1 - beta1**step) + alpha_t * exp_avg_slow) / de_nom
+    """
+_ADEMAMIX_DEFAULTS = dict(
+    lr=1e-3, beta1=0.9, beta2=0.999, beta3=0.9999, alpha=5.0, weight_decay=0.0, eps=1e-8
+)
+_add(
+    "ademamix",
+    "\n    alpha_t = alpha\n    beta3_t = beta3" + _ADEMAMIX,
+    defaults=_ADEMAMIX_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_slow=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.0, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.99, alpha=3.0, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_slow="exp_avg_slow"),
+    doc="AdEMAMix(lr, betas, alpha, weight_decay, eps) with t_alpha_beta3=None and coupled decay "
+    "as by default.",
+)
+_add(
+    "ademamix_scheduled",
+    """
+    alpha_t = minimum(step * alpha / t_alpha_beta3, alpha)
+    r = step / t_alpha_beta3
+    beta3_t = minimum(exp(log(beta1) * log(beta3) / ((1 - r) * log(beta3) + r * log(beta1))), beta3)
+    """
+    + _ADEMAMIX,
+    reference="ademamix",
+    defaults=dict(_ADEMAMIX_DEFAULTS, t_alpha_beta3=1e4),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_slow=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.0, t_alpha_beta3=4.0),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.99, alpha=3.0, t_alpha_beta3=4.0),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_slow="exp_avg_slow"),
+    doc="AdEMAMix(..., t_alpha_beta3=T): alpha and beta3 warmed up over T steps.",
+)
+
+_add(
+    "mars",
+    """
+    c = g + gamma * beta1 / (1 - beta1) * (g - last_grad)
+    c = c / maximum(norm(c), 1)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * c
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * c**2
+    de_nom = (sqrt(exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step) * (1 - beta1**step)
+    p = p * (1 - lr * weight_decay)
+    p = p - lr * exp_avg / de_nom
+    last_grad = g
+    """,
+    defaults=dict(lr=3e-3, beta1=0.95, beta2=0.99, gamma=0.025, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, last_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), gamma=0.1, weight_decay=0.1, optimize_1d=True),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", last_grad="last_grad"),
+    doc="MARS(lr, betas, gamma, weight_decay, eps, optimize_1d=True) with mars_type='adamw': "
+    "every tensor takes the MARS-AdamW step (optimize_1d=False gives 1-D tensors a plain "
+    "AdamW step with their own lr_1d, betas_1d and weight_decay_1d).",
+)
+
+_add(
+    "schedulefreeadamw",
+    """
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    d = g / (sqrt(exp_avg_sq / (1 - beta2**step) + 1e-15) + eps) + weight_decay * p
+    lr_t = lr * where(step < warmup_steps, step / maximum(warmup_steps, 1), 1)
+    lr_max = maximum(lr_t, lr_max)
+    weight = step**r * lr_max**weight_lr_power
+    weight_sum = weight_sum + weight
+    ckp = where(weight_sum != 0, weight / weight_sum, 0)
+    ckp = where(decoupling_c > 0, minimum(1, ckp * (1 - beta1) * decoupling_c), ckp)
+    p = p + ckp * (z - p)
+    p = p + lr_t * (beta1 * (1 - ckp) - 1) * d
+    z = z - lr_t * d
+    """,
+    defaults=dict(
+        lr=2.5e-3,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.0,
+        r=0.0,
+        weight_lr_power=2.0,
+        warmup_steps=0.0,
+        decoupling_c=0.0,
+        eps=1e-8,
+    ),
+    state=dict(exp_avg_sq=0.0, z="p", lr_max=-1.0, weight_sum=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, r=0.5, warmup_steps=3),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, r=0.5, warmup_steps=3),
+    states=dict(exp_avg_sq="exp_avg_sq", z="z"),
+    doc="ScheduleFreeAdamW(lr, betas, weight_decay, r, weight_lr_power, warmup_steps, "
+    "decoupling_c, eps) with ams_bound=False: the training step, in train mode. The "
+    "reference's eval()/train() (moving p to the averaged point and back) are not "
+    "part of the compiled optimizer; do `p.lerp_(z, 1 - 1 / beta1)` to evaluate.",
+)
+
+NOT_EXPRESSIBLE: dict[str, str] = {}
