@@ -33,7 +33,8 @@ class ZooEntry:
     ``fuser.compile(rule)(params, **hyper)`` and
     ``pytorch_optimizer.load_optimizer(reference)(params, **reference_kwargs)`` are the same
     optimizer; ``states`` maps a state of the rule to the reference's state key holding the
-    same tensor (or per-tensor scalar)."""
+    same tensor (or per-tensor scalar). ``fuser_bug``, when set, names the fuser bug that
+    stops the rule from running today."""
 
     rule: fuser.Rule
     reference: str
@@ -41,12 +42,15 @@ class ZooEntry:
     hyper: dict
     states: dict = field(default_factory=dict)
     doc: str = ""
+    fuser_bug: str = ""
 
 
 ZOO: dict[str, ZooEntry] = {}
 
 
-def _add(name, text, *, defaults, state, reference=None, reference_kwargs, hyper, states=None, doc):
+def _add(
+    name, text, *, defaults, state, reference=None, reference_kwargs, hyper, states=None, doc, fuser_bug=""
+):
     ZOO[name] = ZooEntry(
         rule=fuser.rule(text, name=name, hyper=defaults, state=state),
         reference=reference or name,
@@ -54,6 +58,7 @@ def _add(name, text, *, defaults, state, reference=None, reference_kwargs, hyper
         hyper=hyper,
         states=states or {},
         doc=doc,
+        fuser_bug=fuser_bug,
     )
 
 
@@ -409,6 +414,470 @@ _add(
     "decoupling_c, eps) with ams_bound=False: the training step, in train mode. The "
     "reference's eval()/train() (moving p to the averaged point and back) are not "
     "part of the compiled optimizer; do `p.lerp_(z, 1 - 1 / beta1)` to evaluate.",
+)
+
+
+# --- sign methods, layer-wise scaling, SGD relatives ----------------------------------------
+
+_add(
+    "lion",
+    """
+    p = p * (1 - lr * weight_decay)
+    update = sign(beta1 * exp_avg + (1 - beta1) * g)
+    exp_avg = beta2 * exp_avg + (1 - beta2) * g
+    p = p - lr * update
+    """,
+    defaults=dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0),
+    state=dict(exp_avg=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg"),
+    doc="Lion(lr, betas, weight_decay) with decoupled decay as by default.",
+)
+
+_add(
+    "signsgd",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    p = p - lr * sign(momentum_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.9, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="SignSGD(lr, momentum, weight_decay) with decoupled decay as by default (signum; "
+    "momentum=0 gives plain signSGD).",
+)
+
+_add(
+    "lamb",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    update = exp_avg / (sqrt(exp_avg_sq) + eps)
+    weight_norm = minimum(norm(p), 10)
+    adam_norm = norm(update)
+    trust_ratio = where(weight_norm != 0 and adam_norm != 0, weight_norm / (adam_norm + eps), 1)
+    p = p - lr / (1 - beta1**step) * trust_ratio * update
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Lamb(lr, betas, weight_decay, eps) with decoupled decay, grad_averaging=True, "
+    "rectify=False, adam=False, pre_norm=False as by default (max_grad_norm only acts "
+    "with pre_norm).",
+)
+
+_add(
+    "fromage",
+    """
+    p_norm = norm(p)
+    g_norm = norm(g)
+    p = (p - lr * where(p_norm > 0 and g_norm > 0, p_norm / g_norm, 1) * g) / sqrt(1 + lr**2)
+    """,
+    defaults=dict(lr=1e-2),
+    state=dict(),
+    reference_kwargs=dict(lr=0.05),
+    hyper=dict(lr=0.05),
+    doc="Fromage(lr) with p_bound=None as by default.",
+)
+
+_add(
+    "sgdw",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = where(step > 1, momentum * momentum_buffer + (1 - dampening) * g, g)
+    p = p - lr * where(nesterov > 0, g + momentum * momentum_buffer, momentum_buffer)
+    """,
+    defaults=dict(lr=1e-4, momentum=0.0, weight_decay=0.0, dampening=0.0, nesterov=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="SGDW(lr, momentum, dampening, weight_decay, nesterov as 0/1) with decoupled decay as by default.",
+)
+
+_add(
+    "qhm",
+    """
+    d = g + weight_decay * p
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * d
+    p = p - lr * (nu * momentum_buffer + (1 - nu) * d)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, nu=1.0, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, nu=0.7, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.9, nu=0.7, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="QHM(lr, momentum, nu, weight_decay) with coupled decay as by default.",
+)
+
+_add(
+    "pid",
+    """
+    d = g + weight_decay * p
+    i_buffer = momentum * i_buffer + (1 - dampening) * d
+    d_buffer = momentum * d_buffer + where(step > 1, (1 - momentum) * (d - grad_buffer), 0)
+    grad_buffer = d
+    p = p - lr * (d + integral * i_buffer + derivative * d_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, dampening=0.0, derivative=10.0, integral=5.0, weight_decay=0.0),
+    state=dict(i_buffer=0.0, d_buffer=0.0, grad_buffer=0.0),
+    reference_kwargs=dict(
+        lr=1e-2, momentum=0.9, dampening=0.1, derivative=3.0, integral=2.0, weight_decay=0.1
+    ),
+    hyper=dict(lr=1e-2, momentum=0.9, dampening=0.1, derivative=3.0, integral=2.0, weight_decay=0.1),
+    states=dict(i_buffer="i_buffer", d_buffer="d_buffer", grad_buffer="grad_buffer"),
+    doc="PID(lr, momentum > 0, dampening, derivative, integral, weight_decay) with coupled "
+    "decay as by default (momentum=0 is plain SGD).",
+)
+
+# --- more adaptive methods --------------------------------------------------------------------
+
+_add(
+    "yogi",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = exp_avg_sq - (1 - beta2) * sign(exp_avg_sq - g**2) * g**2
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-3),
+    state=dict(exp_avg=1e-6, exp_avg_sq=1e-6),
+    reference_kwargs=dict(lr=3e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=3e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Yogi(lr, betas, weight_decay, eps) with initial_accumulator=1e-6 (the states' start) "
+    "and decoupled decay as by default.",
+)
+
+_add(
+    "adamax",
+    """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_inf = maximum(beta2 * exp_inf, abs(d) + eps)
+    p = p - lr / (1 - beta1**step) * exp_avg / exp_inf
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_inf=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_inf="exp_inf"),
+    doc="AdaMax(lr, betas, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "radam",
+    """
+    n_sma_max = 2 / (1 - beta2) - 1
+    beta2_t = beta2**step
+    n_sma = n_sma_max - 2 * step * beta2_t / (1 - beta2_t)
+    rt = sqrt((1 - beta2_t) * (n_sma - 4) / (n_sma_max - 4) * (n_sma - 2) / n_sma * n_sma_max
+              / (n_sma_max - 2))
+    rt = where(n_sma >= n_sma_threshold, rt, where(degenerated_to_sgd > 0, 1, -1))
+    step_size = lr * rt / (1 - beta1**step)
+    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    sgd_size = where(step_size > 0, step_size, 0)
+    p = p - where(n_sma >= n_sma_threshold, step_size / (sqrt(exp_avg_sq) + eps), sgd_size) * exp_avg
+    """,
+    defaults=dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.0,
+        n_sma_threshold=5.0,
+        degenerated_to_sgd=0.0,
+        eps=1e-8,
+    ),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(
+        lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, n_sma_threshold=4, degenerated_to_sgd=True
+    ),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, n_sma_threshold=4, degenerated_to_sgd=1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="RAdam(lr, betas, weight_decay, n_sma_threshold, degenerated_to_sgd as 0/1, eps) with "
+    "decoupled decay as by default.",
+)
+
+# --- torch.optim classes that pytorch_optimizer lists ------------------------------------------
+
+_add(
+    "adamw",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="torch.optim.AdamW(lr, betas, eps, weight_decay) with amsgrad=False.",
+)
+
+_add(
+    "nadam",
+    """
+    d = g + weight_decay * p
+    mu = beta1 * (1 - 0.5 * 0.96**(step * momentum_decay))
+    mu_next = beta1 * (1 - 0.5 * 0.96**((step + 1) * momentum_decay))
+    mu_product = mu_product * mu
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    de_nom = sqrt(exp_avg_sq / (1 - beta2**step)) + eps
+    p = p - lr * (1 - mu) / (1 - mu_product) * d / de_nom
+    p = p - lr * mu_next / (1 - mu_product * mu_next) * exp_avg / de_nom
+    """,
+    defaults=dict(lr=2e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, momentum_decay=4e-3, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, mu_product=1.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, momentum_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, momentum_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", mu_product="mu_product"),
+    doc="torch.optim.NAdam(lr, betas, eps, weight_decay, momentum_decay) with decoupled_weight_decay=False.",
+)
+
+_add(
+    "rmsprop",
+    """
+    square_avg = alpha * square_avg + (1 - alpha) * g**2
+    grad_avg = alpha * grad_avg + (1 - alpha) * g
+    momentum_buffer = momentum * momentum_buffer + g / (sqrt(square_avg - grad_avg**2) + eps)
+    p = p - lr * momentum_buffer
+    """,
+    defaults=dict(lr=1e-2, alpha=0.99, momentum=0.0, eps=1e-8),
+    state=dict(square_avg=0.0, grad_avg=0.0, momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, alpha=0.9, momentum=0.8, centered=True),
+    hyper=dict(lr=1e-2, alpha=0.9, momentum=0.8),
+    states=dict(square_avg="square_avg", grad_avg="grad_avg", momentum_buffer="momentum_buffer"),
+    doc="torch.optim.RMSprop(lr, alpha, eps, momentum, centered=True) with weight_decay=0.",
+)
+
+_add(
+    "sgd",
+    """
+    d = g + weight_decay * p
+    momentum_buffer = where(step > 1, momentum * momentum_buffer + (1 - dampening) * d, d)
+    p = p - lr * where(nesterov > 0, d + momentum * momentum_buffer, momentum_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+    hyper=dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="torch.optim.SGD(lr, momentum, dampening, weight_decay, nesterov as 0/1).",
+)
+
+
+# --- positive-negative momentum, norms and smoothing -------------------------------------------
+
+_add(
+    "pnm",
+    """
+    p = p * (1 - lr * weight_decay)
+    odd = 1 - odd
+    pos_momentum = where(odd > 0, beta1**2 * pos_momentum + (1 - beta1**2) * g, pos_momentum)
+    neg_momentum = where(odd > 0, neg_momentum, beta1**2 * neg_momentum + (1 - beta1**2) * g)
+    new = where(odd > 0, pos_momentum, neg_momentum)
+    old = where(odd > 0, neg_momentum, pos_momentum)
+    p = p - lr * ((1 + beta2) * new - beta2 * old) / sqrt((1 + beta2)**2 + beta2**2)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=1.0, weight_decay=0.0),
+    state=dict(pos_momentum=0.0, neg_momentum=0.0, odd=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(pos_momentum="pos_momentum", neg_momentum="neg_momentum"),
+    doc="PNM(lr, betas, weight_decay) with decoupled decay as by default; the two momenta "
+    "take turns (odd steps update pos_momentum); `odd` is a per-tensor scalar flag.",
+)
+
+_add(
+    "adapnm",
+    """
+    p = p * (1 - lr * weight_decay)
+    odd = 1 - odd
+    exp_avg = where(odd > 0, beta1**2 * exp_avg + (1 - beta1**2) * g, exp_avg)
+    neg_exp_avg = where(odd > 0, neg_exp_avg, beta1**2 * neg_exp_avg + (1 - beta1**2) * g)
+    new = where(odd > 0, exp_avg, neg_exp_avg)
+    old = where(odd > 0, neg_exp_avg, exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
+    de_nom = (sqrt(max_exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step)
+    pn_momentum = ((1 + beta3) * new - beta3 * old) / sqrt((1 + beta3)**2 + beta3**2)
+    p = p - lr / (1 - beta1**step) * pn_momentum / de_nom
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, beta3=1.0, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, neg_exp_avg=0.0, exp_avg_sq=0.0, max_exp_avg_sq=0.0, odd=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", neg_exp_avg="neg_exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AdaPNM(lr, betas, weight_decay, eps) with ams_bound=True and decoupled decay as by default.",
+)
+
+_add(
+    "adanorm",
+    """
+    p = p * (1 - lr * weight_decay)
+    grad_norm = norm(g)
+    exp_grad_norm = r * exp_grad_norm + (1 - r) * grad_norm
+    s_grad = where(grad_norm > 0 and exp_grad_norm > grad_norm, g * exp_grad_norm / grad_norm, g)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * s_grad
+    exp_avg_var = beta2 * exp_avg_var + (1 - beta2) * g**2
+    de_nom = (sqrt(exp_avg_var + 1e-15) + eps) / sqrt(1 - beta2**step)
+    p = p - lr / (1 - beta1**step) * exp_avg / de_nom
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, r=0.95, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_var=0.0, exp_grad_norm=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), r=0.9, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, r=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_var="exp_avg_var", exp_grad_norm="exp_grad_norm"),
+    doc="AdaNorm(lr, betas, r, weight_decay, eps) with ams_bound=False and decoupled decay as "
+    "by default; exp_grad_norm is a per-tensor scalar.",
+)
+
+_add(
+    "adasmooth",
+    """
+    d = g + weight_decay * p
+    p_diff = p - prev_param
+    s = s + p_diff
+    n = n + abs(p_diff)
+    c = abs(s) / (n + eps) * (beta2 - beta1) + (1 - beta2)
+    exp_avg_sq = exp_avg_sq + c**2 * (d**2 - exp_avg_sq)
+    prev_param = p
+    p = p - lr * d / sqrt(exp_avg_sq + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.5, beta2=0.99, weight_decay=0.0, eps=1e-6),
+    state=dict(prev_param="p", s=0.0, n=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.4, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.4, beta2=0.9, weight_decay=0.1),
+    states=dict(prev_param="prev_param", s="s", n="n", exp_avg_sq="exp_avg_sq"),
+    doc="AdaSmooth(lr, betas, weight_decay, eps) with coupled decay as by default, as its "
+    "default (foreach) path computes it: prev_param is the parameter before the step.",
+)
+
+_add(
+    "padam",
+    """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    p = p - lr * sqrt(1 - beta2**step) / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) + eps)**(2 * partial)
+    """,
+    defaults=dict(lr=0.1, beta1=0.9, beta2=0.999, partial=0.25, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), partial=0.2, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, partial=0.2, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="PAdam(lr, betas, partial, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "accsgd",
+    """
+    d = g + weight_decay * p
+    large_lr = lr * kappa / constant
+    beta = xi * constant**2 / kappa
+    zeta = constant / (constant + beta)
+    momentum_buffer = ((1 / beta - 1) * momentum_buffer - large_lr * d + p) * beta
+    p = p - lr * d
+    p = p + (1 - zeta) * (momentum_buffer - p)
+    """,
+    defaults=dict(lr=1e-3, kappa=1000.0, xi=10.0, constant=0.7, weight_decay=0.0),
+    state=dict(momentum_buffer="p"),
+    reference_kwargs=dict(lr=1e-2, kappa=100.0, xi=5.0, constant=0.5, weight_decay=0.1),
+    hyper=dict(lr=1e-2, kappa=100.0, xi=5.0, constant=0.5, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="AccSGD(lr, kappa, xi, constant, weight_decay) with coupled decay as by default.",
+)
+
+_add(
+    "kate",
+    """
+    p = p * (1 - lr * weight_decay)
+    b_sq = b**2 + g**2 + eps
+    m = sqrt(m**2 + delta * g**2 + g**2 / b_sq)
+    p = p - lr * m * g / b_sq
+    b = sqrt(b_sq)
+    """,
+    defaults=dict(lr=1e-3, delta=0.0, weight_decay=0.0, eps=1e-8),
+    state=dict(m=0.0, b=0.0),
+    reference_kwargs=dict(lr=1e-2, delta=0.1, weight_decay=0.1),
+    hyper=dict(lr=1e-2, delta=0.1, weight_decay=0.1),
+    states=dict(m="m", b="b"),
+    doc="Kate(lr, delta, weight_decay, eps) with decoupled decay as by default.",
+)
+
+_add(
+    "grams",
+    """
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    update = abs(exp_avg / (1 - beta1**step) / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)) * sign(g)
+    p = p * (1 - lr * weight_decay)
+    p = p - lr * update
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Grams(lr, betas, weight_decay, eps) with decoupled decay as by default.",
+)
+
+# --- statistics over all tensors (global reductions) -------------------------------------------
+
+_add(
+    "avagrad",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    root = sqrt(exp_avg_sq)
+    de_nom = root / sqrt(1 - beta2**(step - 1)) + eps
+    p = where(step > 1, p - gamma * lr / (1 - beta1**step) * exp_avg / de_nom, p)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    gamma = global_norm(1) / global_norm(1 / (root / sqrt(1 - beta2**step) + eps))
+    """,
+    defaults=dict(lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=0.1),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, gamma=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, eps=0.05),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, eps=0.05),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AvaGrad(lr, betas, weight_decay, eps) with decoupled decay as by default, one param "
+    "group (gamma, the step size's scale, is taken over every tensor the step updates).",
+    fuser_bug="a per-tensor scalar state assigned from global_norm(...) renders a kernel that "
+    "reads an undefined name (NameError 'u_r0' in the scalar-state epilogue)",
+)
+
+_add(
+    "adai",
+    """
+    d = g + weight_decay * p
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    exp_avg_sq_hat = exp_avg_sq / (1 - beta2**step)
+    mean_hat = maximum((global_norm(sqrt(exp_avg_sq_hat)) / global_norm(1))**2, eps)
+    beta1 = clamp(1 - (exp_avg_sq_hat / mean_hat)**(1 / (3 - 2 * dampening)) * beta0, 0, 1 - eps)
+    beta1_prod = beta1_prod * beta1
+    exp_avg = beta1 * exp_avg + (1 - beta1)**dampening * d
+    p = p - lr * beta0**(1 - dampening) * exp_avg / (1 - beta1_prod)
+    """,
+    defaults=dict(lr=1e-3, beta0=0.1, beta2=0.99, weight_decay=0.0, dampening=1.0, eps=1e-3),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, beta1_prod=1.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.2, 0.95), weight_decay=0.1, dampening=0.8),
+    hyper=dict(lr=1e-2, beta0=0.2, beta2=0.95, weight_decay=0.1, dampening=0.8),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", beta1_prod="beta1_prod"),
+    doc="Adai(lr, betas, weight_decay, dampening, eps) with coupled decay and "
+    "stable_weight_decay=False as by default, one param group (the mean of exp_avg_sq is "
+    "taken over every tensor the step updates).",
 )
 
 NOT_EXPRESSIBLE: dict[str, str] = {}

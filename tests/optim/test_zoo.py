@@ -29,7 +29,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).norm().item() / (scale if scale > 0 else 1.0)
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+def _cases():
+    for name in sorted(ZOO):
+        bug = ZOO[name].fuser_bug
+        marks = [pytest.mark.xfail(strict=True, reason=f"fuser bug: {bug}")] if bug else []
+        yield pytest.param(name, marks=marks)
+
+
+@pytest.mark.parametrize("name", _cases())
 def test_rule_follows_its_pytorch_optimizer_reference(name, device):
     entry = ZOO[name]
     start = [torch.randn(s) for s in SHAPES]
