@@ -880,4 +880,112 @@ _add(
     "taken over every tensor the step updates).",
 )
 
-NOT_EXPRESSIBLE: dict[str, str] = {}
+NOT_EXPRESSIBLE: dict[str, str] = {
+    "adafactor": "needs row and column reductions: the factored second moment keeps per-row and "
+    "per-column means of g**2 over the last two dimensions",
+    "came": "needs row and column reductions: factored second moment and confidence as in Adafactor",
+    "sm3": "needs per-axis max reductions: one accumulator per dimension (cover sets), "
+    "combined by a minimum over axes",
+    "adammini": "needs block reductions: one second moment per block of a tensor (per head, "
+    "per embedding row), chosen from the parameter's name and shape",
+    "muon": "needs matrix functions: Newton-Schulz orthogonalisation of the 2-D momentum",
+    "adamuon": "needs matrix functions: Newton-Schulz orthogonalisation",
+    "normuon": "needs matrix functions and row reductions: Newton-Schulz, then per-row second moments",
+    "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
+    "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
+    "scion": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "scionlight": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
+    "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
+    "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
+    "soap": "needs matrix functions: eigenbases of Shampoo's factors (QR / eigendecomposition)",
+    "kron": "needs matrix functions and random numbers: PSGD Kronecker preconditioners updated "
+    "with random probe vectors",
+    "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
+    "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
+    "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
+    "prodigy": "needs signed sums over all tensors and one scalar carried for all of them: "
+    "d_numerator accumulates dot(g, p0 - p) across every tensor; global_norm only gives sums "
+    "of squares (a rule would also hit the scalar-state-from-global_norm bug of avagrad)",
+    "dadaptadam": "needs signed sums over all tensors and one scalar d carried for all of them "
+    "(D-Adaptation, as prodigy)",
+    "dadaptsgd": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptadagrad": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptlion": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptadan": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
+    "only to tensors with ndim > 1 (no keyword turns this off)",
+    "nero": "needs row reductions: per-neuron (per-row) norms and means for tensors with ndim > 1",
+    "adamp": "needs row reductions: per-channel cosine similarity between the update and the "
+    "parameter decides the projection",
+    "sgdp": "needs row reductions: per-channel cosine similarity, as AdamP",
+    "ranger": "needs row reductions: gradient centralisation subtracts per-output-row means "
+    "(and lookahead swaps slow weights every k steps)",
+    "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
+    "gradient centralisation",
+    "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "
+    "caller-given reduce_func",
+    "adahessian": "needs Hessian-vector products: a second backward with create_graph",
+    "sophiah": "needs Hessian-vector products: Hutchinson estimates from a second backward",
+    "lbfgs": "needs a closure, line search and a history of vectors with dot products across all tensors",
+    "alig": "needs the loss value from a closure for its step size",
+    "bsam": "needs a closure: a perturbed second forward and backward each step",
+    "lomo": "needs the model's backward: LOMO updates inside backward hooks",
+    "adalomo": "needs the model's backward and row/column reductions (factored moments)",
+}
+
+
+def _demo(steps: int = 3) -> None:
+    """Runs every rule (fp32) and its reference (a float64 copy of the model) a few steps on
+    a small model and prints the loss before and after and how far apart the parameters end
+    (relative error; the two models' gradients differ by their own precision, so this is a
+    sanity check, tests/optim/test_zoo.py is the exact comparison)."""
+    import copy
+    import warnings
+
+    import pytorch_optimizer
+
+    # Masked lanes of the interpreter evaluate log() on padding zeros.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    x = torch.randn(64, 9)
+    y = torch.sin(x.sum(1, keepdim=True))
+    print(f"{'rule':<20}{'pytorch_optimizer':<20}{'loss':>20}{'rel. error':>12}")
+    for name, entry in ZOO.items():
+        if entry.fuser_bug:
+            print(f"{name:<20}{entry.reference:<20}{'(waits on a fuser bug)':>32}")
+            continue
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+        ref_model = copy.deepcopy(model).double()
+        model = model.to(device)
+        opt = fuser.compile(entry.rule)(model.parameters(), **entry.hyper)
+        ref = pytorch_optimizer.load_optimizer(entry.reference)(
+            ref_model.parameters(), **entry.reference_kwargs
+        )
+        losses = []
+        for _ in range(steps):
+            for m, o, xx, yy in (
+                (model, opt, x.to(device), y.to(device)),
+                (ref_model, ref, x.double(), y.double()),
+            ):
+                loss = torch.nn.functional.mse_loss(m(xx), yy)
+                o.zero_grad()
+                loss.backward()
+                o.step()
+                if m is model:
+                    losses.append(loss.item())
+        err = max(
+            ((p.detach().double().cpu() - q.detach()).norm() / q.detach().norm()).item()
+            for p, q in zip(model.parameters(), ref_model.parameters())
+        )
+        print(f"{name:<20}{entry.reference:<20}{losses[0]:>9.4f} -> {losses[-1]:<8.4f}{err:>12.1e}")
+    print(f"{len(ZOO)} rules; {len(NOT_EXPRESSIBLE)} optimizers of pytorch_optimizer are not expressible:")
+    for name, why in NOT_EXPRESSIBLE.items():
+        print(f"  {name}: {why}")
+
+
+if __name__ == "__main__":
+    _demo()
