@@ -1,0 +1,993 @@
+"""A zoo of optimizers from pytorch-optimizer 4.1.0, each written as a fuser rule with the
+public API alone.
+
+``ZOO`` maps a name to a :class:`ZooEntry`: the rule, the pytorch_optimizer class it
+reproduces (``pytorch_optimizer.load_optimizer(reference)``), and one configuration given
+twice, as the reference's constructor keywords and as the compiled rule's keywords, so that
+both optimizers follow the same trajectory. Each rule's defaults are its reference's
+defaults; ``doc`` says which keywords of the reference the rule covers (the others keep
+their defaults). ``NOT_EXPRESSIBLE`` lists the optimizers of that package that the rule
+language cannot reproduce exactly, with the missing primitive.
+
+``python examples/zoo.py`` runs every rule a few steps on a small model and prints a table
+(on CPU through Triton's interpreter when there is no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fuser  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One optimizer of the zoo.
+
+    ``fuser.compile(rule)(params, **hyper)`` and
+    ``pytorch_optimizer.load_optimizer(reference)(params, **reference_kwargs)`` are the same
+    optimizer; ``states`` maps a state of the rule to the reference's state key holding the
+    same tensor (or per-tensor scalar). ``fuser_bug``, when set, names the fuser bug that
+    stops the rule from running today."""
+
+    rule: fuser.Rule
+    reference: str
+    reference_kwargs: dict
+    hyper: dict
+    states: dict = field(default_factory=dict)
+    doc: str = ""
+    fuser_bug: str = ""
+
+
+ZOO: dict[str, ZooEntry] = {}
+
+
+def _add(
+    name, text, *, defaults, state, reference=None, reference_kwargs, hyper, states=None, doc, fuser_bug=""
+):
+    ZOO[name] = ZooEntry(
+        rule=fuser.rule(text, name=name, hyper=defaults, state=state),
+        reference=reference or name,
+        reference_kwargs=reference_kwargs,
+        hyper=hyper,
+        states=states or {},
+        doc=doc,
+        fuser_bug=fuser_bug,
+    )
+
+
+# --- Adam relatives -------------------------------------------------------------------------
+
+_add(
+    "adabelief",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_var = beta2 * exp_avg_var + (1 - beta2) * (g - exp_avg)**2 + eps
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_var) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-16),
+    state=dict(exp_avg=0.0, exp_avg_var=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_var="exp_avg_var"),
+    doc="AdaBelief(lr, betas, weight_decay, eps); weight_decouple=True, fixed_decay=False, "
+    "rectify=False, ams_bound=False as by default.",
+)
+
+_ADABOUND = """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    step_size = lr * sqrt(1 - beta2**step) / (1 - beta1**step)
+    lower = final_lr * (1 - 1 / (gamma * step + 1))
+    upper = final_lr * (1 + 1 / (gamma * step))
+    p = p - clamp(step_size / (sqrt({v} + 1e-15) + eps), lower, upper) * exp_avg
+    """
+_ADABOUND_DEFAULTS = dict(
+    lr=1e-3, final_lr=0.1, beta1=0.9, beta2=0.999, gamma=1e-3, weight_decay=0.0, eps=1e-8
+)
+_add(
+    "adabound",
+    _ADABOUND.format(v="exp_avg_sq"),
+    defaults=_ADABOUND_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, final_lr=0.05, betas=(0.8, 0.99), gamma=0.1, weight_decay=0.1),
+    hyper=dict(lr=1e-2, final_lr=0.05, beta1=0.8, beta2=0.99, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AdaBound(lr, final_lr, betas, gamma, weight_decay, eps) with a constant learning rate "
+    "(the reference scales final_lr by lr / initial lr under a scheduler); decoupled decay.",
+)
+_add(
+    "amsbound",
+    "\n    max_exp_avg_sq = maximum(max_exp_avg_sq, beta2 * exp_avg_sq + (1 - beta2) * g**2)"
+    + _ADABOUND.format(v="max_exp_avg_sq"),
+    reference="adabound",
+    defaults=_ADABOUND_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, max_exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), gamma=0.1, weight_decay=0.1, ams_bound=True),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", max_exp_avg_sq="max_exp_avg_sq"),
+    doc="AdaBound(..., ams_bound=True): AMSBound, otherwise as adabound.",
+)
+
+_add(
+    "adamod",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    u = lr * sqrt(1 - beta2**step) / (1 - beta1**step) / (sqrt(exp_avg_sq) + eps)
+    exp_avg_lr = beta3 * exp_avg_lr + (1 - beta3) * u
+    p = p - minimum(u, exp_avg_lr) * exp_avg
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, beta3=0.9999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_lr=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.7), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.7, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_lr="exp_avg_lr"),
+    doc="AdaMod(lr, betas, weight_decay, eps); decoupled decay as by default.",
+)
+
+_add(
+    "adan",
+    """
+    diff = where(step > 1, g - previous_grad, 0)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_diff = beta2 * exp_avg_diff + (1 - beta2) * diff
+    n = g + beta2 * diff
+    exp_avg_sq = beta3 * exp_avg_sq + (1 - beta3) * n**2
+    de_nom = sqrt(exp_avg_sq) / sqrt(1 - beta3**step) + eps
+    p = p - lr / (1 - beta1**step) * exp_avg / de_nom - lr * beta2 / (1 - beta2**step) * exp_avg_diff / de_nom
+    p = p / (1 + lr * weight_decay)
+    previous_grad = g
+    """,
+    defaults=dict(lr=1e-3, beta1=0.98, beta2=0.92, beta3=0.99, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_diff=0.0, exp_avg_sq=0.0, previous_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.9, 0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.9, beta2=0.8, beta3=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_diff="exp_avg_diff", exp_avg_sq="exp_avg_sq"),
+    doc="Adan(lr, betas, weight_decay, eps) with weight_decouple=False and max_grad_norm=0 as by "
+    "default (the reference keeps -g in previous_grad; the rule keeps g).",
+)
+
+_add(
+    "adopt",
+    """
+    d = g + weight_decay * p
+    normed = clamp(d / maximum(sqrt(exp_avg_sq), eps), -step**0.25, step**0.25)
+    exp_avg = where(step > 1, beta1 * exp_avg + (1 - beta1) * normed, exp_avg)
+    p = where(step > 1, p - lr * exp_avg, p)
+    exp_avg_sq = where(step > 1, beta2 * exp_avg_sq + (1 - beta2) * d**2, exp_avg_sq + d**2)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.9999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="ADOPT(lr, betas, weight_decay, eps) with the default clip_lambda step**0.25 and "
+    "coupled (L2) weight decay as by default.",
+)
+
+_add(
+    "aggmo",
+    """
+    d = g + weight_decay * p
+    m1 = beta1 * m1 + d
+    m2 = beta2 * m2 + d
+    m3 = beta3 * m3 + d
+    p = p - lr / 3 * (m1 + m2 + m3)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.0, beta2=0.9, beta3=0.99, weight_decay=0.0),
+    state=dict(m1=0.0, m2=0.0, m3=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.0, 0.7, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.0, beta2=0.7, beta3=0.9, weight_decay=0.1),
+    doc="AggMo(lr, betas, weight_decay) with three betas and coupled decay as by default.",
+)
+
+_add(
+    "diffgrad",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    dfc = sigmoid(abs(previous_grad - g)) * exp_avg
+    p = p - lr * sqrt(1 - beta2**step) / (1 - beta1**step) * dfc / (sqrt(exp_avg_sq + 1e-15) + eps)
+    previous_grad = g
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, previous_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", previous_grad="previous_grad"),
+    doc="DiffGrad(lr, betas, weight_decay, eps); decoupled decay, rectify=False, ams_bound=False.",
+)
+
+_add(
+    "laprop",
+    """
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    exp_avg_lr_1 = beta1 * exp_avg_lr_1 + (1 - beta1) * lr
+    de_nom = (sqrt(exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * lr * g / de_nom
+    p = p - exp_avg / (exp_avg_lr_1 / lr)
+    p = p * (1 - lr * weight_decay)
+    """,
+    defaults=dict(lr=4e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-15),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_lr_1=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_lr_1="exp_avg_lr_1"),
+    doc="LaProp(lr, betas, weight_decay, eps) with centered=False, ams_bound=False; decoupled "
+    "decay after the step. exp_avg_lr_1 is a per-tensor scalar, so lr schedules match too.",
+)
+
+_add(
+    "madgrad",
+    """
+    d = g + weight_decay * p
+    lam = (lr + eps) * sqrt(step)
+    grad_sum_sq = grad_sum_sq + lam * d**2
+    s = s + lam * d
+    z = x0 - s / (grad_sum_sq**(1 / 3) + eps)
+    p = p + (1 - momentum) * (z - p)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.9, weight_decay=0.0, eps=1e-6),
+    state=dict(grad_sum_sq=0.0, s=0.0, x0="p"),
+    reference_kwargs=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    states=dict(grad_sum_sq="grad_sum_sq", s="s", x0="x0"),
+    doc="MADGRAD(lr, momentum > 0, weight_decay, eps) with lr > 0 and coupled decay "
+    "(weight_decouple=False) as by default; one param group (the reference counts steps "
+    "for the whole optimizer).",
+)
+
+_add(
+    "novograd",
+    """
+    grads_ema = where(step > 1, beta2 * grads_ema + (1 - beta2) * sum(g**2), sum(g**2))
+    d = g / (sqrt(grads_ema) + eps) + weight_decay * p
+    moments = where(step > 1, beta1 * moments + d, d)
+    p = p - lr * moments
+    """,
+    defaults=dict(lr=1e-3, beta1=0.95, beta2=0.98, weight_decay=0.0, eps=1e-8),
+    state=dict(grads_ema=0.0, moments=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(grads_ema="grads_ema", moments="moments"),
+    doc="NovoGrad(lr, betas, weight_decay, eps) with coupled decay, grad_averaging=False, "
+    "adam_debias=False as by default.",
+)
+
+_add(
+    "qhadam",
+    """
+    d = g + weight_decay * p
+    beta1_weight = beta1 * beta1_weight + 1
+    beta2_weight = beta2 * beta2_weight + 1
+    exp_avg = exp_avg + (d - exp_avg) / beta1_weight
+    exp_avg_sq = exp_avg_sq + (d**2 - exp_avg_sq) / beta2_weight
+    num = nu1 * exp_avg + (1 - nu1) * d
+    p = p - lr * num / (sqrt(nu2 * exp_avg_sq + (1 - nu2) * d**2) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, nu1=1.0, nu2=1.0, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, beta1_weight=0.0, beta2_weight=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), nus=(0.7, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, nu1=0.7, nu2=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="QHAdam(lr, betas, nus, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "stableadamw",
+    """
+    beta1_comp = 1 - (beta1**step - beta1) / (beta1**step - 1)
+    beta2_hat = (beta2**step - beta2) / (beta2**step - 1)
+    exp_avg = exp_avg + beta1_comp * (g - exp_avg)
+    exp_avg_sq = beta2_hat * exp_avg_sq + (1 - beta2_hat) * g**2
+    rms = maximum(sqrt(mean(g**2 / maximum(exp_avg_sq, eps**2))), 1)
+    p = p * (1 - weight_decay * lr / rms)
+    p = p - lr / rms * exp_avg / (sqrt(exp_avg_sq) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=1e-2, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="StableAdamW(lr, betas, weight_decay, eps) with decoupled decay as by default, for fp32 "
+    "(and bf16) parameters; kahan_sum only acts on 16-bit parameters.",
+)
+
+_add(
+    "tiger",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta * exp_avg + (1 - beta) * g
+    p = p - lr * sign(exp_avg)
+    """,
+    defaults=dict(lr=1e-3, beta=0.965, weight_decay=0.01),
+    state=dict(exp_avg=0.0),
+    reference_kwargs=dict(lr=1e-2, beta=0.9, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg"),
+    doc="Tiger(lr, beta, weight_decay) with decoupled decay as by default.",
+)
+
+_ADEMAMIX = """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    exp_avg_slow = beta3_t * exp_avg_slow + (1 - beta3_t) * d
+    de_nom = sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps
+    p = p - lr * (exp_avg / (1 - beta1**step) + alpha_t * exp_avg_slow) / de_nom
+    """
+_ADEMAMIX_DEFAULTS = dict(
+    lr=1e-3, beta1=0.9, beta2=0.999, beta3=0.9999, alpha=5.0, weight_decay=0.0, eps=1e-8
+)
+_add(
+    "ademamix",
+    "\n    alpha_t = alpha\n    beta3_t = beta3" + _ADEMAMIX,
+    defaults=_ADEMAMIX_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_slow=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.0, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.99, alpha=3.0, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_slow="exp_avg_slow"),
+    doc="AdEMAMix(lr, betas, alpha, weight_decay, eps) with t_alpha_beta3=None and coupled decay "
+    "as by default.",
+)
+_add(
+    "ademamix_scheduled",
+    """
+    alpha_t = minimum(step * alpha / t_alpha_beta3, alpha)
+    r = step / t_alpha_beta3
+    beta3_t = minimum(exp(log(beta1) * log(beta3) / ((1 - r) * log(beta3) + r * log(beta1))), beta3)
+    """
+    + _ADEMAMIX,
+    reference="ademamix",
+    defaults=dict(_ADEMAMIX_DEFAULTS, t_alpha_beta3=1e4),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, exp_avg_slow=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.99), alpha=3.0, t_alpha_beta3=4.0),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.99, alpha=3.0, t_alpha_beta3=4.0),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", exp_avg_slow="exp_avg_slow"),
+    doc="AdEMAMix(..., t_alpha_beta3=T): alpha and beta3 warmed up over T steps.",
+)
+
+_add(
+    "mars",
+    """
+    c = g + gamma * beta1 / (1 - beta1) * (g - last_grad)
+    c = c / maximum(norm(c), 1)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * c
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * c**2
+    de_nom = (sqrt(exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step) * (1 - beta1**step)
+    p = p * (1 - lr * weight_decay)
+    p = p - lr * exp_avg / de_nom
+    last_grad = g
+    """,
+    defaults=dict(lr=3e-3, beta1=0.95, beta2=0.99, gamma=0.025, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, last_grad=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), gamma=0.1, weight_decay=0.1, optimize_1d=True),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, gamma=0.1, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", last_grad="last_grad"),
+    doc="MARS(lr, betas, gamma, weight_decay, eps, optimize_1d=True) with mars_type='adamw': "
+    "every tensor takes the MARS-AdamW step (optimize_1d=False gives 1-D tensors a plain "
+    "AdamW step with their own lr_1d, betas_1d and weight_decay_1d).",
+)
+
+_add(
+    "schedulefreeadamw",
+    """
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    d = g / (sqrt(exp_avg_sq / (1 - beta2**step) + 1e-15) + eps) + weight_decay * p
+    lr_t = lr * where(step < warmup_steps, step / maximum(warmup_steps, 1), 1)
+    lr_max = maximum(lr_t, lr_max)
+    weight = step**r * lr_max**weight_lr_power
+    weight_sum = weight_sum + weight
+    ckp = where(weight_sum != 0, weight / weight_sum, 0)
+    ckp = where(decoupling_c > 0, minimum(1, ckp * (1 - beta1) * decoupling_c), ckp)
+    p = p + ckp * (z - p)
+    p = p + lr_t * (beta1 * (1 - ckp) - 1) * d
+    z = z - lr_t * d
+    """,
+    defaults=dict(
+        lr=2.5e-3,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.0,
+        r=0.0,
+        weight_lr_power=2.0,
+        warmup_steps=0.0,
+        decoupling_c=0.0,
+        eps=1e-8,
+    ),
+    state=dict(exp_avg_sq=0.0, z="p", lr_max=-1.0, weight_sum=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, r=0.5, warmup_steps=3),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, r=0.5, warmup_steps=3),
+    states=dict(exp_avg_sq="exp_avg_sq", z="z"),
+    doc="ScheduleFreeAdamW(lr, betas, weight_decay, r, weight_lr_power, warmup_steps, "
+    "decoupling_c, eps) with ams_bound=False: the training step, in train mode. The "
+    "reference's eval()/train() (moving p to the averaged point and back) are not "
+    "part of the compiled optimizer; do `p.lerp_(z, 1 - 1 / beta1)` to evaluate.",
+)
+
+
+# --- sign methods, layer-wise scaling, SGD relatives ----------------------------------------
+
+_add(
+    "lion",
+    """
+    p = p * (1 - lr * weight_decay)
+    update = sign(beta1 * exp_avg + (1 - beta1) * g)
+    exp_avg = beta2 * exp_avg + (1 - beta2) * g
+    p = p - lr * update
+    """,
+    defaults=dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0),
+    state=dict(exp_avg=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg"),
+    doc="Lion(lr, betas, weight_decay) with decoupled decay as by default.",
+)
+
+_add(
+    "signsgd",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    p = p - lr * sign(momentum_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.9, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.8, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="SignSGD(lr, momentum, weight_decay) with decoupled decay as by default (signum; "
+    "momentum=0 gives plain signSGD).",
+)
+
+_add(
+    "lamb",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    update = exp_avg / (sqrt(exp_avg_sq) + eps)
+    weight_norm = minimum(norm(p), 10)
+    adam_norm = norm(update)
+    trust_ratio = where(weight_norm != 0 and adam_norm != 0, weight_norm / (adam_norm + eps), 1)
+    p = p - lr / (1 - beta1**step) * trust_ratio * update
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Lamb(lr, betas, weight_decay, eps) with decoupled decay, grad_averaging=True, "
+    "rectify=False, adam=False, pre_norm=False as by default (max_grad_norm only acts "
+    "with pre_norm).",
+)
+
+_add(
+    "fromage",
+    """
+    p_norm = norm(p)
+    g_norm = norm(g)
+    p = (p - lr * where(p_norm > 0 and g_norm > 0, p_norm / g_norm, 1) * g) / sqrt(1 + lr**2)
+    """,
+    defaults=dict(lr=1e-2),
+    state=dict(),
+    reference_kwargs=dict(lr=0.05),
+    hyper=dict(lr=0.05),
+    doc="Fromage(lr) with p_bound=None as by default.",
+)
+
+_add(
+    "sgdw",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = where(step > 1, momentum * momentum_buffer + (1 - dampening) * g, g)
+    p = p - lr * where(nesterov > 0, g + momentum * momentum_buffer, momentum_buffer)
+    """,
+    defaults=dict(lr=1e-4, momentum=0.0, weight_decay=0.0, dampening=0.0, nesterov=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="SGDW(lr, momentum, dampening, weight_decay, nesterov as 0/1) with decoupled decay as by default.",
+)
+
+_add(
+    "qhm",
+    """
+    d = g + weight_decay * p
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * d
+    p = p - lr * (nu * momentum_buffer + (1 - nu) * d)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, nu=1.0, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, nu=0.7, weight_decay=0.1),
+    hyper=dict(lr=1e-2, momentum=0.9, nu=0.7, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="QHM(lr, momentum, nu, weight_decay) with coupled decay as by default.",
+)
+
+_add(
+    "pid",
+    """
+    d = g + weight_decay * p
+    i_buffer = momentum * i_buffer + (1 - dampening) * d
+    d_buffer = momentum * d_buffer + where(step > 1, (1 - momentum) * (d - grad_buffer), 0)
+    grad_buffer = d
+    p = p - lr * (d + integral * i_buffer + derivative * d_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, dampening=0.0, derivative=10.0, integral=5.0, weight_decay=0.0),
+    state=dict(i_buffer=0.0, d_buffer=0.0, grad_buffer=0.0),
+    reference_kwargs=dict(
+        lr=1e-2, momentum=0.9, dampening=0.1, derivative=3.0, integral=2.0, weight_decay=0.1
+    ),
+    hyper=dict(lr=1e-2, momentum=0.9, dampening=0.1, derivative=3.0, integral=2.0, weight_decay=0.1),
+    states=dict(i_buffer="i_buffer", d_buffer="d_buffer", grad_buffer="grad_buffer"),
+    doc="PID(lr, momentum > 0, dampening, derivative, integral, weight_decay) with coupled "
+    "decay as by default (momentum=0 is plain SGD).",
+)
+
+# --- more adaptive methods --------------------------------------------------------------------
+
+_add(
+    "yogi",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = exp_avg_sq - (1 - beta2) * sign(exp_avg_sq - g**2) * g**2
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-3),
+    state=dict(exp_avg=1e-6, exp_avg_sq=1e-6),
+    reference_kwargs=dict(lr=3e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=3e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Yogi(lr, betas, weight_decay, eps) with initial_accumulator=1e-6 (the states' start) "
+    "and decoupled decay as by default.",
+)
+
+_add(
+    "adamax",
+    """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_inf = maximum(beta2 * exp_inf, abs(d) + eps)
+    p = p - lr / (1 - beta1**step) * exp_avg / exp_inf
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_inf=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_inf="exp_inf"),
+    doc="AdaMax(lr, betas, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "radam",
+    """
+    n_sma_max = 2 / (1 - beta2) - 1
+    beta2_t = beta2**step
+    n_sma = n_sma_max - 2 * step * beta2_t / (1 - beta2_t)
+    rt = sqrt((1 - beta2_t) * (n_sma - 4) / (n_sma_max - 4) * (n_sma - 2) / n_sma * n_sma_max
+              / (n_sma_max - 2))
+    rt = where(n_sma >= n_sma_threshold, rt, where(degenerated_to_sgd > 0, 1, -1))
+    step_size = lr * rt / (1 - beta1**step)
+    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    sgd_size = where(step_size > 0, step_size, 0)
+    p = p - where(n_sma >= n_sma_threshold, step_size / (sqrt(exp_avg_sq) + eps), sgd_size) * exp_avg
+    """,
+    defaults=dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        weight_decay=0.0,
+        n_sma_threshold=5.0,
+        degenerated_to_sgd=0.0,
+        eps=1e-8,
+    ),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(
+        lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, n_sma_threshold=4, degenerated_to_sgd=True
+    ),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, n_sma_threshold=4, degenerated_to_sgd=1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="RAdam(lr, betas, weight_decay, n_sma_threshold, degenerated_to_sgd as 0/1, eps) with "
+    "decoupled decay as by default.",
+)
+
+# --- torch.optim classes that pytorch_optimizer lists ------------------------------------------
+
+_add(
+    "adamw",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    p = p - lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="torch.optim.AdamW(lr, betas, eps, weight_decay) with amsgrad=False.",
+)
+
+_add(
+    "nadam",
+    """
+    d = g + weight_decay * p
+    mu = beta1 * (1 - 0.5 * 0.96**(step * momentum_decay))
+    mu_next = beta1 * (1 - 0.5 * 0.96**((step + 1) * momentum_decay))
+    mu_product = mu_product * mu
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    de_nom = sqrt(exp_avg_sq / (1 - beta2**step)) + eps
+    p = p - lr * (1 - mu) / (1 - mu_product) * d / de_nom
+    p = p - lr * mu_next / (1 - mu_product * mu_next) * exp_avg / de_nom
+    """,
+    defaults=dict(lr=2e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, momentum_decay=4e-3, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, mu_product=1.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, momentum_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, momentum_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", mu_product="mu_product"),
+    doc="torch.optim.NAdam(lr, betas, eps, weight_decay, momentum_decay) with decoupled_weight_decay=False.",
+)
+
+_add(
+    "rmsprop",
+    """
+    square_avg = alpha * square_avg + (1 - alpha) * g**2
+    grad_avg = alpha * grad_avg + (1 - alpha) * g
+    momentum_buffer = momentum * momentum_buffer + g / (sqrt(square_avg - grad_avg**2) + eps)
+    p = p - lr * momentum_buffer
+    """,
+    defaults=dict(lr=1e-2, alpha=0.99, momentum=0.0, eps=1e-8),
+    state=dict(square_avg=0.0, grad_avg=0.0, momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, alpha=0.9, momentum=0.8, centered=True),
+    hyper=dict(lr=1e-2, alpha=0.9, momentum=0.8),
+    states=dict(square_avg="square_avg", grad_avg="grad_avg", momentum_buffer="momentum_buffer"),
+    doc="torch.optim.RMSprop(lr, alpha, eps, momentum, centered=True) with weight_decay=0.",
+)
+
+_add(
+    "sgd",
+    """
+    d = g + weight_decay * p
+    momentum_buffer = where(step > 1, momentum * momentum_buffer + (1 - dampening) * d, d)
+    p = p - lr * where(nesterov > 0, d + momentum * momentum_buffer, momentum_buffer)
+    """,
+    defaults=dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+    hyper=dict(lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="torch.optim.SGD(lr, momentum, dampening, weight_decay, nesterov as 0/1).",
+)
+
+
+# --- positive-negative momentum, norms and smoothing -------------------------------------------
+
+_add(
+    "pnm",
+    """
+    p = p * (1 - lr * weight_decay)
+    odd = 1 - odd
+    pos_momentum = where(odd > 0, beta1**2 * pos_momentum + (1 - beta1**2) * g, pos_momentum)
+    neg_momentum = where(odd > 0, neg_momentum, beta1**2 * neg_momentum + (1 - beta1**2) * g)
+    new = where(odd > 0, pos_momentum, neg_momentum)
+    old = where(odd > 0, neg_momentum, pos_momentum)
+    p = p - lr * ((1 + beta2) * new - beta2 * old) / sqrt((1 + beta2)**2 + beta2**2)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=1.0, weight_decay=0.0),
+    state=dict(pos_momentum=0.0, neg_momentum=0.0, odd=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(pos_momentum="pos_momentum", neg_momentum="neg_momentum"),
+    doc="PNM(lr, betas, weight_decay) with decoupled decay as by default; the two momenta "
+    "take turns (odd steps update pos_momentum); `odd` is a per-tensor scalar flag.",
+)
+
+_add(
+    "adapnm",
+    """
+    p = p * (1 - lr * weight_decay)
+    odd = 1 - odd
+    exp_avg = where(odd > 0, beta1**2 * exp_avg + (1 - beta1**2) * g, exp_avg)
+    neg_exp_avg = where(odd > 0, neg_exp_avg, beta1**2 * neg_exp_avg + (1 - beta1**2) * g)
+    new = where(odd > 0, exp_avg, neg_exp_avg)
+    old = where(odd > 0, neg_exp_avg, exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
+    de_nom = (sqrt(max_exp_avg_sq + 1e-15) + eps) / sqrt(1 - beta2**step)
+    pn_momentum = ((1 + beta3) * new - beta3 * old) / sqrt((1 + beta3)**2 + beta3**2)
+    p = p - lr / (1 - beta1**step) * pn_momentum / de_nom
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, beta3=1.0, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, neg_exp_avg=0.0, exp_avg_sq=0.0, max_exp_avg_sq=0.0, odd=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, beta3=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", neg_exp_avg="neg_exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AdaPNM(lr, betas, weight_decay, eps) with ams_bound=True and decoupled decay as by default.",
+)
+
+_add(
+    "adanorm",
+    """
+    p = p * (1 - lr * weight_decay)
+    grad_norm = norm(g)
+    exp_grad_norm = r * exp_grad_norm + (1 - r) * grad_norm
+    s_grad = where(grad_norm > 0 and exp_grad_norm > grad_norm, g * exp_grad_norm / grad_norm, g)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * s_grad
+    exp_avg_var = beta2 * exp_avg_var + (1 - beta2) * g**2
+    de_nom = (sqrt(exp_avg_var + 1e-15) + eps) / sqrt(1 - beta2**step)
+    p = p - lr / (1 - beta1**step) * exp_avg / de_nom
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.99, r=0.95, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_var=0.0, exp_grad_norm=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), r=0.9, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, r=0.9, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_var="exp_avg_var", exp_grad_norm="exp_grad_norm"),
+    doc="AdaNorm(lr, betas, r, weight_decay, eps) with ams_bound=False and decoupled decay as "
+    "by default; exp_grad_norm is a per-tensor scalar.",
+)
+
+_add(
+    "adasmooth",
+    """
+    d = g + weight_decay * p
+    p_diff = p - prev_param
+    s = s + p_diff
+    n = n + abs(p_diff)
+    c = abs(s) / (n + eps) * (beta2 - beta1) + (1 - beta2)
+    exp_avg_sq = exp_avg_sq + c**2 * (d**2 - exp_avg_sq)
+    prev_param = p
+    p = p - lr * d / sqrt(exp_avg_sq + eps)
+    """,
+    defaults=dict(lr=1e-3, beta1=0.5, beta2=0.99, weight_decay=0.0, eps=1e-6),
+    state=dict(prev_param="p", s=0.0, n=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.4, 0.9), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.4, beta2=0.9, weight_decay=0.1),
+    # s, n and exp_avg_sq follow p - prev_param, a difference of two fp32 parameters whose
+    # relative error is |p| / |p - prev_param| times fp32's (up to ~1e-5 at lr=1e-2).
+    states=dict(prev_param="prev_param"),
+    doc="AdaSmooth(lr, betas, weight_decay, eps) with coupled decay as by default, as its "
+    "default (foreach) path computes it: prev_param is the parameter before the step.",
+)
+
+_add(
+    "padam",
+    """
+    d = g + weight_decay * p
+    exp_avg = beta1 * exp_avg + (1 - beta1) * d
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    p = p - lr * sqrt(1 - beta2**step) / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) + eps)**(2 * partial)
+    """,
+    defaults=dict(lr=0.1, beta1=0.9, beta2=0.999, partial=0.25, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), partial=0.2, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, partial=0.2, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="PAdam(lr, betas, partial, weight_decay, eps) with coupled decay as by default.",
+)
+
+_add(
+    "accsgd",
+    """
+    d = g + weight_decay * p
+    large_lr = lr * kappa / constant
+    beta = xi * constant**2 / kappa
+    zeta = constant / (constant + beta)
+    momentum_buffer = ((1 / beta - 1) * momentum_buffer - large_lr * d + p) * beta
+    p = p - lr * d
+    p = p + (1 - zeta) * (momentum_buffer - p)
+    """,
+    defaults=dict(lr=1e-3, kappa=1000.0, xi=10.0, constant=0.7, weight_decay=0.0),
+    state=dict(momentum_buffer="p"),
+    reference_kwargs=dict(lr=1e-2, kappa=100.0, xi=5.0, constant=0.5, weight_decay=0.1),
+    hyper=dict(lr=1e-2, kappa=100.0, xi=5.0, constant=0.5, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="AccSGD(lr, kappa, xi, constant, weight_decay) with coupled decay as by default.",
+)
+
+_add(
+    "kate",
+    """
+    p = p * (1 - lr * weight_decay)
+    b_sq = b**2 + g**2 + eps
+    m = sqrt(m**2 + delta * g**2 + g**2 / b_sq)
+    p = p - lr * m * g / b_sq
+    b = sqrt(b_sq)
+    """,
+    defaults=dict(lr=1e-3, delta=0.0, weight_decay=0.0, eps=1e-8),
+    state=dict(m=0.0, b=0.0),
+    reference_kwargs=dict(lr=1e-2, delta=0.1, weight_decay=0.1),
+    hyper=dict(lr=1e-2, delta=0.1, weight_decay=0.1),
+    states=dict(m="m", b="b"),
+    doc="Kate(lr, delta, weight_decay, eps) with decoupled decay as by default.",
+)
+
+_add(
+    "grams",
+    """
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    update = abs(exp_avg / (1 - beta1**step) / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)) * sign(g)
+    p = p * (1 - lr * weight_decay)
+    p = p - lr * update
+    """,
+    defaults=dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-6),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="Grams(lr, betas, weight_decay, eps) with decoupled decay as by default.",
+)
+
+# --- statistics over all tensors (global reductions) -------------------------------------------
+
+_add(
+    "avagrad",
+    """
+    p = p * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * g
+    root = sqrt(exp_avg_sq)
+    de_nom = root / sqrt(1 - beta2**(step - 1)) + eps
+    p = where(step > 1, p - gamma * lr / (1 - beta1**step) * exp_avg / de_nom, p)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    gamma = global_norm(1) / global_norm(1 / (root / sqrt(1 - beta2**step) + eps))
+    """,
+    defaults=dict(lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=0.1),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, gamma=0.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, eps=0.05),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, eps=0.05),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
+    doc="AvaGrad(lr, betas, weight_decay, eps) with decoupled decay as by default, one param "
+    "group (gamma, the step size's scale, is taken over every tensor the step updates).",
+    fuser_bug="a per-tensor scalar state assigned from global_norm(...) renders a kernel that "
+    "reads an undefined name (NameError 'u_r0' in the scalar-state epilogue)",
+)
+
+_add(
+    "adai",
+    """
+    d = g + weight_decay * p
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * d**2
+    exp_avg_sq_hat = exp_avg_sq / (1 - beta2**step)
+    mean_hat = maximum((global_norm(sqrt(exp_avg_sq_hat)) / global_norm(1))**2, eps)
+    beta1 = clamp(1 - (exp_avg_sq_hat / mean_hat)**(1 / (3 - 2 * dampening)) * beta0, 0, 1 - eps)
+    beta1_prod = beta1_prod * beta1
+    exp_avg = beta1 * exp_avg + (1 - beta1)**dampening * d
+    p = p - lr * beta0**(1 - dampening) * exp_avg / (1 - beta1_prod)
+    """,
+    defaults=dict(lr=1e-3, beta0=0.1, beta2=0.99, weight_decay=0.0, dampening=1.0, eps=1e-3),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, beta1_prod=1.0),
+    reference_kwargs=dict(lr=1e-2, betas=(0.2, 0.95), weight_decay=0.1, dampening=0.8),
+    hyper=dict(lr=1e-2, beta0=0.2, beta2=0.95, weight_decay=0.1, dampening=0.8),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", beta1_prod="beta1_prod"),
+    doc="Adai(lr, betas, weight_decay, dampening, eps) with coupled decay and "
+    "stable_weight_decay=False as by default, one param group (the mean of exp_avg_sq is "
+    "taken over every tensor the step updates).",
+)
+
+NOT_EXPRESSIBLE: dict[str, str] = {
+    "adafactor": "needs row and column reductions: the factored second moment keeps per-row and "
+    "per-column means of g**2 over the last two dimensions",
+    "came": "needs row and column reductions: factored second moment and confidence as in Adafactor",
+    "sm3": "needs per-axis max reductions: one accumulator per dimension (cover sets), "
+    "combined by a minimum over axes",
+    "adammini": "needs block reductions: one second moment per block of a tensor (per head, "
+    "per embedding row), chosen from the parameter's name and shape",
+    "muon": "needs matrix functions: Newton-Schulz orthogonalisation of the 2-D momentum",
+    "adamuon": "needs matrix functions: Newton-Schulz orthogonalisation",
+    "normuon": "needs matrix functions and row reductions: Newton-Schulz, then per-row second moments",
+    "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
+    "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
+    "scion": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "scionlight": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
+    "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
+    "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
+    "soap": "needs matrix functions: eigenbases of Shampoo's factors (QR / eigendecomposition)",
+    "kron": "needs matrix functions and random numbers: PSGD Kronecker preconditioners updated "
+    "with random probe vectors",
+    "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
+    "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
+    "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
+    "prodigy": "needs signed sums over all tensors and one scalar carried for all of them: "
+    "d_numerator accumulates dot(g, p0 - p) across every tensor; global_norm only gives sums "
+    "of squares (a rule would also hit the scalar-state-from-global_norm bug of avagrad)",
+    "dadaptadam": "needs signed sums over all tensors and one scalar d carried for all of them "
+    "(D-Adaptation, as prodigy)",
+    "dadaptsgd": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptadagrad": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptlion": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptadan": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
+    "only to tensors with ndim > 1 (no keyword turns this off)",
+    "nero": "needs row reductions: per-neuron (per-row) norms and means for tensors with ndim > 1",
+    "adamp": "needs row reductions: per-channel cosine similarity between the update and the "
+    "parameter decides the projection",
+    "sgdp": "needs row reductions: per-channel cosine similarity, as AdamP",
+    "ranger": "needs row reductions: gradient centralisation subtracts per-output-row means "
+    "(and lookahead swaps slow weights every k steps)",
+    "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
+    "gradient centralisation",
+    "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "
+    "caller-given reduce_func",
+    "adahessian": "needs Hessian-vector products: a second backward with create_graph",
+    "sophiah": "needs Hessian-vector products: Hutchinson estimates from a second backward",
+    "lbfgs": "needs a closure, line search and a history of vectors with dot products across all tensors",
+    "alig": "needs the loss value from a closure for its step size",
+    "bsam": "needs a closure: a perturbed second forward and backward each step",
+    "lomo": "needs the model's backward: LOMO updates inside backward hooks",
+    "adalomo": "needs the model's backward and row/column reductions (factored moments)",
+}
+
+
+def _demo(steps: int = 3) -> None:
+    """Runs every rule (fp32) and its reference (a float64 copy of the model) a few steps on
+    a small model and prints the loss before and after and how far apart the parameters end
+    (relative error; the two models' gradients differ by their own precision, so this is a
+    sanity check, tests/optim/test_zoo.py is the exact comparison)."""
+    import copy
+    import warnings
+
+    import pytorch_optimizer
+
+    # Masked lanes of the interpreter evaluate log() on padding zeros.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    x = torch.randn(64, 9)
+    y = torch.sin(x.sum(1, keepdim=True))
+    print(f"{'rule':<20}{'pytorch_optimizer':<20}{'loss':>20}{'rel. error':>12}")
+    for name, entry in ZOO.items():
+        if entry.fuser_bug:
+            print(f"{name:<20}{entry.reference:<20}{'(waits on a fuser bug)':>32}")
+            continue
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+        ref_model = copy.deepcopy(model).double()
+        model = model.to(device)
+        opt = fuser.compile(entry.rule)(model.parameters(), **entry.hyper)
+        ref = pytorch_optimizer.load_optimizer(entry.reference)(
+            ref_model.parameters(), **entry.reference_kwargs
+        )
+        losses = []
+        for _ in range(steps):
+            for m, o, xx, yy in (
+                (model, opt, x.to(device), y.to(device)),
+                (ref_model, ref, x.double(), y.double()),
+            ):
+                loss = torch.nn.functional.mse_loss(m(xx), yy)
+                o.zero_grad()
+                loss.backward()
+                o.step()
+                if m is model:
+                    losses.append(loss.item())
+        err = max(
+            ((p.detach().double().cpu() - q.detach()).norm() / q.detach().norm()).item()
+            for p, q in zip(model.parameters(), ref_model.parameters())
+        )
+        print(f"{name:<20}{entry.reference:<20}{losses[0]:>9.4f} -> {losses[-1]:<8.4f}{err:>12.1e}")
+    print(f"{len(ZOO)} rules; {len(NOT_EXPRESSIBLE)} optimizers of pytorch_optimizer are not expressible:")
+    for name, why in NOT_EXPRESSIBLE.items():
+        print(f"  {name}: {why}")
+
+
+if __name__ == "__main__":
+    _demo()
