@@ -856,8 +856,6 @@ _add(
     states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
     doc="AvaGrad(lr, betas, weight_decay, eps) with decoupled decay as by default, one param "
     "group (gamma, the step size's scale, is taken over every tensor the step updates).",
-    fuser_bug="a per-tensor scalar state assigned from global_norm(...) renders a kernel that "
-    "reads an undefined name (NameError 'u_r0' in the scalar-state epilogue)",
 )
 
 _add(
@@ -908,7 +906,7 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
     "prodigy": "needs signed sums over all tensors and one scalar carried for all of them: "
     "d_numerator accumulates dot(g, p0 - p) across every tensor; global_norm only gives sums "
-    "of squares (a rule would also hit the scalar-state-from-global_norm bug of avagrad)",
+    "of squares",
     "dadaptadam": "needs signed sums over all tensors and one scalar d carried for all of them "
     "(D-Adaptation, as prodigy)",
     "dadaptsgd": "needs signed sums over all tensors and one scalar d carried for all of them",

@@ -500,6 +500,12 @@ def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:
         for ln in _scalar_loads(ctx, unames, "u_t", "u_grp", "u_mask")
         if any(ln.startswith(unames[s] + " ") for s in used if s in unames)
     ]
+    # Global reductions are one number for every tensor, loaded once per program.
+    update_loads += [
+        f"{unames[r.symbol]} = {r.symbol.name}"
+        for r in ctx.known
+        if r.global_column >= 0 and r.symbol in used
+    ]
     return dict(update_loads=update_loads, update_prologue=update_prologue, update_stores=update_stores)
 
 

@@ -287,3 +287,27 @@ def test_adan_clips_by_the_global_gradient_norm(device):
             start[i], [c[i] for c in clipped], lr=1e-2, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.1
         )
         assert_fp32_close(p, want, "p")
+
+
+def test_a_scalar_state_carries_a_global_norm_from_step_to_step(device):
+    rule = fuser.rule(
+        """
+        gamma = gamma * 0.5 + global_norm(g)
+        p = p - lr * g * gamma
+        """,
+        name="global_gamma",
+        hyper=dict(lr=0.1),
+        state=dict(gamma=0.0),
+    )
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone().double() for p in params]
+    opt = fuser.compile(rule)(params)
+    gamma = 0.0
+    for gs in fresh(params, 3):
+        set_grads(params, gs)
+        opt.step()
+        gamma = gamma * 0.5 + torch.sqrt(sum((g.double() ** 2).sum() for g in gs))
+        start = [s - 0.1 * g.double() * gamma for s, g in zip(start, gs)]
+    for p, want in zip(params, start):
+        assert opt.state[p]["gamma"].item() == pytest.approx(gamma.item(), rel=1e-6)
+        assert ((p.double() - want).norm() / want.norm()).item() < 1e-6
