@@ -214,8 +214,7 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
 
     scalar_names = {symbol(h): f"h_{h}" for h in plan.hyper}
     scalar_names.update({STEP: "step", NUMEL: "numel"})
-    if plan.tiled:
-        scalar_names.update({ROWS: "rows", COLS: "cols"})
+    scalar_names.update({ROWS: "rows", COLS: "cols"})
     scalar_names.update({symbol(s): f"c_{s}" for s in plan.scalar_states})
     scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis})
     scalar_names.update({s: s.name for s, _ in phase.prologue})
@@ -267,9 +266,8 @@ def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: s
     ]
     lines.append(f"{names[STEP]} = tl.load(scalars + {row} * {ns}{m}).to(tl.float64) + 1.0")
     lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
-    if plan.tiled:
-        lines.append(f"{names[ROWS]} = tl.load(shapes + {row}{m}).to(tl.float64)")
-        lines.append(f"{names[COLS]} = tl.load(shapes + n_tensors + {row}{m}).to(tl.float64)")
+    lines.append(f"{names[ROWS]} = tl.load(numels + 2 * n_tensors + {row}{m}).to(tl.float64)")
+    lines.append(f"{names[COLS]} = tl.load(numels + 3 * n_tensors + {row}{m}).to(tl.float64)")
     lines += [
         f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
         for j, s in enumerate(plan.scalar_states)

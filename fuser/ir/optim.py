@@ -154,14 +154,11 @@ def scalar_state_names(rule: Rule) -> tuple[str, ...]:
 
 
 def is_tiled(rule: Rule) -> bool:
-    """Whether the rule reads the 2-D view of its tensors (sizes, axis reductions or
-    states per row or column): its phases then walk tiles."""
+    """Whether the rule reduces along rows or columns (axis reductions, states per row or
+    column): its phases then walk tiles of each tensor's 2-D view."""
     if any(k in (ROW, COL) for k in state_kinds(rule).values()):
         return True
-    for _, e in rule.outputs:
-        if e.free_symbols & {ROWS, COLS} or e.atoms(AxisReduction):
-            return True
-    return False
+    return any(e.atoms(AxisReduction) for _, e in rule.outputs)
 
 
 class _Hoister:

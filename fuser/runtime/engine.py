@@ -332,7 +332,7 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
         [gi for _, _, gi in members],
         block,
         device,
-        [p.numel() for p, _, _ in members],
+        [p.shape for p, _, _ in members],
         plan.tile if plan.tiled else None,
     )
     scalars = pack_scalars(opt, members, scalar_names, device)

@@ -8,6 +8,7 @@ storage, size, dtype or device changed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,9 @@ class Tables:
     """Device tables for one launch: ``n_tensors`` rows, ``n_blocks`` programs."""
 
     ptrs: torch.Tensor  # int64 [n_tensors, n_slots]
-    numels: torch.Tensor  # int64 [2, n_tensors]: elements here, then elements of the logical tensor
+    # int64 [4, n_tensors]: elements here, elements of the logical tensor, then the rows and
+    # columns of its 2-D view
+    numels: torch.Tensor
     groups: torch.Tensor  # int32 [n_tensors]
     block_tensor: torch.Tensor  # int32 [n_blocks]
     block_start: torch.Tensor  # int64 [n_blocks]
@@ -55,13 +58,14 @@ def build_tables(
     groups: list[int],
     block: int,
     device: torch.device,
-    logical_numels: list[int] | None = None,
+    logical_shapes: list | None = None,
     tile: tuple[int, int] | None = None,
 ) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
-    ``logical_numels`` are what a rule's ``numel`` (and ``mean``) reads: the whole tensor's
-    size where a row holds one shard of it (DTensor parameters); the rows' own by default.
+    ``logical_shapes`` give what a rule's ``numel`` (and ``mean``), ``rows`` and ``cols``
+    read: the whole tensor's where a row holds one shard of it (DTensor parameters); the
+    rows' own by default.
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
@@ -75,7 +79,9 @@ def build_tables(
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
-    logical = numels if logical_numels is None else torch.tensor(logical_numels, dtype=torch.int64)
+    shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
+    logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
+    sizes = torch.tensor([view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
     shapes, views = None, []
     if tile is not None:
@@ -93,7 +99,7 @@ def build_tables(
     count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
-        numels=torch.stack([numels, logical]).to(device),
+        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1]]).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),

@@ -239,3 +239,19 @@ def test_traced_rules_use_the_same_axis_reductions():
     mine, _ = run(fuser.compile(factored), params, grads)
     for p, (want, *_) in zip(mine, factored_reference(params, grads)):
         assert rel_err(p, want) < 2e-6
+
+
+def test_view_sizes_alone_keep_the_elementwise_kernel():
+    rule = fuser.rule(
+        "p = p - lr * g * maximum(1, rows / cols) ** 0.5 + lr * numel / (rows * cols) * 1e-3",
+        name="aspect",
+        hyper=dict(lr=0.1),
+    )
+    Aspect = fuser.compile(rule)
+    assert "tile of BR x BC" not in Aspect.source and "One program per block" in Aspect.source
+    params, grads = params_and_grads([(40, 3), (3, 40), (17,), (6, 2, 5), ()], 1)
+    mine, _ = run(Aspect, params, grads, lr=0.1)
+    for p, start, g in zip(mine, params, grads[0]):
+        rows, cols = view(start).shape
+        want = start.double() - 0.1 * g.double() * max(1, rows / cols) ** 0.5 + 0.1 * 1e-3
+        assert rel_err(p, want) < 1e-6, p.shape
