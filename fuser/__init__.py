@@ -56,6 +56,8 @@ colsum = _REDUCTIONS["colsum"]
 colmean = _REDUCTIONS["colmean"]
 colnorm = _REDUCTIONS["colnorm"]
 colamax = _REDUCTIONS["colamax"]
+# Matrix functions of a tensor's 2-D view.
+orthogonalize = _REDUCTIONS["orthogonalize"]
 
 
 def compile(rule: Rule, **options):  # noqa: A001 - the public name
@@ -118,6 +120,7 @@ __all__ = [
     "colmean",
     "colnorm",
     "colamax",
+    "orthogonalize",
     "optim",
     "losses",
 ]

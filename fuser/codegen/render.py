@@ -16,7 +16,7 @@ import sympy
 
 from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import ACCUMULATE, COL, COLS, NUMEL, ROW, ROWS, STEP, OptimPlan, Phase, Tail
+from fuser.ir.optim import ACCUMULATE, COL, COLS, NUMEL, ROW, ROWS, STEP, OptimPlan, Phase, Tail, matrix_slot
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
@@ -140,6 +140,10 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     else:
         sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
         masked_lines += _axis_partial_lines(ctx)
+        for i, e in phase.matrix_stores:  # a matrix function's argument, in bf16
+            value = store_cast(ctx.p32.doprint_expr(e), "bf16")
+            fast_lines.append(f"tl.store({matrix_slot(i, 'in')}_ptr + offs, {value})")
+            masked_lines.append(f"tl.store({matrix_slot(i, 'in')}_ptr + offs, {value}, mask=mask)")
     sections["tail_lines"] = _tail_lines(ctx)
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
@@ -216,12 +220,12 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
     scalar_names.update({STEP: "step", NUMEL: "numel"})
     scalar_names.update({ROWS: "rows", COLS: "cols"})
     scalar_names.update({symbol(s): f"c_{s}" for s in plan.scalar_states})
-    scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis})
+    scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis and not r.matrix})
     scalar_names.update({s: s.name for s, _ in phase.prologue})
 
     results = phase.stores if last else phase.reduce
     body_free = set()
-    for _, e in (*phase.body, *results, *phase.axis_reduce):
+    for _, e in (*phase.body, *results, *phase.axis_reduce, *phase.matrix_stores):
         body_free |= e.free_symbols
     tail_free = set()
     for tail in phase.tails:
@@ -233,10 +237,13 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
     body_names = {symbol(sl.name): f"x_{sl.name}" for sl in plan.slots}
     body_names.update({s: f"f_{scalar_names[s]}" for s in scalars_in_body})
     body_names.update({r.symbol: f"a_{r.symbol.name}" for r in known if r.axis})
+    matrix_out = {r.symbol: matrix_slot(i, "out") for i, r in enumerate(plan.reductions) if r.matrix}
+    body_names.update({sym: f"x_{name}" for sym, name in matrix_out.items() if sym in body_free})
     body_names.update({s: s.name for s, _ in phase.body})
 
-    read = {s.name for s in body_free}
+    read = {s.name for s in body_free} | {matrix_out[s] for s in body_free if s in matrix_out}
     written = {n for n, _ in phase.stores} | {n for t in phase.tails for n, _ in t.stores}
+    written |= {matrix_slot(i, "in") for i, _ in phase.matrix_stores}
     touched = read | written | {s.name for s in tail_free}
     return _PhaseContext(
         plan=plan,
@@ -274,7 +281,7 @@ def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: s
     ]
     sizes = {"element": names[NUMEL], "row": names.get(ROWS), "col": names.get(COLS)}
     for r in ctx.known:
-        if r.global_column >= 0 or r.axis:
+        if r.global_column >= 0 or r.axis or r.matrix:
             continue
         raw = f"tl.load(red + {row} * {ctx.nred} + {r.column}{m}).to(tl.float64)"
         lines.append(f"{names[r.symbol]} = {_finalize(r.op, raw, sizes[r.over])}")
@@ -328,7 +335,14 @@ _TILE_INDEX = {
     ROW: ("ri", "rm", "[:, None]"),
     COL: ("ci", "cm", "[None, :]"),
 }
-_SLOT_KIND = {"param": "element", "grad": "element", "state": "element", "row": ROW, "col": COL}
+_SLOT_KIND = {
+    "param": "element",
+    "grad": "element",
+    "state": "element",
+    "matrix": "element",
+    "row": ROW,
+    "col": COL,
+}
 
 
 def _tile_lines(ctx: _PhaseContext) -> list[str]:
@@ -343,7 +357,13 @@ def _tile_lines(ctx: _PhaseContext) -> list[str]:
             lines.append(f"x_{sl.name} = {load}.to(tl.float32){shape}{scale}")
     used = {
         s
-        for _, e in (*ctx.phase.body, *ctx.phase.stores, *ctx.phase.reduce, *ctx.phase.axis_reduce)
+        for _, e in (
+            *ctx.phase.body,
+            *ctx.phase.stores,
+            *ctx.phase.reduce,
+            *ctx.phase.axis_reduce,
+            *ctx.phase.matrix_stores,
+        )
         for s in e.free_symbols
     }
     for r in ctx.known:

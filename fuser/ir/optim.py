@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import AxisReduction, Reduction
+from fuser.rules.functions import AxisReduction, MatrixFunction, Reduction
 from fuser.rules.parse import symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
@@ -86,6 +86,13 @@ class ReductionPlan:
     axis: str = ""
     axis_column: int = -1  # index among the reductions of its axis
     over: str = ELEMENT
+    args: tuple = ()  # a matrix function's keywords' values (orthogonalize: steps, a, b, c, eps)
+
+    @property
+    def matrix(self) -> bool:
+        """A matrix function: phase ``phase`` stores its argument in bf16, the runtime
+        transforms each tensor's matrix (batched by shape), later phases read the result."""
+        return self.op == "orthogonalize"
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class Phase:
     scalar_updates: tuple[tuple[str, sympy.Expr], ...]  # new scalar-state values (last phase only)
     axis_reduce: tuple[tuple[int, sympy.Expr], ...] = ()  # (reduction index, per-element value)
     tails: tuple[Tail, ...] = ()
+    matrix_stores: tuple[tuple[int, sympy.Expr], ...] = ()  # (reduction index, matrix element)
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,11 @@ def is_tiled(rule: Rule) -> bool:
     return any(e.atoms(AxisReduction) for _, e in rule.outputs)
 
 
+def has_matrix_functions(rule: Rule) -> bool:
+    """Whether the rule transforms whole matrices (``orthogonalize``)."""
+    return any(e.atoms(MatrixFunction) for _, e in rule.outputs)
+
+
 class _Hoister:
     """Replace maximal scalar-only subexpressions by fresh symbols."""
 
@@ -203,6 +216,7 @@ class _Found:
     phase: int
     axis: str  # "row" / "col" for an axis reduction
     over: str  # what a per-tensor reduction reduces: element, row or col values
+    args: tuple = ()  # a matrix function's keywords' values
 
 
 def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
@@ -222,7 +236,7 @@ def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
         if not isinstance(e, Reduction):
             return e.func(*[visit(a) for a in e.args])
         arg = visit(e.args[0])
-        key = (type(e), arg)
+        key = (type(e), arg, e.args[1:])
         if key not in found:
             over = kind_of(arg, kinds)
             over = ELEMENT if over == SCALAR else over
@@ -233,8 +247,9 @@ def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
             else:
                 phase = max(inner, default=0)
             sym = sympy.Symbol(f"r{len(found)}", real=True)
-            found[key] = _Found(sym, e.op, arg, phase, axis, over)
-            kinds[sym] = axis or SCALAR
+            args = tuple(int(a) if a.is_Integer else float(a) for a in e.args[1:])
+            found[key] = _Found(sym, e.op, arg, phase, axis, over, args)
+            kinds[sym] = ELEMENT if isinstance(e, MatrixFunction) else (axis or SCALAR)
         return found[key].symbol
 
     replaced = {n: visit(e) for n, e in outputs.items()}
@@ -267,7 +282,7 @@ def lower_optim(
         name=rule.name,
         rule_text=rule.text,
         hyper=tuple(h for h, _ in rule.hyper),
-        slots=_slots(phases, skinds, dtypes),
+        slots=_slots(phases, skinds, dtypes, reductions),
         scalar_states=scalar_states,
         reductions=reductions,
         phases=tuple(phases),
@@ -285,6 +300,9 @@ def _reduction_plans(reds: list[_Found]) -> tuple[ReductionPlan, ...]:
             reductions.append(ReductionPlan(f.symbol, f.op, f.phase, -1, -1, f.axis, acol[f.axis], f.over))
             acol[f.axis] += 1
             continue
+        if f.args:
+            reductions.append(ReductionPlan(f.symbol, f.op, f.phase, -1, -1, args=f.args))
+            continue
         glob = gcol if f.op == "global_norm" else -1
         reductions.append(ReductionPlan(f.symbol, f.op, f.phase, col, glob, "", -1, f.over))
         col += 1
@@ -298,7 +316,7 @@ def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, 
     by_symbol = {r.symbol: r for r in plans}
     scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS}
     scalar |= {symbol(s) for s, k in skinds.items() if k == SCALAR}
-    scalar |= {r.symbol for r in plans if not r.axis}
+    scalar |= {r.symbol for r in plans if not r.axis and not r.matrix}
     n_phases = 1 + max((f.phase for f in reds), default=-1) + 1
 
     phases = []
@@ -321,14 +339,15 @@ def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, 
                 )
                 for a in (ROW, COL)
             ]
-            axis = []
+            axis, matrix = [], []
         else:
             here = [f for f in reds if f.phase == k]
             targets = [
                 (by_symbol[f.symbol].column, ACCUMULATE[f.op][0](f.arg))
                 for f in here
-                if f.over == ELEMENT and not f.axis
+                if f.over == ELEMENT and not f.axis and not f.args
             ]
+            matrix = [(plans.index(by_symbol[f.symbol]), f.arg) for f in here if f.args]
             axis = [(plans.index(by_symbol[f.symbol]), ACCUMULATE[f.op][0](f.arg)) for f in here if f.axis]
             tails = [
                 _TailSpec(f.over, ((by_symbol[f.symbol].column, ACCUMULATE[f.op][0](f.arg)),), ())
@@ -337,8 +356,8 @@ def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, 
             ]
             updates = []
         tails = [t for t in tails if t.reduce or t.stores]
-        _check_known(rule, k, unknown, targets, updates, tails, axis, reds)
-        phases.append(_lower_phase(k, targets, updates, axis, tails, scalar - unknown, last))
+        _check_known(rule, k, unknown, targets, updates, tails, axis + matrix, reds)
+        phases.append(_lower_phase(k, targets, updates, (axis, matrix), tails, scalar - unknown, last))
     return phases
 
 
@@ -372,7 +391,9 @@ def _check_known(rule, k, unknown, targets, updates, tails, axis, reds) -> None:
                 )
 
 
-def _slots(phases: list[Phase], skinds: dict[str, str], dtypes: dict[str, str]) -> tuple[Slot, ...]:
+def _slots(
+    phases: list[Phase], skinds: dict[str, str], dtypes: dict[str, str], reductions
+) -> tuple[Slot, ...]:
     """``p`` and ``g``, then each state stored in a tensor that a phase reads or the last
     one writes."""
     used = set()
@@ -392,13 +413,28 @@ def _slots(phases: list[Phase], skinds: dict[str, str], dtypes: dict[str, str]) 
     for s, kind in skinds.items():
         if kind != SCALAR and (s in used or s in written):
             slots.append(Slot(s, roles[kind], dtypes.get(s, "fp32"), s in written))
+    for i, r in enumerate(reductions):
+        if r.matrix:
+            slots += [
+                Slot(matrix_slot(i, "in"), "matrix", "bf16", True),
+                Slot(matrix_slot(i, "out"), "matrix", "bf16", False),
+            ]
     return tuple(slots)
 
 
-def _lower_phase(index, targets, updates, axis, tails, scalar, last) -> Phase:
+def matrix_slot(index: int, which: str) -> str:
+    """The slot of reduction ``index``'s matrix: ``"in"`` (its argument, stored by the phase
+    that computes it) or ``"out"`` (the function's value, read by later phases)."""
+    return f"mat{which}{index}__"
+
+
+def _lower_phase(index, targets, updates, stores, tails, scalar, last) -> Phase:
+    """One phase: ``stores`` are (axis partials, matrix elements) of non-last phases."""
+    axis, matrix = stores
     hoist = _Hoister(scalar, "__h")
     hoisted_targets = [(n, hoist(e)) for n, e in targets]
     hoisted_axis = [(n, hoist(e)) for n, e in axis]
+    hoisted_matrix = [(n, hoist(e)) for n, e in matrix]
     hoisted_tails = [
         (t, [(n, hoist(e)) for n, e in t.reduce], [(n, hoist(e)) for n, e in t.stores]) for t in tails
     ]
@@ -414,12 +450,14 @@ def _lower_phase(index, targets, updates, axis, tails, scalar, last) -> Phase:
         prologue.append((sym, e))
     scalar_updates = list(zip([n for n, _ in updates], pro_reduced[len(hoisted_items) :]))
 
-    elementwise = hoisted_targets + hoisted_axis
+    elementwise = hoisted_targets + hoisted_axis + hoisted_matrix
     body_repl, body_reduced = sympy.cse(
         [e for _, e in elementwise], symbols=sympy.numbered_symbols("__t"), optimizations="basic"
     )
+    n_t, n_a = len(hoisted_targets), len(hoisted_axis)
     results = list(zip([n for n, _ in hoisted_targets], body_reduced))
-    axis_results = list(zip([n for n, _ in hoisted_axis], body_reduced[len(hoisted_targets) :]))
+    axis_results = list(zip([n for n, _ in hoisted_axis], body_reduced[n_t : n_t + n_a]))
+    matrix_results = list(zip([n for n, _ in hoisted_matrix], body_reduced[n_t + n_a :]))
 
     # Readable names: s0, s1 ... for scalars, t0, t1 ... for per-element temporaries.
     mapping = {sym: sympy.Symbol(f"s{i}", real=True) for i, (sym, _) in enumerate(prologue)}
@@ -437,6 +475,7 @@ def _lower_phase(index, targets, updates, axis, tails, scalar, last) -> Phase:
         stores=results if last else (),
         scalar_updates=tuple((n, sub(e)) for n, e in scalar_updates) if last else (),
         axis_reduce=tuple((n, sub(e)) for n, e in axis_results),
+        matrix_stores=tuple((n, sub(e)) for n, e in matrix_results),
         tails=tuple(_lower_tail(j, spec, red, st, sub) for j, (spec, red, st) in enumerate(hoisted_tails)),
     )
 

@@ -77,17 +77,39 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         if options is not None:
             self.options = options
         self._fuser = StepEngine()
+        self._engines: dict = {}  # rule -> (view, StepEngine), where groups use several rules
         torch.optim.Optimizer.__init__(self, params, defaults)
 
     # Hooks for built-ins whose constructor keywords differ from the rule's names.
     def _group_hyper(self, group: dict) -> dict:
-        """The rule's hyperparameters for one param group."""
-        return {h: group[h] for h in self.rule.hyper_defaults}
+        """The hyperparameters of a param group's rule, read from the group."""
+        return {h: group[h] for h in self._rule_of(group).hyper_defaults}
+
+    def _rule_of(self, group: dict) -> Rule:
+        """The rule that updates a param group's parameters (one, unless a subclass lets
+        groups choose)."""
+        return self.rule
 
     @property
     def _state_keys(self) -> dict:
+        return self._state_keys_of(self.rule)
+
+    def _state_keys_of(self, rule: Rule) -> dict:
         keys = dict(self.options.state_keys)
-        return {s: keys.get(s, s) for s, _ in self.rule.state}
+        return {s: keys.get(s, s) for s, _ in rule.state}
+
+    def _step_engines(self) -> list:
+        """(what the engine reads, engine) for each rule the groups use, in group order:
+        the optimizer and its own engine where every group uses ``rule``."""
+        rules = list(dict.fromkeys(self._rule_of(g) for g in self.param_groups))
+        if rules == [self.rule] or not rules:
+            return [(self, self._fuser)]
+        out = []
+        for rule in rules:
+            if rule not in self._engines:
+                self._engines[rule] = (rule_view(self, rule), StepEngine())
+            out.append(self._engines[rule])
+        return out
 
     def step(self, closure=None):
         # torch wraps every optimizer's step in a profiler range and its hook loops (~20 us
@@ -109,22 +131,25 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._fuser.step(self)
+        for reader, engine in self._step_engines():
+            engine.step(reader)
         return loss
 
     def refresh(self) -> None:
         """Re-read every parameter, gradient and state tensor at the next step. Needed only
         with ``static=True``, after replacing one (``p.data = ...``, ``p.grad = ...``)."""
-        self._fuser.snapshot = None
+        for _, engine in self._step_engines():
+            engine.snapshot = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; with ``static=True`` gradients are zeroed in place
         (``set_to_none`` is ignored: the step relies on their storage), one ``foreach``
         call per (device, dtype)."""
-        snap = self._fuser.snapshot
-        if self.options.static and snap is not None:
-            for grads in snap.grads_by_kind:
-                torch._foreach_zero_(grads)
+        snaps = [engine.snapshot for _, engine in self._step_engines()]
+        if self.options.static and all(snap is not None for snap in snaps):
+            for snap in snaps:
+                for grads in snap.grads_by_kind:
+                    torch._foreach_zero_(grads)
             return
         super().zero_grad(set_to_none)
 
@@ -152,29 +177,39 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
         id_to_param = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
-        kinds = state_kinds(self.rule)
-        keys = self._state_keys
-        scalar_names = [s for s in keys if kinds[s] == "scalar"]
-        element_keys = {keys[s] for s in keys if kinds[s] == "element"}
-        reduced_keys = {keys[s] for s in keys if kinds[s] in ("row", "col")}
-        # The step too: a live optimizer's state_dict() holds views of its scalar table,
-        # which its next step advances.
-        scalar_keys = {keys[s] for s in scalar_names} | {"step"}
+        rule_of = {p: self._rule_of(group) for group in self.param_groups for p in group["params"]}
         for pid, st in saved.items():
             p = id_to_param.get(pid)
             if p is None:
                 continue
-            for key, value in st.items():
-                if not torch.is_tensor(value):
-                    continue
-                if key in element_keys and value.shape == p.shape:
-                    value = distributed.like_param(value, p)
-                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
-                elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
-                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
-                elif key in scalar_keys and value.numel() == 1:
-                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+            self._restore(p, st, rule_of[p])
+        self._forget()
+
+    def _restore(self, p: torch.Tensor, st: dict, rule: Rule) -> None:
+        """Saved state tensors of ``p`` (updated by ``rule``) at full precision."""
+        kinds = state_kinds(rule)
+        keys = self._state_keys_of(rule)
+        element_keys = {keys[s] for s in keys if kinds[s] == "element"}
+        reduced_keys = {keys[s] for s in keys if kinds[s] in ("row", "col")}
+        # The step too: a live optimizer's state_dict() holds views of its scalar table,
+        # which its next step advances.
+        scalar_keys = {keys[s] for s in keys if kinds[s] == "scalar"} | {"step"}
+        for key, value in st.items():
+            if not torch.is_tensor(value):
+                continue
+            if key in element_keys and value.shape == p.shape:
+                value = distributed.like_param(value, p)
+                self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+            elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
+                self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+            elif key in scalar_keys and value.numel() == 1:
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+
+    def _forget(self) -> None:
+        """Re-read everything at the next step (new param groups, loaded state)."""
         self._fuser.forget()
+        for _, engine in self._engines.values():
+            engine.forget()
 
     def add_param_group(self, param_group: dict) -> None:
         # torch's method is wrapped to keep torch.compile out of it, and that wrapper imports
@@ -184,10 +219,46 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         if "torch._dynamo" not in sys.modules:
             add = getattr(add, "__wrapped__", add)
         add(self, param_group)
-        self._fuser.forget()
+        self._forget()
 
 
 _hooked_step = torch.optim.Optimizer.profile_hook_step(FuserOptimizer._step)
+
+
+class RuleView:
+    """One rule's share of an optimizer whose param groups use several rules, as a step
+    engine reads it: that rule, its groups, its state keys; the rest is the optimizer's
+    (``state``, ``options``, AMP's ``grad_scale`` and ``found_inf``)."""
+
+    def __init__(self, opt: FuserOptimizer, rule: Rule):
+        object.__setattr__(self, "_opt", opt)
+        object.__setattr__(self, "rule", rule)
+
+    @property
+    def param_groups(self) -> list:
+        return [g for g in self._opt.param_groups if self._opt._rule_of(g) is self.rule]
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._opt.state = value
+
+    @property
+    def _state_keys(self) -> dict:
+        return self._opt._state_keys_of(self.rule)
+
+    def __getattr__(self, name):
+        return getattr(self._opt, name)
+
+
+def rule_view(opt: FuserOptimizer, rule: Rule) -> RuleView:
+    """``opt`` as the engine of ``rule`` reads it; named after ``opt``'s class, which the
+    engine's messages name."""
+    cls = type(type(opt).__name__, (RuleView,), {"__module__": type(opt).__module__})
+    return cls(opt, rule)
 
 
 def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:

@@ -66,6 +66,37 @@ class GlobalNorm(Reduction):
     op = "global_norm"
 
 
+class MatrixFunction(Reduction):
+    """A function of a tensor's whole 2-D view ``[rows, cols]`` (an N-D tensor is
+    ``[shape[0], prod(rest)]``), one value per element. ``args`` are the argument then
+    the keywords' values, in ``keywords``' order (numbers, fixed when the rule is made)."""
+
+    keywords: dict = {}
+
+    @classmethod
+    def build(cls, arg, **kw):
+        unknown = set(kw) - set(cls.keywords)
+        if unknown:
+            raise TypeError(
+                f"{cls.op}() got unknown keyword(s) {sorted(unknown)}; it takes {sorted(cls.keywords)}"
+            )
+        values = {**cls.keywords, **kw}
+        return cls(
+            arg, *[sympy.Float(values[k]) if k != "steps" else sympy.Integer(values[k]) for k in cls.keywords]
+        )
+
+
+class Orthogonalize(MatrixFunction):
+    """The orthogonal factor of the matrix, by Newton–Schulz's quintic iteration as Muon
+    runs it (Jordan et al. 2024): ``X = M / (||M||_F + eps)`` in bf16 (the transpose when
+    rows > cols), then ``steps`` times ``A = X X^T; B = b A + c A^2; X = a X + B X``, bf16
+    products with fp32 accumulation."""
+
+    op = "orthogonalize"
+    nargs = 6
+    keywords = {"steps": 5, "a": 3.4445, "b": -4.7750, "c": 2.0315, "eps": 1e-7}
+
+
 class AxisReduction(Reduction):
     """A reduction along one axis of a tensor's 2-D view ``[rows, cols]`` (a 1-D tensor is
     one row; an N-D one is ``[shape[0], prod(rest)]``): ``axis`` ``"row"`` gives one value
@@ -156,6 +187,7 @@ OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {
     "colmean": ColMean,
     "colnorm": ColNorm,
     "colamax": ColAmax,
+    "orthogonalize": Orthogonalize,
 }
 LOSS_REDUCTIONS: dict[str, type[Reduction]] = {
     "logsumexp": LogSumExp,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import ELEMENTWISE, Reduction
+from fuser.rules.functions import ELEMENTWISE, MatrixFunction, Reduction
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b,
@@ -258,6 +258,23 @@ class Walker:
             raise self.error(node, f"subscripts are not allowed except {allowed}")
         raise self.error(node, "subscripts are not allowed in a rule")
 
+    def matrix_call(self, node: ast.Call, cls):
+        """A matrix function: one argument, then its keywords as numbers (``steps=5``)."""
+        fname = node.func.id
+        if len(node.args) != 1:
+            raise self.error(node, f"{fname}() takes 1 argument and keywords, got {len(node.args)} arguments")
+        kw = {}
+        for k in node.keywords:
+            if k.arg not in cls.keywords:
+                raise self.error(
+                    k, f"{fname}() has no keyword {k.arg!r} (it takes {', '.join(cls.keywords)})"
+                )
+            kw[k.arg] = _keyword_number(self, k, fname)
+        steps = kw.get("steps", cls.keywords.get("steps", 1))
+        if "steps" in cls.keywords and (not isinstance(steps, int) or not 1 <= steps <= 20):
+            raise self.error(node, f"{fname}()'s steps= must be a whole number from 1 to 20, not {steps!r}")
+        return cls.build(self.expr(node.args[0]), **kw)
+
     def call(self, node: ast.Call):
         if not isinstance(node.func, ast.Name):
             if isinstance(node.func, ast.Attribute):
@@ -266,6 +283,9 @@ class Walker:
                 )
             raise self.error(node, "only named functions can be called")
         fname = node.func.id
+        cls = self.lang.reductions.get(fname)
+        if cls is not None and issubclass(cls, MatrixFunction):
+            return self.matrix_call(node, cls)
         if node.keywords:
             raise self.error(node, f"{fname}() takes positional arguments only")
         if fname in self.lang.reductions:
@@ -287,6 +307,17 @@ class Walker:
         else:
             args = [self.expr(a) for a in node.args]
         return self.finite(node, builder(*args))
+
+
+def _keyword_number(walker: Walker, node: ast.keyword, fname: str):
+    value = node.value
+    negative = isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub)
+    inner = value.operand if negative else value
+    if not (isinstance(inner, ast.Constant) and isinstance(inner.value, (int, float))) or isinstance(
+        inner.value, bool
+    ):
+        raise walker.error(value, f"{fname}()'s {node.arg}= must be a number written in the rule")
+    return -inner.value if negative else inner.value
 
 
 def reductions_in(expr: sympy.Expr) -> set:

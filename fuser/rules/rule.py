@@ -13,7 +13,7 @@ from types import MappingProxyType
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS
+from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS, MatrixFunction
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.shapes import check_kinds
 
@@ -281,7 +281,11 @@ def _export(name: str):
 def _export_reduction(name: str):
     cls = OPTIM_REDUCTIONS[name]
 
-    def f(x):
+    def f(x, **keywords):
+        if issubclass(cls, MatrixFunction):
+            return cls.build(sympy.sympify(x), **keywords)
+        if keywords:
+            raise TypeError(f"{name}() takes no keywords")
         return cls(sympy.sympify(x))
 
     f.__name__ = name

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, Reduction
+from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, MatrixFunction, Reduction
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
@@ -36,7 +36,11 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
     if isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
-        if isinstance(e, AxisReduction):
+        if isinstance(e, MatrixFunction):
+            if arg != ELEMENT:
+                raise RuleError(f"{name}() takes a matrix: a value per element, not one per {arg}")
+            kind = ELEMENT
+        elif isinstance(e, AxisReduction):
             if arg not in (ELEMENT, SCALAR):
                 raise RuleError(
                     f"{name}() reduces a value per element along one axis, but its argument "

@@ -28,6 +28,7 @@ from fuser.counters import count
 from fuser.ir.optim import scalar_state_names
 from fuser.log import logger
 from fuser.runtime import distributed
+from fuser.runtime.matrix import build_matrices
 from fuser.runtime.plans import TORCH_DTYPES, StepLayout, dtype_plan, plan_and_sources
 from fuser.runtime.state import ensure_states, pack_scalars, validate
 from fuser.runtime.tables import Tables, build_tables
@@ -50,6 +51,7 @@ class LaunchGroup:
     part: int  # row of this launch in its device's global-reduction table
     axis: torch.Tensor | None = None  # fp32: axis reductions' per-row, then per-column results
     axis_init: torch.Tensor | None = None  # what ``axis`` holds before a step (0, or -inf for amax)
+    matrices: list = field(default_factory=list)  # MatrixWork of each matrix function
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,16 @@ class KernelStep:
 
 
 @dataclass(frozen=True)
+class MatrixStep:
+    """A matrix function's batched products over one launch group (``runtime.matrix``)."""
+
+    work: object
+
+    def __call__(self, engine: StepEngine, opt, seed: int) -> None:
+        self.work()
+
+
+@dataclass(frozen=True)
 class CollectiveStep:
     """Combine the reductions of DTensor shards after ``phase`` (``runtime.distributed``)."""
 
@@ -116,6 +128,7 @@ def program(groups: list[LaunchGroup], shards) -> list:
         steps += [KernelStep(group.kernels[phase], group, phase == 0) for group in groups]
         if shards is not None and phase < n_phases - 1:
             steps.append(CollectiveStep(phase))
+        steps += [MatrixStep(w) for group in groups for w in group.matrices if w.phase == phase]
     return steps
 
 
@@ -321,10 +334,11 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
     kernels = [load_kernel(src, device) for src in sources]
     keys = opt._state_keys
     scalar_names = scalar_state_names(opt.rule)
+    matrices, matrix_slots = build_matrices(plan.reductions, [p.shape for p, _, _ in members], device)
     rows = []
-    for p, g, _ in members:
+    for (p, g, _), mats in zip(members, matrix_slots):
         st = opt.state[p]
-        slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}}
+        slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}, **mats}
         rows.append([distributed.local(slot_tensor[sl.name]) for sl in plan.slots])
     block = dict(sources[0].constexprs)["BLOCK"]
     tables = build_tables(
@@ -353,6 +367,7 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
         part,
         axis,
         axis_init,
+        matrices,
     )
 
 

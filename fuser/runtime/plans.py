@@ -143,7 +143,7 @@ def _to_memo(layout: StepLayout, sources: list[KernelSource]) -> dict:
         "n_reductions": layout.n_reductions,
         "n_global": layout.n_global,
         "reductions": [
-            (r.op, r.phase, r.column, r.global_column, r.axis, r.axis_column, r.over)
+            (r.op, r.phase, r.column, r.global_column, r.axis, r.axis_column, r.over, list(r.args))
             for r in layout.reductions
         ],
         "tiled": layout.tiled,
@@ -157,7 +157,7 @@ def _from_memo(memo: dict) -> tuple[StepLayout, list[KernelSource]]:
         tuple(Slot(**s) for s in memo["slots"]),
         memo["n_reductions"],
         memo["n_global"],
-        tuple(ReductionPlan(None, *r) for r in memo["reductions"]),
+        tuple(ReductionPlan(None, *r[:-1], tuple(r[-1])) for r in memo["reductions"]),
         memo["tiled"],
         tuple(memo["tile"]),
     )

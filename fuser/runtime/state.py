@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.ir.optim import COL, ROW, SCALAR, is_tiled, state_kinds
+from fuser.ir.optim import COL, ROW, SCALAR, has_matrix_functions, is_tiled, state_kinds
 from fuser.runtime import distributed
 from fuser.runtime.distributed import local
 from fuser.runtime.plans import TORCH_DTYPES, state_dtype
@@ -47,12 +47,13 @@ def validate(opt, items) -> None:
             raise RuntimeError(
                 f"{where} is on {p.device}; fuser runs on CUDA (and on CPU through Triton's interpreter)"
             )
-    if is_tiled(opt.rule):
+    if is_tiled(opt.rule) or has_matrix_functions(opt.rule):
         _validate_shaped(opt, items)
 
 
 def _validate_shaped(opt, items) -> None:
-    """A rule that reads rows and columns walks each tensor's 2-D view in memory order."""
+    """A rule that reads rows, columns or whole matrices walks each tensor's 2-D view in
+    memory order."""
     name = type(opt).__name__
     for p, g, _ in items:
         where = f"parameter of shape {tuple(p.shape)}"

@@ -237,6 +237,10 @@ def _watch(opt, present) -> Flag | None:
     noting dicts here); None where a parameter has no state yet."""
     flag = Flag()
     if type(opt.state) is StateTable:
+        # The engines of one optimizer's rules step one after another and share the
+        # table: a flag nothing has set since the last snapshot stays everyone's.
+        if opt.state._flag is not None and not opt.state._flag.dirty:
+            flag = opt.state._flag
         opt.state._flag = flag
     else:
         opt.state = StateTable(opt.state, flag)

@@ -116,6 +116,7 @@ VARIANT_KEYWORDS = {
     "AdamW": [{}, {"amsgrad": True}],
     "RMSprop": [{}, {"centered": True}, {"momentum": 0.9}, {"centered": True, "momentum": 0.9}],
     "Adan": [{}, {"max_grad_norm": 1.0}],
+    "Muon": [{}, {"nesterov": False}],
 }
 
 
@@ -127,7 +128,7 @@ def test_builtins_cover_every_variant_with_its_defaults(cache_root, name):
     cls = getattr(fuser.optim, name)
     assert issubclass(cls, builtins._Builtin)
     for keywords in VARIANT_KEYWORDS.get(name, [{}]):
-        opt = cls([torch.zeros(3, requires_grad=True)], lr=0.1, **keywords)
+        opt = cls([torch.zeros(3, 2, requires_grad=True)], lr=0.1, **keywords)
         assert id(opt.rule) in collected, (name, keywords, opt.rule.name)
         plan = plans.dtype_plan(opt.rule, opt.options, "bf16", "bf16")
         launched = plans.plan_and_sources(opt.rule, plan, opt.options.stochastic_rounding)[1]

@@ -71,6 +71,17 @@ RULES["shaped"] = fuser.rule(
     state=dict(r=0.0, c=0.0),
 )
 
+# A matrix function: a phase stores the matrix in bf16, the last reads its orthogonal factor.
+RULES["muon"] = fuser.rule(
+    """
+    m = beta * m + (1 - beta) * g
+    p = p * (1 - lr * wd) - lr * maximum(1, rows / cols) ** 0.5 * orthogonalize(g + beta * (m - g), steps=5)
+""",
+    name="muon",
+    hyper=dict(lr=0.02, beta=0.95, wd=0.0),
+    state=dict(m=0.0),
+)
+
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("rule", sorted(RULES))

@@ -1,16 +1,43 @@
 """The step engine's launch sequence is data: phase k of every launch group before phase
-k + 1 of any, with the shards' collective between phases."""
+k + 1 of any, with the shards' collective between phases and each matrix function's
+products after the phase that writes its matrices."""
 
-from fuser.runtime.engine import CollectiveStep, KernelStep, program
+from types import SimpleNamespace
+
+from fuser.runtime.engine import CollectiveStep, KernelStep, MatrixStep, program
 
 
 class Group:
-    def __init__(self, name, n_phases):
+    def __init__(self, name, n_phases, matrix_phases=()):
         self.kernels = [f"{name}{k}" for k in range(n_phases)]
+        self.matrices = [SimpleNamespace(name=f"{name}-ns{k}", phase=k) for k in matrix_phases]
 
 
 def order(steps):
-    return [s.kernel if isinstance(s, KernelStep) else f"collective{s.phase}" for s in steps]
+    out = []
+    for s in steps:
+        if isinstance(s, KernelStep):
+            out.append(s.kernel)
+        elif isinstance(s, MatrixStep):
+            out.append(s.work.name)
+        else:
+            out.append(f"collective{s.phase}")
+    return out
+
+
+def test_matrix_products_follow_the_phase_that_writes_their_matrices():
+    a, b = Group("a", 3, matrix_phases=(1,)), Group("b", 3)
+    assert order(program([a, b], shards=object())) == [
+        "a0",
+        "b0",
+        "collective0",
+        "a1",
+        "b1",
+        "collective1",
+        "a-ns1",
+        "a2",
+        "b2",
+    ]
 
 
 def test_phases_of_every_group_run_in_order():

@@ -44,6 +44,7 @@ from fuser.optim.builtins.adam_family import (
     radam,
 )
 from fuser.optim.builtins.layerwise import LAMB, LARS, lamb, lars
+from fuser.optim.builtins.orthogonal import Muon, muon, muon_adamw, muon_heavy_ball
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
 from fuser.optim.builtins.sign import Lion, lion
 
@@ -60,6 +61,7 @@ __all__ = [
     "Adan",
     "BuiltinOptimizer",
     "Lion",
+    "Muon",
     "NAdam",
     "RAdam",
     "RMSprop",
@@ -74,6 +76,9 @@ __all__ = [
     "lamb",
     "lars",
     "lion",
+    "muon",
+    "muon_adamw",
+    "muon_heavy_ball",
     "nadam",
     "radam",
     "rmsprop",

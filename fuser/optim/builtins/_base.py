@@ -106,13 +106,15 @@ class Variants:
 
     ``key(group)`` is the variant a param group needs, ``rules`` maps each key to its rule,
     and ``keywords`` names those keywords in errors. Every param group must need the same
-    variant (it is one compiled kernel), checked whenever groups are added or a state_dict
-    replaces them.
+    variant, checked whenever groups are added or a state_dict replaces them, unless
+    ``per_group``: then each group's variant updates it (Muon's hidden matrices and its
+    auxiliary AdamW groups), one step engine per variant in use.
     """
 
     keywords: str
     key: Callable[[dict], tuple]
     rules: dict[tuple, Rule]
+    per_group: bool = False
 
 
 class BuiltinOptimizer(FuserOptimizer):
@@ -164,21 +166,32 @@ class BuiltinOptimizer(FuserOptimizer):
     def _key(self, group: dict) -> tuple:
         return self.variants.key(group) if self.variants else ()
 
+    def _rule_for(self, key: tuple) -> Rule:
+        return self.variants.rules[key] if self.variants else type(self).rule
+
     def _use_variant(self, key: tuple) -> None:
         self._variant_key = key
-        self.rule = self.variants.rules[key] if self.variants else type(self).rule
-        # Read every step (the hyperparameter rows), so worked out once per variant.
-        self._readers = hyper_readers(self.rule, self.hyper_from)
+        self.rule = self._rule_for(key)
+
+    def _rule_of(self, group: dict) -> Rule:
+        if self.variants is not None and self.variants.per_group:
+            return self._rule_for(self._key(group))
+        return self.rule
 
     def _group_hyper(self, group: dict) -> dict:
-        return {name: read(group) for name, read in self._readers}
+        rule = self._rule_of(group)
+        # Read every step (the hyperparameter rows), so worked out once per rule.
+        cache = self.__dict__.setdefault("_readers", {})
+        if rule not in cache:
+            cache[rule] = hyper_readers(rule, self.hyper_from)
+        return {name: read(group) for name, read in cache[rule]}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         key = self._key(self.param_groups[-1])
         if self._variant_key is None:
             self._use_variant(key)
-        elif key != self._variant_key:
+        elif key != self._variant_key and not self.variants.per_group:
             self.param_groups.pop()
             raise ValueError(
                 f"{type(self).__name__}: {self.variants.keywords} must be the same in every "
@@ -187,7 +200,11 @@ class BuiltinOptimizer(FuserOptimizer):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
-        keys = {self._key(g) for g in self.param_groups}
+        keys = [self._key(g) for g in self.param_groups]
+        if self.variants is not None and self.variants.per_group:
+            self._use_variant(keys[0])
+            return
+        keys = set(keys)
         if len(keys) > 1:
             raise ValueError(
                 f"{type(self).__name__}: the loaded param groups disagree on "

@@ -1,0 +1,97 @@
+"""Matrix functions of a step (``orthogonalize``): each tensor's matrix, written in bf16
+by the phase that computes it, transformed by batched products, one launch per shape
+group per product, then read by the later phases.
+
+Tensors of one 2-D shape share a stacked buffer ``[n, rows, cols]``; the pointer table's
+``in`` slot of each tensor points at its matrix there, the ``out`` slot at its matrix in
+the buffer that holds the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fuser.counters import count
+from fuser.ir.optim import matrix_slot
+from fuser.runtime.tables import view_2d
+
+
+@dataclass
+class ShapeGroup:
+    """The matrices of one 2-D shape: ``x`` holds them stacked, ``y``, ``a``, ``b`` are
+    the iteration's other operands."""
+
+    x: torch.Tensor  # bf16 [n, rows, cols]
+    y: torch.Tensor  # bf16 [n, rows, cols]
+    a: torch.Tensor  # bf16 [n, k, k], k = min(rows, cols)
+    b: torch.Tensor  # bf16 [n, k, k]
+    tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
+
+
+@dataclass
+class MatrixWork:
+    """One matrix function over one launch group: its shape groups and keywords."""
+
+    index: int  # the reduction's index in the plan
+    phase: int  # the phase that writes its argument
+    groups: list[ShapeGroup]
+    args: tuple  # orthogonalize: steps, a, b, c, eps
+
+    def __call__(self) -> None:
+        steps, a, b, c, eps = self.args
+        for sg in self.groups:
+            newton_schulz(sg, steps, a, b, c, eps)
+
+
+def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps: float) -> None:
+    """Muon's quintic iteration on every matrix of ``sg`` at once: ``X /= ||X||_F + eps``,
+    then ``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` (``X^T X`` and
+    ``X B`` for tall matrices, the same iteration on the transpose). The result is in
+    ``sg.x`` for an even number of steps, else in ``sg.y``."""
+    x, y = sg.x, sg.y
+    norm = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    x.div_(norm.add_(eps))
+    for _ in range(steps):
+        if sg.tall:
+            torch.bmm(x.mT, x, out=sg.a)
+        else:
+            torch.bmm(x, x.mT, out=sg.a)
+        torch.baddbmm(sg.a, sg.a, sg.a, beta=b, alpha=c, out=sg.b)
+        if sg.tall:
+            torch.baddbmm(x, x, sg.b, beta=a, alpha=1.0, out=y)
+        else:
+            torch.baddbmm(x, sg.b, x, beta=a, alpha=1.0, out=y)
+        x, y = y, x
+    count("launches", 3 + 3 * steps)
+
+
+def build_matrices(reductions, shapes: list, device) -> tuple[list[MatrixWork], list[dict]]:
+    """Buffers for each matrix function of a launch group whose tensors have ``shapes``:
+    the work of each, and per tensor the tensors its ``in`` and ``out`` slots point at."""
+    works, slots = [], [{} for _ in shapes]
+    for index, r in enumerate(reductions):
+        if not r.matrix:
+            continue
+        by_shape: dict[tuple, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by_shape.setdefault(view_2d(shape), []).append(i)
+        groups = []
+        for (rows, cols), members in by_shape.items():
+            k = min(rows, cols)
+            kw = dict(dtype=torch.bfloat16, device=device)
+            sg = ShapeGroup(
+                torch.zeros(len(members), rows, cols, **kw),
+                torch.zeros(len(members), rows, cols, **kw),
+                torch.empty(len(members), k, k, **kw),
+                torch.empty(len(members), k, k, **kw),
+                rows > cols,
+            )
+            result = sg.x if r.args[0] % 2 == 0 else sg.y
+            for j, i in enumerate(members):
+                slots[i][matrix_slot(index, "in")] = sg.x[j]
+                slots[i][matrix_slot(index, "out")] = result[j]
+            groups.append(sg)
+        works.append(MatrixWork(index, r.phase, groups, r.args))
+    return works, slots
