@@ -18,11 +18,16 @@ _MUON = """
 """
 
 
-@functools.cache
 def muon_rule(nesterov: bool = True, ns_steps: int = 5) -> Rule:
     """Muon (Jordan et al. 2024, muon-optimizer 0.1.0's ``muon_update``): momentum, its
     Nesterov mix with the gradient, orthogonalised by ``ns_steps`` Newton–Schulz steps,
-    scaled by ``sqrt(max(1, rows / cols))``, with decoupled weight decay."""
+    scaled by ``sqrt(max(1, rows / cols))``, with decoupled weight decay. One rule object
+    per variant."""
+    return _muon_rule(bool(nesterov), int(ns_steps))
+
+
+@functools.cache
+def _muon_rule(nesterov: bool, ns_steps: int) -> Rule:
     update = "g + momentum * (momentum_buffer - g)" if nesterov else "momentum_buffer"
     return fuser.rule(
         _MUON.format(update=update, steps=ns_steps),
