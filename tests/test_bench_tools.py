@@ -71,3 +71,22 @@ def test_scaling_plot(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), str(src)], check=True)
     png = tmp_path / "scaling.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "benchmarks", "shaped_bench.py")
+    cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    (result,) = tmp_path.glob("shaped_*.json")
+    recorded = json.loads(result.read_text())
+    rows = {r["impl"]: r for r in recorded["rows"]}
+    assert {"fuser.optim.Adafactor", "torch.Adafactor foreach", "torch.Adafactor for-loop"} <= set(rows)
+    assert "fuser.optim.CAME" in rows and "pytorch_optimizer.CAME" in rows
+    for r in recorded["rows"]:
+        if "error" not in r:
+            assert r["ms"] > 0 and r["floor_ms"] > 0 and 0 < r["pct_of_floor"]
+            # Each anchor took the same step as fuser from the same inputs.
+            assert r["rel_err_vs_fuser"] is None or r["rel_err_vs_fuser"] < 1e-5, r
+    assert {"date", "device", "torch", "triton", "copy_TBps", "command"} <= set(recorded["meta"])
+    assert (tmp_path / result.name.replace(".json", ".md")).read_text().count("| adafactor_smoke |") == 3

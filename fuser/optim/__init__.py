@@ -2,9 +2,11 @@
 torch.optim, same keywords and state_dict keys)."""
 
 from fuser.optim.builtins import (
+    CAME,
     LAMB,
     LARS,
     SGD,
+    Adafactor,
     Adagrad,
     Adam,
     AdamW,
@@ -19,9 +21,11 @@ from fuser.optim.builtins import (
 from fuser.optim.factory import FuserOptimizer, kernel_sources, make_optimizer
 
 __all__ = [
+    "CAME",
     "LAMB",
     "LARS",
     "SGD",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",

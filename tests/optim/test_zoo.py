@@ -39,8 +39,9 @@ def _cases():
 @pytest.mark.parametrize("name", _cases())
 def test_rule_follows_its_pytorch_optimizer_reference(name, device):
     entry = ZOO[name]
-    start = [torch.randn(s) for s in SHAPES]
-    grads = [[torch.randn(s) + 0.1 for s in SHAPES] for _ in range(STEPS)]
+    shapes = entry.shapes or SHAPES
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(STEPS)]
     ours = [p.clone().to(device) for p in start]
     theirs = [p.clone().double() for p in start]
     opt = fuser.compile(entry.rule)(ours, **entry.hyper)

@@ -8,7 +8,7 @@ groups; the others are hyperparameters, one value per param group. Boolean keywo
 do not change the shape (``maximize``, ``decoupled_weight_decay``) are 0/1 hyperparameters:
 ``g - 2 * maximize * g`` is exactly ``g`` or ``-g``.
 
-Optimizers torch does not have (Lion, AdEMAMix, Adan) follow their papers, with the
+Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME) follow their papers, with the
 keywords and state keys of the authors' reference implementations.
 
 One module per family, each rule beside its class; ``_base`` holds what they share. Every
@@ -43,6 +43,7 @@ from fuser.optim.builtins.adam_family import (
     nadam,
     radam,
 )
+from fuser.optim.builtins.factored import CAME, Adafactor, adafactor, came, came_ams_bound
 from fuser.optim.builtins.layerwise import LAMB, LARS, lamb, lars
 from fuser.optim.builtins.orthogonal import Muon, muon, muon_adamw, muon_heavy_ball
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
@@ -51,9 +52,11 @@ from fuser.optim.builtins.sign import Lion, lion
 _Builtin = BuiltinOptimizer  # the base's name before the split into modules
 
 __all__ = [
+    "CAME",
     "LAMB",
     "LARS",
     "SGD",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",
@@ -65,6 +68,7 @@ __all__ = [
     "NAdam",
     "RAdam",
     "RMSprop",
+    "adafactor",
     "adagrad",
     "adam",
     "adam_amsgrad",
@@ -73,6 +77,8 @@ __all__ = [
     "ademamix",
     "adan",
     "adan_clipped",
+    "came",
+    "came_ams_bound",
     "lamb",
     "lars",
     "lion",
