@@ -19,7 +19,7 @@ def newton_schulz(m: torch.Tensor, steps: int = 5, coeffs=QUINTIC, dtype=torch.f
     """The iteration of the Muon paper in ``dtype`` (bf16 rounds every product, as the
     reference implementation does; float64 is the exact iteration)."""
     a, b, c = coeffs
-    x = view(m).to(dtype)
+    x = view(m).cpu().to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
@@ -31,7 +31,8 @@ def newton_schulz(m: torch.Tensor, steps: int = 5, coeffs=QUINTIC, dtype=torch.f
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 ORTHO = fuser.rule(
@@ -47,9 +48,9 @@ ORTHO = fuser.rule(
 SHAPES = [(9, 33), (33, 9), (9, 33), (9, 33), (5, 3, 2, 2), (17, 17)]
 
 
-def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow():
-    params = [torch.randn(s) for s in SHAPES]
-    grads = [torch.randn(s) for s in SHAPES]
+def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow(device):
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    grads = [torch.randn(s, device=device) for s in SHAPES]
     mine = [torch.nn.Parameter(p.clone()) for p in params]
     opt = fuser.compile(ORTHO)(mine, lr=0.1)
     for p, g in zip(mine, grads):
@@ -66,17 +67,17 @@ def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow():
         assert rel(got, exact) < max(1.5 * bf16_error, 0.01), (p.shape, rel(got, exact), bf16_error)
 
 
-def test_orthogonalize_keywords_give_other_iterations():
+def test_orthogonalize_keywords_give_other_iterations(device):
     # The cubic iteration (1.5, -0.5, 0) converges: the result's rows are orthonormal.
     rule = fuser.rule(
         "p = p - lr * orthogonalize(g, steps=14, a=1.5, b=-0.5, c=0, eps=1e-7)",
         name="cubic",
         hyper=dict(lr=1.0),
     )
-    p = torch.nn.Parameter(torch.zeros(6, 40))
-    p.grad = torch.randn(6, 40)
+    p = torch.nn.Parameter(torch.zeros(6, 40, device=device))
+    p.grad = torch.randn(6, 40, device=device)
     fuser.compile(rule)([p]).step()
-    u = -p.detach().double()
+    u = -p.detach().cpu().double()
     assert rel(u, newton_schulz(p.grad, 14, (1.5, -0.5, 0.0))) < 0.02
     assert (u @ u.T - torch.eye(6, dtype=torch.float64)).abs().max().item() < 0.05
 
@@ -102,9 +103,9 @@ def test_misuse_of_orthogonalize_names_the_line(text, message):
 def muon_reference(start, grads, lr, momentum, weight_decay):
     """SGD momentum, Nesterov mix, float64 Newton–Schulz, sqrt(max(1, rows/cols)) scale and
     decoupled decay (Jordan et al. 2024)."""
-    p, buf = start.double(), torch.zeros(start.shape, dtype=torch.float64)
+    p, buf = start.double().cpu(), torch.zeros(start.shape, dtype=torch.float64)
     for g in grads:
-        g = g.double()
+        g = g.double().cpu()
         buf = momentum * buf + (1 - momentum) * g
         u = newton_schulz(g + momentum * (buf - g)).reshape(start.shape)
         rows, cols = view(start).shape
@@ -119,10 +120,10 @@ def muon_groups(params):
     ]
 
 
-def test_muon_with_auxiliary_adamw_groups_in_one_step():
+def test_muon_with_auxiliary_adamw_groups_in_one_step(device):
     shapes = [(16, 24), (24, 16), (16, 24), (4, 3, 2, 5), (24,), (7, 3)]
-    params = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [[torch.randn(s, device=device) for s in shapes] for _ in range(3)]
     mine = [torch.nn.Parameter(p.clone()) for p in params]
     aux = [torch.nn.Parameter(p.clone()) for p in params[4:]]
     opt = fuser.optim.Muon(muon_groups(mine))
@@ -139,7 +140,7 @@ def test_muon_with_auxiliary_adamw_groups_in_one_step():
         assert fuser.stats()["launches"] - before == 2 + 3 * 18 + 1
     for i, p in enumerate(mine[:4]):
         want, buf = muon_reference(params[i], [gs[i] for gs in grads], 0.02, 0.95, 0.01)
-        step = want - params[i].double()
+        step = want - params[i].double().cpu()
         assert rel(p.detach() - params[i], step) < 0.03, p.shape
         assert rel(opt.state[p]["momentum_buffer"], buf) < 1e-6
     for p, q in zip(mine[4:], aux):
@@ -149,10 +150,10 @@ def test_muon_with_auxiliary_adamw_groups_in_one_step():
     assert sorted(opt.state_dict()["state"][4]) == ["exp_avg", "exp_avg_sq", "step"]
 
 
-def test_muon_state_dict_round_trip_continues_the_same_run():
+def test_muon_state_dict_round_trip_continues_the_same_run(device):
     shapes = [(12, 20), (20, 12), (9,), (5, 2)]
-    params = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [[torch.randn(s, device=device) for s in shapes] for _ in range(4)]
 
     def groups(ps):
         return [dict(params=ps[:2]), dict(params=ps[2:], use_muon=False)]
@@ -176,17 +177,18 @@ def test_muon_state_dict_round_trip_continues_the_same_run():
         assert torch.equal(a.detach(), b.detach())
 
 
-def test_muon_groups_take_matrices_only():
+def test_muon_groups_take_matrices_only(device):
+    matrix, vector = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
     with pytest.raises(ValueError, match="use_muon=False"):
-        fuser.optim.Muon([torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))])
+        fuser.optim.Muon([matrix, vector])
     with pytest.raises(ValueError, match="ns_steps"):
-        fuser.optim.Muon([torch.nn.Parameter(torch.randn(4, 4))], ns_steps=0)
+        fuser.optim.Muon([matrix], ns_steps=0)
 
 
-def test_muon_steps_bf16_parameters_with_fp32_momentum():
-    p = torch.nn.Parameter(torch.randn(32, 48).bfloat16())
+def test_muon_steps_bf16_parameters_with_fp32_momentum(device):
+    p = torch.nn.Parameter(torch.randn(32, 48, device=device).bfloat16())
     start = p.detach().clone()
-    p.grad = torch.randn(32, 48).bfloat16()
+    p.grad = torch.randn(32, 48, device=device).bfloat16()
     opt = fuser.optim.Muon([p], lr=0.1)
     opt.step()
     assert p.dtype == torch.bfloat16 and opt.state[p]["momentum_buffer"].dtype == torch.float32
@@ -194,4 +196,4 @@ def test_muon_steps_bf16_parameters_with_fp32_momentum():
     # The step (~0.02 an element) is a few of bf16's spacings near 1: p is the reference's
     # rounding, within bf16's resolution, and most elements moved.
     assert rel(p.detach(), want) < 2**-8
-    assert (p.detach() != start).float().mean() > 0.5
+    assert (p.detach() != start).float().mean().item() > 0.5

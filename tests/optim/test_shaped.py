@@ -21,15 +21,16 @@ def view(t: torch.Tensor) -> torch.Tensor:
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double().reshape(-1), want.detach().double().reshape(-1)
+    got, want = got.detach().cpu().double().reshape(-1), want.detach().cpu().double().reshape(-1)
     if want.numel() == 0:
         return 0.0
     return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def params_and_grads(shapes, steps, dtype=torch.float32):
-    params = [torch.randn(s).to(dtype) for s in shapes]
-    grads = [[torch.randn(s).to(dtype) for s in shapes] for _ in range(steps)]
+def params_and_grads(shapes, steps, dtype=torch.float32, device="cpu"):
+    """Fresh values on ``device``; references read them back on the CPU."""
+    params = [torch.randn(s).to(device, dtype) for s in shapes]
+    grads = [[torch.randn(s).to(device, dtype) for s in shapes] for _ in range(steps)]
     return params, grads
 
 
@@ -55,7 +56,7 @@ AXES = fuser.rule(
 
 
 def axes_reference(p, g, lr):
-    p2, g2 = view(p.double()), view(g.double())
+    p2, g2 = view(p.double().cpu()), view(g.double().cpu())
     rows, cols = p2.shape
     u = (g2**2).mean(1, keepdim=True) * g2 + 0.1 * g2.sum(0, keepdim=True)
     u = u - 0.05 * g2.abs().amax(0, keepdim=True) + 0.05 * g2.amax(1, keepdim=True)
@@ -64,9 +65,9 @@ def axes_reference(p, g, lr):
     return (p2 - lr * u * (rows + 2 * cols) / p2.numel()).reshape(p.shape)
 
 
-def test_axis_reductions_and_view_sizes_match_float64():
+def test_axis_reductions_and_view_sizes_match_float64(device):
     shapes = [s for s in SHAPES if 0 not in s]
-    params, grads = params_and_grads(shapes, 2)
+    params, grads = params_and_grads(shapes, 2, device=device)
     mine, _ = run(fuser.compile(AXES), params, grads, lr=0.1)
     for p, start, g0, g1 in zip(mine, params, grads[0], grads[1]):
         want = axes_reference(axes_reference(start, g0, 0.1), g1, 0.1)
@@ -90,12 +91,12 @@ FACTORED = fuser.rule(
 def factored_reference(params, grads, lr=0.01, beta=0.9, eps=1e-8):
     out = []
     for i, start in enumerate(params):
-        p = view(start.double())
+        p = view(start.double().cpu())
         r = torch.zeros(p.shape[0], 1, dtype=torch.float64)
         c = torch.zeros(1, p.shape[1], dtype=torch.float64)
         s = torch.zeros((), dtype=torch.float64)
         for gs in grads:
-            g = view(gs[i].double())
+            g = view(gs[i].double().cpu())
             r = beta * r + (1 - beta) * (g**2).mean(1, keepdim=True)
             c = beta * c + (1 - beta) * (g**2).mean(0, keepdim=True)
             s = s * beta + r.amax() + c.norm() / p.shape[1]
@@ -105,9 +106,9 @@ def factored_reference(params, grads, lr=0.01, beta=0.9, eps=1e-8):
     return out
 
 
-def test_row_column_and_scalar_states_follow_float64_over_steps():
+def test_row_column_and_scalar_states_follow_float64_over_steps(device):
     shapes = [s for s in SHAPES if 0 not in s]
-    params, grads = params_and_grads(shapes, 4)
+    params, grads = params_and_grads(shapes, 4, device=device)
     Factored = fuser.compile(FACTORED)
     assert Factored.rule.name == "factored"
     mine, opt = run(Factored, params, grads)
@@ -120,11 +121,11 @@ def test_row_column_and_scalar_states_follow_float64_over_steps():
         assert rel_err(st["s"], s) < 2e-6
 
 
-def test_a_shaped_step_is_two_launches_whatever_the_number_of_tensors():
+def test_a_shaped_step_is_two_launches_whatever_the_number_of_tensors(device):
     # Phases: axis sums; the tails' amax(r), norm(c) and mean(r) need them, so the
     # update runs in a second launch.
     shapes = [(5, 3)] * 3 + [(11,)] * 4
-    params, grads = params_and_grads(shapes, 2)
+    params, grads = params_and_grads(shapes, 2, device=device)
     mine = [torch.nn.Parameter(p) for p in params]
     opt = fuser.compile(FACTORED)(mine)
     for gs in grads:
@@ -135,8 +136,8 @@ def test_a_shaped_step_is_two_launches_whatever_the_number_of_tensors():
         assert fuser.stats()["launches"] - before == 2
 
 
-def test_empty_tensors_and_groups_with_their_own_hyperparameters():
-    params, grads = params_and_grads([(4, 6), (0, 5), (9,)], 3)
+def test_empty_tensors_and_groups_with_their_own_hyperparameters(device):
+    params, grads = params_and_grads([(4, 6), (0, 5), (9,)], 3, device=device)
     mine = [torch.nn.Parameter(p.clone()) for p in params]
     opt = fuser.compile(FACTORED)([dict(params=mine[:2], lr=0.02), dict(params=mine[2:])], lr=0.01)
     for gs in grads:
@@ -149,8 +150,8 @@ def test_empty_tensors_and_groups_with_their_own_hyperparameters():
     assert mine[1].shape == (0, 5) and opt.state[mine[1]]["r"].shape == (0,)
 
 
-def test_bf16_parameters_with_fp32_row_and_column_states():
-    params, grads = params_and_grads([(33, 70), (70,)], 3, torch.bfloat16)
+def test_bf16_parameters_with_fp32_row_and_column_states(device):
+    params, grads = params_and_grads([(33, 70), (70,)], 3, torch.bfloat16, device=device)
     mine, opt = run(fuser.compile(FACTORED), params, grads)
     for p, (want, r, c, _) in zip(mine, factored_reference(params, grads)):
         assert p.dtype == torch.bfloat16 and opt.state[p]["r"].dtype == torch.float32
@@ -159,8 +160,8 @@ def test_bf16_parameters_with_fp32_row_and_column_states():
         assert rel_err(p, want) < 3 * 2**-8
 
 
-def test_a_skipped_amp_step_changes_no_row_or_column_state():
-    params, grads = params_and_grads([(6, 7), (8,)], 2)
+def test_a_skipped_amp_step_changes_no_row_or_column_state(device):
+    params, grads = params_and_grads([(6, 7), (8,)], 2, device=device)
     mine, opt = run(fuser.compile(FACTORED), params, grads[:1])
     before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in mine}
     kept = [p.detach().clone() for p in mine]
@@ -174,8 +175,8 @@ def test_a_skipped_amp_step_changes_no_row_or_column_state():
             assert torch.equal(v, before[id(p)][key]), key
 
 
-def test_state_dict_round_trip_continues_the_same_run():
-    params, grads = params_and_grads([(12, 5), (7,), (2, 3, 4)], 4)
+def test_state_dict_round_trip_continues_the_same_run(device):
+    params, grads = params_and_grads([(12, 5), (7,), (2, 3, 4)], 4, device=device)
     Factored = fuser.compile(FACTORED)
     straight, _ = run(Factored, params, grads)
     first, opt = run(Factored, params, grads[:2])
@@ -192,8 +193,8 @@ def test_state_dict_round_trip_continues_the_same_run():
         assert torch.equal(a.detach(), b.detach())
 
 
-def test_a_state_of_the_wrong_size_is_refused_before_anything_changes():
-    params, grads = params_and_grads([(4, 6)], 1)
+def test_a_state_of_the_wrong_size_is_refused_before_anything_changes(device):
+    params, grads = params_and_grads([(4, 6)], 1, device=device)
     mine, opt = run(fuser.compile(FACTORED), params, grads)
     kept = mine[0].detach().clone()
     opt.state[mine[0]]["r"] = torch.zeros(5)
@@ -202,9 +203,9 @@ def test_a_state_of_the_wrong_size_is_refused_before_anything_changes():
     assert torch.equal(mine[0].detach(), kept)
 
 
-def test_non_contiguous_parameters_are_refused_with_the_fix():
-    p = torch.nn.Parameter(torch.randn(6, 4).t())
-    p.grad = torch.randn(6, 4).t()
+def test_non_contiguous_parameters_are_refused_with_the_fix(device):
+    p = torch.nn.Parameter(torch.randn(6, 4, device=device).t())
+    p.grad = torch.randn(6, 4, device=device).t()
     opt = fuser.compile(FACTORED)([p])
     with pytest.raises(RuntimeError, match="contiguous"):
         opt.step()
@@ -226,7 +227,7 @@ def test_misuse_of_axis_reductions_names_the_line(text, message):
     assert "line" in str(info.value)
 
 
-def test_traced_rules_use_the_same_axis_reductions():
+def test_traced_rules_use_the_same_axis_reductions(device):
     @fuser.rule(hyper=dict(lr=0.01, beta=0.9, eps=1e-8), state=dict(r=0.0, c=0.0, s=0.0))
     def factored(p, g, r, c, s, *, lr, beta, eps, cols):
         r = beta * r + (1 - beta) * fuser.rowmean(g**2)
@@ -235,13 +236,13 @@ def test_traced_rules_use_the_same_axis_reductions():
         v = r * c / fuser.mean(r)
         return dict(p=p - lr * g / (fuser.sqrt(v) + eps) - lr * 1e-3 * s * p, r=r, c=c, s=s)
 
-    params, grads = params_and_grads([(7, 13), (29,)], 3)
+    params, grads = params_and_grads([(7, 13), (29,)], 3, device=device)
     mine, _ = run(fuser.compile(factored), params, grads)
     for p, (want, *_) in zip(mine, factored_reference(params, grads)):
         assert rel_err(p, want) < 2e-6
 
 
-def test_view_sizes_alone_keep_the_elementwise_kernel():
+def test_view_sizes_alone_keep_the_elementwise_kernel(device):
     rule = fuser.rule(
         "p = p - lr * g * maximum(1, rows / cols) ** 0.5 + lr * numel / (rows * cols) * 1e-3",
         name="aspect",
@@ -249,7 +250,7 @@ def test_view_sizes_alone_keep_the_elementwise_kernel():
     )
     Aspect = fuser.compile(rule)
     assert "tile of BR x BC" not in Aspect.source and "One program per block" in Aspect.source
-    params, grads = params_and_grads([(40, 3), (3, 40), (17,), (6, 2, 5), ()], 1)
+    params, grads = params_and_grads([(40, 3), (3, 40), (17,), (6, 2, 5), ()], 1, device=device)
     mine, _ = run(Aspect, params, grads, lr=0.1)
     for p, start, g in zip(mine, params, grads[0]):
         rows, cols = view(start).shape
