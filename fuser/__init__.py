@@ -48,6 +48,7 @@ sum = _REDUCTIONS["sum"]  # noqa: A001 - the rule language's name
 mean = _REDUCTIONS["mean"]
 amax = _REDUCTIONS["amax"]
 global_norm = _REDUCTIONS["global_norm"]
+global_sum = _REDUCTIONS["global_sum"]
 rowsum = _REDUCTIONS["rowsum"]
 rowmean = _REDUCTIONS["rowmean"]
 rownorm = _REDUCTIONS["rownorm"]
@@ -112,6 +113,7 @@ __all__ = [
     "mean",
     "amax",
     "global_norm",
+    "global_sum",
     "rowsum",
     "rowmean",
     "rownorm",

@@ -80,6 +80,7 @@ _ACCUMULATE = {
     "mean": "sum, then / numel",
     "norm": "sum of squares, then sqrt",
     "global_norm": "sum of squares over every tensor, then sqrt",
+    "global_sum": "sum over every tensor",
     "amax": "max",
 }
 _OVER = {"row": "over each row's columns", "col": "over each column's rows"}

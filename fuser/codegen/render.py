@@ -289,7 +289,8 @@ def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: s
 
 
 def _global_reduction_loads(ctx: _PhaseContext) -> list[str]:
-    """Each earlier global reduction: the sum of every part's total, then its square root."""
+    """Each earlier global reduction: the sum of every part's total (then its square root,
+    for a norm)."""
     lines = []
     for r in ctx.known:
         if r.global_column >= 0:
@@ -299,8 +300,9 @@ def _global_reduction_loads(ctx: _PhaseContext) -> list[str]:
                 "while q < n_parts:",
                 f"    {r.symbol.name} += tl.load(glob + q * {ctx.nglob} + {r.global_column}).to(tl.float64)",
                 "    q += 1",
-                f"{r.symbol.name} = tl.sqrt({r.symbol.name})",
             ]
+            if r.op == "global_norm":
+                lines.append(f"{r.symbol.name} = tl.sqrt({r.symbol.name})")
     return lines
 
 

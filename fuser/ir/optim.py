@@ -52,8 +52,11 @@ ACCUMULATE = {
     "mean": (lambda e: e, "sum"),
     "norm": (lambda e: e * e, "sum"),
     "global_norm": (lambda e: e * e, "sum"),
+    "global_sum": (lambda e: e, "sum"),
     "amax": (lambda e: e, "max"),
 }
+# Reductions over every tensor a step updates (per-device totals, then across shards).
+GLOBAL_OPS = ("global_norm", "global_sum")
 
 
 @dataclass(frozen=True)
@@ -303,10 +306,10 @@ def _reduction_plans(reds: list[_Found]) -> tuple[ReductionPlan, ...]:
         if f.args:
             reductions.append(ReductionPlan(f.symbol, f.op, f.phase, -1, -1, args=f.args))
             continue
-        glob = gcol if f.op == "global_norm" else -1
+        glob = gcol if f.op in GLOBAL_OPS else -1
         reductions.append(ReductionPlan(f.symbol, f.op, f.phase, col, glob, "", -1, f.over))
         col += 1
-        gcol += f.op == "global_norm"
+        gcol += f.op in GLOBAL_OPS
     return tuple(reductions)
 
 

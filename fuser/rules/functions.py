@@ -66,6 +66,13 @@ class GlobalNorm(Reduction):
     op = "global_norm"
 
 
+class GlobalSum(Reduction):
+    """The sum over every tensor a step updates: a dot product of two per-element values
+    over all of them is ``global_sum(a * b)``."""
+
+    op = "global_sum"
+
+
 class MatrixFunction(Reduction):
     """A function of a tensor's whole 2-D view ``[rows, cols]`` (an N-D tensor is
     ``[shape[0], prod(rest)]``), one value per element. ``args`` are the argument then
@@ -179,6 +186,7 @@ OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {
     "mean": Mean,
     "amax": Amax,
     "global_norm": GlobalNorm,
+    "global_sum": GlobalSum,
     "rowsum": RowSum,
     "rowmean": RowMean,
     "rownorm": RowNorm,

@@ -113,7 +113,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     Text: statements such as ``m = beta1 * m + (1 - beta1) * g``, run in order; it reads
     ``p``, ``g``, ``step``, ``numel``, ``rows``, ``cols``, each state and each
     hyperparameter, may call the per-tensor reductions ``norm sum mean amax``,
-    ``global_norm`` (over every tensor the step updates) and the axis reductions
+    ``global_norm`` and ``global_sum`` (over every tensor the step updates) and the axis reductions
     ``rowsum rowmean rownorm rowamax colsum colmean colnorm colamax`` of the tensor's 2-D
     view, and must assign ``p``. A state assigned from row (column) values holds one
     number per row (column); one assigned from per-tensor values, one number per tensor.

@@ -48,8 +48,8 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
                 )
             kind = e.axis
         else:
-            if e.op == "global_norm" and arg in (ROW, COL):
-                raise RuleError(f"global_norm() takes a value per element, not one per {arg}")
+            if e.op.startswith("global_") and arg in (ROW, COL):
+                raise RuleError(f"{e.op}() takes a value per element, not one per {arg}")
             kind = SCALAR
     elif e.is_Symbol:
         kind = kinds.get(e, SCALAR)
@@ -84,7 +84,7 @@ def _state_kinds(outputs: dict, state) -> dict[str, str]:
 
 def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[str] | None) -> None:
     """Raise ``RuleError`` at the first statement that reduces a value it cannot reduce
-    (an axis reduction of row values, ``global_norm`` of column values)."""
+    (an axis reduction of row values, a global reduction of column values)."""
     kinds = {symbol(n): k for n, k in _state_kinds(outputs, state).items()}
     kinds.update({symbol("p"): ELEMENT, symbol("g"): ELEMENT})
     memo: dict = {}

@@ -4,11 +4,11 @@ The kernels update each rank's local tensors (``to_local()``) with the same laun
 plain tensors. What a shard cannot know alone is combined between phases:
 
 - a per-tensor reduction (``norm sum mean amax``, and the per-tensor totals behind
-  ``global_norm``) sums, or maxes, the raw partials of every shard over the mesh
+  ``global_norm``, ``global_sum``) sums, or maxes, the raw partials of every shard over the mesh
   dimensions on which the tensor is sharded: one ``all_reduce`` per (phase, process
   group, combine op) for all tensors at once, never one per tensor. Replicated mesh
   dimensions hold copies, so they are not reduced, and a replicated tensor counts once;
-- ``global_norm`` is then re-totalled from the combined per-tensor rows: it spans every
+- ``global_norm`` and ``global_sum`` are then re-totalled from the combined per-tensor rows: it spans every
   parameter of the optimizer over all its shards, as ``clip_grad_norm_`` does on DTensors;
 - ``numel`` (and so ``mean``) is the logical tensor's size, read from the tables.
 

@@ -311,3 +311,34 @@ def test_a_scalar_state_carries_a_global_norm_from_step_to_step(device):
     for p, want in zip(params, start):
         assert opt.state[p]["gamma"].item() == pytest.approx(gamma.item(), rel=1e-6)
         assert ((p.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_global_sums_and_dot_products_carry_a_shared_scalar(device):
+    # Prodigy's pattern: a number shared by every tensor, grown from a dot product over all
+    # of them (here of g and the distance from the starting point).
+    rule = fuser.rule(
+        """
+        d = maximum(d, global_sum(g * (p0 - p)) / (global_sum(1) * lr))
+        p = p - lr * d * g / (1 + abs(global_sum(g)))
+        """,
+        name="shared_d",
+        hyper=dict(lr=0.1),
+        state=dict(d=1.0, p0="p"),
+    )
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    ref = [p.clone().double().cpu() for p in params]
+    start = [r.clone() for r in ref]
+    opt = fuser.compile(rule)(params)
+    d = 1.0
+    for gs in fresh(params, 3):
+        set_grads(params, gs)
+        opt.step()
+        g64 = [g.double().cpu() for g in gs]
+        n = sum(g.numel() for g in g64)
+        dot = sum((g * (s - r)).sum() for g, s, r in zip(g64, start, ref))
+        d = max(d, (dot / (n * 0.1)).item())
+        total = sum(g.sum() for g in g64)
+        ref = [r - 0.1 * d * g / (1 + abs(total)) for r, g in zip(ref, g64)]
+    for p, want in zip(params, ref):
+        assert opt.state[p]["d"].item() == pytest.approx(d, rel=1e-6)
+        assert ((p.double().cpu() - want).norm() / want.norm()).item() < 1e-6
