@@ -119,6 +119,20 @@ def impls(compile_torch: bool):
     return full, hidden
 
 
+def ns_alone(shapes, device) -> float:
+    """Median ms of fuser's batched Newton–Schulz launches alone (no elementwise phase):
+    what the products cost at cuBLAS's rate for these shapes."""
+    from fuser.ir.optim import ReductionPlan
+    from fuser.runtime.matrix import build_matrices
+
+    plan = ReductionPlan(None, "orthogonalize", 0, -1, -1, args=(5, 3.4445, -4.7750, 2.0315, 1e-7))
+    (work,), _ = build_matrices([plan], shapes, device)
+    for sg in work.groups:
+        sg.x.normal_()
+    timer = event_ms if device.type == "cuda" else _cpu_ms
+    return timer(work)
+
+
 def check(shapes, device) -> float | None:
     """One step of fuser's Muon and the reference's on the same inputs: relative error of
     the update (of the hidden matrices)."""
@@ -189,6 +203,11 @@ def main(argv=None):
     rows = []
     run("muon_llama1b", shapes, full, device, floor_ms, err, rows)
     run("muon_hidden_llama1b", shapes, hidden_builds, device, floor_ms, err, rows)
+    ms = ns_alone([tuple(p.shape) for p in hidden], device)
+    rows.append(dict(workload="muon_hidden_llama1b", impl="probe: fuser's Newton-Schulz launches alone",
+                     ms=round(ms, 3), wall_ms=round(ms, 3), floor_ms=round(floor_ms, 3),
+                     pct_of_floor=round(100 * floor_ms / ms, 1), fuser_launches=None))  # fmt: skip
+    print(json.dumps(rows[-1]), flush=True)
     write(args, rows, tf, argv)
 
 

@@ -90,3 +90,23 @@ def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
             assert r["rel_err_vs_fuser"] is None or r["rel_err_vs_fuser"] < 1e-5, r
     assert {"date", "device", "torch", "triton", "copy_TBps", "command"} <= set(recorded["meta"])
     assert (tmp_path / result.name.replace(".json", ".md")).read_text().count("| adafactor_smoke |") == 3
+
+
+def test_muon_bench_smoke_runs_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "benchmarks", "muon_bench.py")
+    cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    (result,) = tmp_path.glob("muon_*.json")
+    recorded = json.loads(result.read_text())
+    rows = {(r["workload"], r["impl"]): r for r in recorded["rows"]}
+    assert ("muon_llama1b", "fuser.optim.Muon (+AdamW groups)") in rows
+    assert ("muon_hidden_llama1b", "fuser.optim.Muon") in rows
+    for r in recorded["rows"]:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["floor_ms"] > 0
+    # Three shapes of hidden matrices, NS launches for each, two elementwise phases; one
+    # more launch for the AdamW groups.
+    assert rows[("muon_hidden_llama1b", "fuser.optim.Muon")]["fuser_launches"] == 2 + 3 * 18
+    assert rows[("muon_llama1b", "fuser.optim.Muon (+AdamW groups)")]["fuser_launches"] == 2 + 3 * 18 + 1
+    assert {"date", "device", "torch", "triton", "bf16_gemm_TFLOPs", "command"} <= set(recorded["meta"])

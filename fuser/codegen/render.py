@@ -54,6 +54,23 @@ TILED_SIGNATURE = (
 REDUCE_BLOCK = 128
 # A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view.
 TILE_ROWS, TILE_COLS = 8, 256
+
+
+def optim_tile() -> tuple[int, int]:
+    """(rows, cols) of a tiled phase's tile. ``FUSER_OPTIM_TILE=16x256`` overrides it (for
+    tuning runs; the values are part of the kernel's cache key)."""
+    text = os.environ.get("FUSER_OPTIM_TILE")
+    if not text:
+        return TILE_ROWS, TILE_COLS
+    try:
+        rows, cols = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"FUSER_OPTIM_TILE must read ROWSxCOLS, e.g. 16x256, not {text!r}") from None
+    if min(rows, cols) < 1 or rows & (rows - 1) or cols & (cols - 1) or cols < 16:
+        raise ValueError(f"FUSER_OPTIM_TILE needs powers of two (cols at least 16), not {text!r}")
+    return rows, cols
+
+
 # Reductions call tl.reduce with Triton's own combine functions rather than tl.sum/tl.max:
 # those are jitted library functions, which only run in the interpreter when it was on
 # at import, while the interpreter recognises these combiners and sums with numpy. The
@@ -139,6 +156,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         sections.update(_scalar_update_lines(ctx))
     else:
         sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
+        fast_lines += _axis_partial_lines(ctx)
         masked_lines += _axis_partial_lines(ctx)
         for i, e in phase.matrix_stores:  # a matrix function's argument, in bf16
             value = store_cast(ctx.p32.doprint_expr(e), "bf16")
@@ -148,8 +166,9 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
     block, warps = optim_launch_config(plan)
-    tiles = (("BR", TILE_ROWS), ("BC", TILE_COLS)) if plan.tiled else ()
-    block = TILE_ROWS * TILE_COLS if plan.tiled else block
+    tile = optim_tile()
+    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else ()
+    block = tile[0] * tile[1] if plan.tiled else block
     constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles)
     text = _kernel_text(
         ctx,
@@ -316,7 +335,7 @@ def _pointer_lines(ctx: _PhaseContext) -> list[str]:
 
 def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
     if ctx.plan.tiled:
-        return [] if fast else _tile_lines(ctx)
+        return _tile_lines(ctx, fast)
     lines = []
     for _, sl in ctx.used_slots:
         if fast:
@@ -347,15 +366,18 @@ _SLOT_KIND = {
 }
 
 
-def _tile_lines(ctx: _PhaseContext) -> list[str]:
+def _tile_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
     """A tiled phase's loads (elements, row and column states, finished axis reductions)
-    and its temporaries."""
+    and its temporaries; ``fast``: of a whole tile of aligned rows, unmasked."""
     lines = []
+    if fast:
+        lines += [f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)" for _, sl in ctx.used_slots]
     for _, sl in ctx.used_slots:
         if sl.name in ctx.read:
             idx, mask, shape = _TILE_INDEX[_SLOT_KIND[sl.role]]
             scale = " * inv_scale" if sl.role == "grad" else ""
-            load = f"tl.load({sl.name}_ptr + {idx}, mask={mask}, other=0.0)"
+            how = "" if fast else f", mask={mask}, other=0.0"
+            load = f"tl.load({sl.name}_ptr + {idx}{how})"
             lines.append(f"x_{sl.name} = {load}.to(tl.float32){shape}{scale}")
     used = {
         s
@@ -542,14 +564,16 @@ def _reduction_lines(
         combine = ACCUMULATE[op][1]
         value = ctx.p32.doprint_expr(e)
         comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
-        # A scalar-only value (sum(1), say) still counts once per element.
-        fast_lines.append(
-            f"tl.store(partials + pid * {nred} + {col}, "
-            f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
-        )
         masked = f"tl.where(mask, {value}, {neutral})"
         if plan.tiled:  # a tile: across its columns, then its rows
             masked = f"{SUM}({masked}, 1, {comb})"
+            fast_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
+        else:
+            # A scalar-only value (sum(1), say) still counts once per element.
+            fast_lines.append(
+                f"tl.store(partials + pid * {nred} + {col}, "
+                f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
+            )
         masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
         if combine == "sum":
             lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")

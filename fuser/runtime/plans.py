@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from fuser.cache import rendered
-from fuser.codegen.render import TILE_COLS, TILE_ROWS, render_optim, template_dir
+from fuser.codegen.render import optim_tile, render_optim, template_dir
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim
 from fuser.rules.rule import Rule
@@ -111,7 +111,7 @@ def plan_and_sources(
         [(n, sympy.srepr(e)) for n, e in rule.outputs],
         dtypes,
         stochastic_rounding,
-        [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS")],
+        [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS", "FUSER_OPTIM_TILE")],
         templates=template_dir(),
     )
     memo = rendered.load(key)
@@ -127,7 +127,7 @@ def plan_and_sources(
         plan.n_global,
         tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions),
         plan.tiled,
-        (TILE_ROWS, TILE_COLS) if plan.tiled else (0, 0),
+        optim_tile() if plan.tiled else (0, 0),
     )
     sources = render_optim(plan)
     rendered.store(key, _to_memo(layout, sources))

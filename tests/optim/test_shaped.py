@@ -8,8 +8,9 @@ import torch
 import fuser
 
 # Odd sizes: many tiles down (300 rows), across (2 x 600), a tile's corner (9 x 257),
-# one row (1-D), N-D, a single element and an empty tensor.
-SHAPES = [(7, 13), (29,), (3, 5, 4), (300, 17), (2, 600), (9, 257), (1,), (0, 5)]
+# whole tiles of aligned rows beside partial ones (17 x 528), one row (1-D), N-D, a single
+# element and an empty tensor.
+SHAPES = [(7, 13), (29,), (3, 5, 4), (300, 17), (2, 600), (9, 257), (17, 528), (1,), (0, 5)]
 
 
 def view(t: torch.Tensor) -> torch.Tensor:
