@@ -30,6 +30,8 @@ def optim_rows(doc: dict, source: str) -> list[dict]:
     device = doc["meta"]["device"]
     out = []
     for r in doc["rows"]:
+        if "error" in r:
+            continue
         row = dict(workload=r["workload"], impl=r["impl"], device=r.get("device", device), source=source)
         if r["workload"] in WALL_WORKLOADS:
             row.update(ms=r["wall_ms"], event_ms=r["ms"])

@@ -52,8 +52,10 @@ TILED_SIGNATURE = (
     ("total_cols", "i64"),
 )
 REDUCE_BLOCK = 128
-# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view.
-TILE_ROWS, TILE_COLS = 8, 256
+# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view;
+# the fastest of five shapes for Adafactor and CAME on TinyLlama's tensors on an H100
+# (benchmarks/results/sweep_tiles_2026-11-25.json).
+TILE_ROWS, TILE_COLS = 32, 128
 
 
 def optim_tile() -> tuple[int, int]:
