@@ -539,6 +539,7 @@ def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:
         used |= e.free_symbols
     for s in needed:
         used |= defs[s].free_symbols
+    used |= {NUMEL, ROWS, COLS}  # a mean's result divides by one of them
     update_loads = [
         ln
         for ln in _scalar_loads(ctx, unames, "u_t", "u_grp", "u_mask")
@@ -562,7 +563,8 @@ def _reduction_lines(
     plan, nred, nglob = ctx.plan, ctx.nred, ctx.nglob
     lines = {name: [] for name in _COMBINE_SECTIONS}
     for col, e in ctx.phase.reduce:
-        op = plan.reductions[col].op
+        r = next(x for x in plan.reductions if x.column == col and not x.axis and not x.matrix)
+        op = r.op
         combine = ACCUMULATE[op][1]
         value = ctx.p32.doprint_expr(e)
         comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
@@ -589,7 +591,6 @@ def _reduction_lines(
                 f"{col}, mask=m, other=float('-inf')))"
             )
         lines["combine_store"].append(f"tl.store(red + t * {nred} + {col}, {SUM}(acc{col}, 0, {comb}))")
-        r = plan.reductions[col]
         if r.global_column >= 0:
             g = r.global_column
             lines["global_init"].append(f"gacc{g} = tl.full([RBLOCK], 0.0, tl.float32)")

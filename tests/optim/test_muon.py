@@ -197,3 +197,28 @@ def test_muon_steps_bf16_parameters_with_fp32_momentum(device):
     # rounding, within bf16's resolution, and most elements moved.
     assert rel(p.detach(), want) < 2**-8
     assert (p.detach() != start).float().mean().item() > 0.5
+
+
+def test_reductions_of_an_orthogonal_factor(device):
+    rule = fuser.rule(
+        """
+        o = orthogonalize(g)
+        p = p - lr * (norm(o) * g + sum(o * g) * p)
+        """,
+        name="ortho_norms",
+        hyper=dict(lr=0.01),
+    )
+    shapes = [(9, 33), (33, 9), (12, 12)]
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [torch.randn(s, device=device) for s in shapes]
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = fuser.compile(rule)(mine)
+    for p, g in zip(mine, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, start, g in zip(mine, params, grads):
+        o = newton_schulz(g.double())
+        s, g2 = view(start.double().cpu()), view(g.double().cpu())
+        step = 0.01 * (o.norm() * g2 + (o * g2).sum() * s)
+        # The factor's norm and its dot with g carry bf16 Newton-Schulz's error.
+        assert rel(view(start.double() - p.detach().double()), step) < 0.05
