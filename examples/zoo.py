@@ -35,7 +35,12 @@ class ZooEntry:
     optimizer (on the parameter shapes ``shapes``, when set: the test's own otherwise);
     ``states`` maps a state of the rule to the reference's state key holding the
     same tensor (or per-tensor scalar). ``fuser_bug``, when set, names the fuser bug that
-    stops the rule from running today."""
+    stops the rule from running today. ``reference_group`` holds the keys of the one param
+    group the reference is given, for references that take groups only (``use_muon``).
+    ``rtol`` bounds the relative error of the parameters: 1e-6, except where bf16
+    Newton–Schulz sets it (both sides orthogonalise in bf16); ``states`` agree to 1e-6.
+    ``ns_states`` are states computed from a Newton–Schulz result, which agree to twice
+    bf16's Newton–Schulz error."""
 
     rule: fuser.Rule
     reference: str
@@ -45,6 +50,9 @@ class ZooEntry:
     doc: str = ""
     fuser_bug: str = ""
     shapes: tuple = ()
+    reference_group: dict = field(default_factory=dict)
+    rtol: float = 1e-6
+    ns_states: dict = field(default_factory=dict)
 
 
 ZOO: dict[str, ZooEntry] = {}
@@ -63,6 +71,9 @@ def _add(
     doc,
     fuser_bug="",
     shapes=(),
+    reference_group=None,
+    rtol=1e-6,
+    ns_states=None,
 ):
     ZOO[name] = ZooEntry(
         rule=fuser.rule(text, name=name, hyper=defaults, state=state),
@@ -73,6 +84,9 @@ def _add(
         doc=doc,
         fuser_bug=fuser_bug,
         shapes=shapes,
+        reference_group=reference_group or {},
+        rtol=rtol,
+        ns_states=ns_states or {},
     )
 
 
@@ -942,6 +956,89 @@ _add(
     "fuser.optim.CAME is this rule with every keyword.",
 )
 
+# --- Matrix functions (Newton–Schulz on each tensor's 2-D view) ------------------------------
+# The references take param groups with use_muon=True (their AdamW groups are
+# fuser.optim.Muon / NorMuon's). Matrices only: the references view a 1-D tensor as a
+# column, the rule language as a row. Both sides orthogonalise in bf16; their updates
+# differ by up to twice bf16's Newton–Schulz error (1-2% of the update,
+# tests/optim/test_normuon.py), on five steps that move p by a tenth of |p| at these
+# learning rates: 3e-3 on parameters.
+_MATRICES = ((16, 24), (24, 16), (40, 8), (7, 13), (5, 3, 4))
+_NS_RTOL = 3e-3
+
+_add(
+    "muon",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    o = orthogonalize(g + momentum * (momentum_buffer - g))
+    p = p - lr * maximum(1, rows / cols) ** 0.5 * o
+    """,
+    defaults=dict(lr=2e-2, momentum=0.95, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=0.9, weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, momentum=0.9, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="Muon(lr, momentum, weight_decay) for a use_muon=True group of matrices, with "
+    "nesterov=True, ns_steps=5, ns_coeffs='original', use_adjusted_lr=False and decoupled "
+    "decay as by default. fuser.optim.Muon is this rule with its AdamW groups.",
+)
+
+_add(
+    "adamuon",
+    """
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    o = orthogonalize(m)
+    v = beta2 * v + (1 - beta2) * o**2
+    u = o / (sqrt(v / (1 - beta2**step)) + eps)
+    u_norm = norm(rownorm(u)) + eps
+    p = p - lr * 0.2 * sqrt(maximum(rows, cols)) * sqrt(minimum(rows, cols)) / u_norm * u
+    """,
+    defaults=dict(lr=2e-2, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-10),
+    state=dict(m=0.0, v=0.0),
+    reference_kwargs=dict(lr=2e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(m="m"),
+    ns_states=dict(v="v"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="AdaMuon(lr, betas, weight_decay, eps) for a use_muon=True group of matrices, with "
+    "ns_steps=5, ns_coeffs='original', use_adjusted_lr=True (Moonlight's 0.2 * "
+    "sqrt(max(rows, cols))) and decoupled decay as by default.",
+)
+
+_add(
+    "normuon",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    o = orthogonalize(g + momentum * (momentum_buffer - g))
+    second_momentum_buffer = beta2 * second_momentum_buffer + (1 - beta2) * rowmean(o**2)
+    de_nom = sqrt(second_momentum_buffer) + eps
+    o_rows = rownorm(o)
+    scale = maximum(1, rows / cols) ** 0.5 * norm(o_rows) / (norm(o_rows / de_nom) + eps)
+    p = p - lr * scale * o / de_nom
+    """,
+    defaults=dict(lr=2e-2, momentum=0.95, beta2=0.95, weight_decay=0.0, eps=1e-10),
+    state=dict(momentum_buffer=0.0, second_momentum_buffer=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=0.9, beta2=0.9, weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, momentum=0.9, beta2=0.9, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    ns_states=dict(second_momentum_buffer="second_momentum_buffer"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="NorMuon(lr, momentum, beta2, weight_decay, eps) for a use_muon=True group of "
+    "matrices, with nesterov=True, ns_steps=5, update_scale='preserve_norm', "
+    "use_adjusted_lr=False and decoupled decay as by default. fuser.optim.NorMuon is this "
+    "rule with every keyword and its AdamW groups.",
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "adafactor": "not written as a rule yet: row and column reductions now cover its factored "
     "moments (fuser.optim.Adafactor is torch.optim.Adafactor's variant); pytorch-optimizer's "
@@ -950,9 +1047,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "combined by a minimum over axes",
     "adammini": "needs block reductions: one second moment per block of a tensor (per head, "
     "per embedding row), chosen from the parameter's name and shape",
-    "muon": "needs matrix functions: Newton-Schulz orthogonalisation of the 2-D momentum",
-    "adamuon": "needs matrix functions: Newton-Schulz orthogonalisation",
-    "normuon": "needs matrix functions and row reductions: Newton-Schulz, then per-row second moments",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
     "scion": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
