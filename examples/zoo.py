@@ -956,6 +956,30 @@ _add(
     "fuser.optim.CAME is this rule with every keyword.",
 )
 
+_add(
+    "nero",
+    """
+    c = p - where(rows > 1, rowmean(p), 0)
+    p = where(step == 1 and rows > 1, c / (rownorm(c) + eps), p)
+    scale = where(step == 1, sum(where(rows > 1, rownorm(p), abs(p))) / numel, scale)
+    g_norm = where(rows > 1, rownorm(g), abs(g))
+    exp_avg_sq = beta * exp_avg_sq + (1 - beta) * g_norm**2
+    p = p - lr * scale * g / (sqrt(exp_avg_sq / (1 - beta**step)) + eps)
+    c = p - where(rows > 1, rowmean(p), 0)
+    p = where(rows > 1, c / (rownorm(c) + eps), p)
+    """,
+    defaults=dict(lr=1e-2, beta=0.999, eps=1e-8),
+    state=dict(exp_avg_sq=0.0, scale=0.0),
+    reference_kwargs=dict(lr=2e-2, beta=0.9),
+    hyper=dict(lr=2e-2, beta=0.9),
+    states=dict(scale="scale"),
+    shapes=((7, 13), (29,), (3, 5, 4), (16, 2)),
+    doc="Nero(lr, beta, eps) with constraints=True as by default: tensors of 2 or more "
+    "dimensions (with more than one row) are projected to zero-mean, unit-norm rows at the "
+    "first step and after each; 1-D tensors take per-element norms. exp_avg_sq is kept per "
+    "element (the reference keeps one number per row of a matrix).",
+)
+
 # --- Matrix functions (Newton–Schulz on each tensor's 2-D view) ------------------------------
 # The references take param groups with use_muon=True (their AdamW groups are
 # fuser.optim.Muon / NorMuon's). Matrices only: the references view a 1-D tensor as a
@@ -1040,17 +1064,19 @@ _add(
 )
 
 NOT_EXPRESSIBLE: dict[str, str] = {
-    "adafactor": "not written as a rule yet: row and column reductions now cover its factored "
+    "adafactor": "not written as a rule yet: row and column reductions cover its factored "
     "moments (fuser.optim.Adafactor is torch.optim.Adafactor's variant); pytorch-optimizer's "
     "AdaFactor (relative_step, warmup_init, momentum, its own eps placement) is still to pin",
-    "sm3": "needs per-axis max reductions: one accumulator per dimension (cover sets), "
-    "combined by a minimum over axes",
-    "adammini": "needs block reductions: one second moment per block of a tensor (per head, "
-    "per embedding row), chosen from the parameter's name and shape",
+    "sm3": "not written as a rule yet: rowamax and colamax now give one accumulator per "
+    "axis of a 2-D tensor; its N-D cover sets (one per dimension) need per-dimension reductions",
+    "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
+    "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
-    "scion": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
-    "scionlight": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "scion": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
+    "and column-norm LMOs",
+    "scionlight": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
+    "and column-norm LMOs",
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
     "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
@@ -1071,12 +1097,12 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "dadaptadan": "needs signed sums over all tensors and one scalar d carried for all of them",
     "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
     "only to tensors with ndim > 1 (no keyword turns this off)",
-    "nero": "needs row reductions: per-neuron (per-row) norms and means for tensors with ndim > 1",
-    "adamp": "needs row reductions: per-channel cosine similarity between the update and the "
-    "parameter decides the projection",
-    "sgdp": "needs row reductions: per-channel cosine similarity, as AdamP",
-    "ranger": "needs row reductions: gradient centralisation subtracts per-output-row means "
-    "(and lookahead swaps slow weights every k steps)",
+    "adamp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
+    "similarity between the update and the parameter",
+    "sgdp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
+    "similarity, as AdamP's",
+    "ranger": "not written as a rule yet: rowmean now gives gradient centralisation; its "
+    "lookahead (slow weights swapped every k steps) and RAdam rectification are still to pin",
     "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
     "gradient centralisation",
     "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "
@@ -1089,6 +1115,20 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "lomo": "needs the model's backward: LOMO updates inside backward hooks",
     "adalomo": "needs the model's backward and row/column reductions (factored moments)",
 }
+
+
+def coverage_table() -> str:
+    """The optimizers of pytorch-optimizer 4.1.0 that ``ZOO`` reproduces and those in
+    ``NOT_EXPRESSIBLE`` with what each still needs, as markdown."""
+    names = sorted({entry.reference for entry in ZOO.values()})
+    lines = [
+        f"Expressible ({len(names)}): " + ", ".join(f"`{n}`" for n in names) + ".",
+        "",
+        "| not expressible | missing |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{name}` | {why} |" for name, why in sorted(NOT_EXPRESSIBLE.items())]
+    return "\n".join(lines)
 
 
 def _demo(steps: int = 3) -> None:
@@ -1144,4 +1184,9 @@ def _demo(steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    import sys
+
+    if sys.argv[1:] == ["--table"]:
+        print(coverage_table())
+    else:
+        _demo()
