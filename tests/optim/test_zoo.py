@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from zoo import NOT_EXPRESSIBLE, ZOO  # noqa: E402
+from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
 import fuser  # noqa: E402
 
@@ -77,3 +77,8 @@ def test_zoo_names_its_references_and_gaps():
     assert set(NOT_EXPRESSIBLE) <= supported
     assert not set(NOT_EXPRESSIBLE) & {e.reference for e in ZOO.values()}
     assert all(e.doc for e in ZOO.values())
+
+
+def test_readme_shows_the_zoo_coverage_table():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert coverage_table() in readme, "paste `python examples/zoo.py --table` into README.md"
