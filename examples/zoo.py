@@ -35,7 +35,12 @@ class ZooEntry:
     optimizer (on the parameter shapes ``shapes``, when set: the test's own otherwise);
     ``states`` maps a state of the rule to the reference's state key holding the
     same tensor (or per-tensor scalar). ``fuser_bug``, when set, names the fuser bug that
-    stops the rule from running today."""
+    stops the rule from running today. ``reference_group`` holds the keys of the one param
+    group the reference is given, for references that take groups only (``use_muon``).
+    ``rtol`` bounds the relative error of the parameters: 1e-6, except where bf16
+    Newton–Schulz sets it (both sides orthogonalise in bf16); ``states`` agree to 1e-6.
+    ``ns_states`` are states computed from a Newton–Schulz result, which agree to twice
+    bf16's Newton–Schulz error."""
 
     rule: fuser.Rule
     reference: str
@@ -45,6 +50,9 @@ class ZooEntry:
     doc: str = ""
     fuser_bug: str = ""
     shapes: tuple = ()
+    reference_group: dict = field(default_factory=dict)
+    rtol: float = 1e-6
+    ns_states: dict = field(default_factory=dict)
 
 
 ZOO: dict[str, ZooEntry] = {}
@@ -63,6 +71,9 @@ def _add(
     doc,
     fuser_bug="",
     shapes=(),
+    reference_group=None,
+    rtol=1e-6,
+    ns_states=None,
 ):
     ZOO[name] = ZooEntry(
         rule=fuser.rule(text, name=name, hyper=defaults, state=state),
@@ -73,6 +84,9 @@ def _add(
         doc=doc,
         fuser_bug=fuser_bug,
         shapes=shapes,
+        reference_group=reference_group or {},
+        rtol=rtol,
+        ns_states=ns_states or {},
     )
 
 
@@ -942,21 +956,127 @@ _add(
     "fuser.optim.CAME is this rule with every keyword.",
 )
 
+_add(
+    "nero",
+    """
+    c = p - where(rows > 1, rowmean(p), 0)
+    p = where(step == 1 and rows > 1, c / (rownorm(c) + eps), p)
+    scale = where(step == 1, sum(where(rows > 1, rownorm(p), abs(p))) / numel, scale)
+    g_norm = where(rows > 1, rownorm(g), abs(g))
+    exp_avg_sq = beta * exp_avg_sq + (1 - beta) * g_norm**2
+    p = p - lr * scale * g / (sqrt(exp_avg_sq / (1 - beta**step)) + eps)
+    c = p - where(rows > 1, rowmean(p), 0)
+    p = where(rows > 1, c / (rownorm(c) + eps), p)
+    """,
+    defaults=dict(lr=1e-2, beta=0.999, eps=1e-8),
+    state=dict(exp_avg_sq=0.0, scale=0.0),
+    reference_kwargs=dict(lr=2e-2, beta=0.9),
+    hyper=dict(lr=2e-2, beta=0.9),
+    states=dict(scale="scale"),
+    shapes=((7, 13), (29,), (3, 5, 4), (16, 2)),
+    doc="Nero(lr, beta, eps) with constraints=True as by default: tensors of 2 or more "
+    "dimensions (with more than one row) are projected to zero-mean, unit-norm rows at the "
+    "first step and after each; 1-D tensors take per-element norms. exp_avg_sq is kept per "
+    "element (the reference keeps one number per row of a matrix).",
+)
+
+# --- Matrix functions (Newton–Schulz on each tensor's 2-D view) ------------------------------
+# The references take param groups with use_muon=True (their AdamW groups are
+# fuser.optim.Muon / NorMuon's). Matrices only: the references view a 1-D tensor as a
+# column, the rule language as a row. Both sides orthogonalise in bf16; their updates
+# differ by up to twice bf16's Newton–Schulz error (1-2% of the update,
+# tests/optim/test_normuon.py), on five steps that move p by a tenth of |p| at these
+# learning rates: 3e-3 on parameters.
+_MATRICES = ((16, 24), (24, 16), (40, 8), (7, 13), (5, 3, 4))
+_NS_RTOL = 3e-3
+
+_add(
+    "muon",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    o = orthogonalize(g + momentum * (momentum_buffer - g))
+    p = p - lr * maximum(1, rows / cols) ** 0.5 * o
+    """,
+    defaults=dict(lr=2e-2, momentum=0.95, weight_decay=0.0),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=0.9, weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, momentum=0.9, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="Muon(lr, momentum, weight_decay) for a use_muon=True group of matrices, with "
+    "nesterov=True, ns_steps=5, ns_coeffs='original', use_adjusted_lr=False and decoupled "
+    "decay as by default. fuser.optim.Muon is this rule with its AdamW groups.",
+)
+
+_add(
+    "adamuon",
+    """
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    o = orthogonalize(m)
+    v = beta2 * v + (1 - beta2) * o**2
+    u = o / (sqrt(v / (1 - beta2**step)) + eps)
+    u_norm = norm(rownorm(u)) + eps
+    p = p - lr * 0.2 * sqrt(maximum(rows, cols)) * sqrt(minimum(rows, cols)) / u_norm * u
+    """,
+    defaults=dict(lr=2e-2, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-10),
+    state=dict(m=0.0, v=0.0),
+    reference_kwargs=dict(lr=2e-2, betas=(0.8, 0.9), weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, beta1=0.8, beta2=0.9, weight_decay=0.1),
+    states=dict(m="m"),
+    ns_states=dict(v="v"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="AdaMuon(lr, betas, weight_decay, eps) for a use_muon=True group of matrices, with "
+    "ns_steps=5, ns_coeffs='original', use_adjusted_lr=True (Moonlight's 0.2 * "
+    "sqrt(max(rows, cols))) and decoupled decay as by default.",
+)
+
+_add(
+    "normuon",
+    """
+    p = p * (1 - lr * weight_decay)
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
+    o = orthogonalize(g + momentum * (momentum_buffer - g))
+    second_momentum_buffer = beta2 * second_momentum_buffer + (1 - beta2) * rowmean(o**2)
+    de_nom = sqrt(second_momentum_buffer) + eps
+    o_rows = rownorm(o)
+    scale = maximum(1, rows / cols) ** 0.5 * norm(o_rows) / (norm(o_rows / de_nom) + eps)
+    p = p - lr * scale * o / de_nom
+    """,
+    defaults=dict(lr=2e-2, momentum=0.95, beta2=0.95, weight_decay=0.0, eps=1e-10),
+    state=dict(momentum_buffer=0.0, second_momentum_buffer=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=0.9, beta2=0.9, weight_decay=0.1),
+    reference_group=dict(use_muon=True),
+    hyper=dict(lr=2e-2, momentum=0.9, beta2=0.9, weight_decay=0.1),
+    states=dict(momentum_buffer="momentum_buffer"),
+    ns_states=dict(second_momentum_buffer="second_momentum_buffer"),
+    shapes=_MATRICES,
+    rtol=_NS_RTOL,
+    doc="NorMuon(lr, momentum, beta2, weight_decay, eps) for a use_muon=True group of "
+    "matrices, with nesterov=True, ns_steps=5, update_scale='preserve_norm', "
+    "use_adjusted_lr=False and decoupled decay as by default. fuser.optim.NorMuon is this "
+    "rule with every keyword and its AdamW groups.",
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
-    "adafactor": "not written as a rule yet: row and column reductions now cover its factored "
+    "adafactor": "not written as a rule yet: row and column reductions cover its factored "
     "moments (fuser.optim.Adafactor is torch.optim.Adafactor's variant); pytorch-optimizer's "
     "AdaFactor (relative_step, warmup_init, momentum, its own eps placement) is still to pin",
-    "sm3": "needs per-axis max reductions: one accumulator per dimension (cover sets), "
-    "combined by a minimum over axes",
-    "adammini": "needs block reductions: one second moment per block of a tensor (per head, "
-    "per embedding row), chosen from the parameter's name and shape",
-    "muon": "needs matrix functions: Newton-Schulz orthogonalisation of the 2-D momentum",
-    "adamuon": "needs matrix functions: Newton-Schulz orthogonalisation",
-    "normuon": "needs matrix functions and row reductions: Newton-Schulz, then per-row second moments",
+    "sm3": "not written as a rule yet: rowamax and colamax now give one accumulator per "
+    "axis of a 2-D tensor; its N-D cover sets (one per dimension) need per-dimension reductions",
+    "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
+    "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
-    "scion": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
-    "scionlight": "needs matrix functions: spectral (Newton-Schulz) and column-norm LMOs",
+    "scion": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
+    "and column-norm LMOs",
+    "scionlight": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
+    "and column-norm LMOs",
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
     "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
@@ -977,12 +1097,12 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "dadaptadan": "needs signed sums over all tensors and one scalar d carried for all of them",
     "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
     "only to tensors with ndim > 1 (no keyword turns this off)",
-    "nero": "needs row reductions: per-neuron (per-row) norms and means for tensors with ndim > 1",
-    "adamp": "needs row reductions: per-channel cosine similarity between the update and the "
-    "parameter decides the projection",
-    "sgdp": "needs row reductions: per-channel cosine similarity, as AdamP",
-    "ranger": "needs row reductions: gradient centralisation subtracts per-output-row means "
-    "(and lookahead swaps slow weights every k steps)",
+    "adamp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
+    "similarity between the update and the parameter",
+    "sgdp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
+    "similarity, as AdamP's",
+    "ranger": "not written as a rule yet: rowmean now gives gradient centralisation; its "
+    "lookahead (slow weights swapped every k steps) and RAdam rectification are still to pin",
     "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
     "gradient centralisation",
     "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "
@@ -995,6 +1115,20 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "lomo": "needs the model's backward: LOMO updates inside backward hooks",
     "adalomo": "needs the model's backward and row/column reductions (factored moments)",
 }
+
+
+def coverage_table() -> str:
+    """The optimizers of pytorch-optimizer 4.1.0 that ``ZOO`` reproduces and those in
+    ``NOT_EXPRESSIBLE`` with what each still needs, as markdown."""
+    names = sorted({entry.reference for entry in ZOO.values()})
+    lines = [
+        f"Expressible ({len(names)}): " + ", ".join(f"`{n}`" for n in names) + ".",
+        "",
+        "| not expressible | missing |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{name}` | {why} |" for name, why in sorted(NOT_EXPRESSIBLE.items())]
+    return "\n".join(lines)
 
 
 def _demo(steps: int = 3) -> None:
@@ -1050,4 +1184,9 @@ def _demo(steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    _demo()
+    import sys
+
+    if sys.argv[1:] == ["--table"]:
+        print(coverage_table())
+    else:
+        _demo()

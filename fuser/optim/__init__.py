@@ -15,6 +15,7 @@ from fuser.optim.builtins import (
     Lion,
     Muon,
     NAdam,
+    NorMuon,
     RAdam,
     RMSprop,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "Lion",
     "Muon",
     "NAdam",
+    "NorMuon",
     "RAdam",
     "RMSprop",
     "FuserOptimizer",

@@ -117,6 +117,7 @@ VARIANT_KEYWORDS = {
     "RMSprop": [{}, {"centered": True}, {"momentum": 0.9}, {"centered": True, "momentum": 0.9}],
     "Adan": [{}, {"max_grad_norm": 1.0}],
     "Muon": [{}, {"nesterov": False}],
+    "NorMuon": [{}, {"nesterov": False}, {"update_scale": "match_rms"}],
 }
 
 

@@ -2,7 +2,9 @@
 
 fuser runs the rule on fp32 parameters; the reference runs on float64 copies of the same
 starting point. Both see the same fresh, nonzero random gradients for several steps, and
-the parameters (and the states both keep) must agree to a relative error of 1e-6."""
+the parameters (and the states both keep) must agree to a relative error of 1e-6, or the
+entry's ``rtol`` where bf16 Newton–Schulz sets it (its states from a Newton–Schulz
+result to ``NS_RTOL``)."""
 
 import sys
 from pathlib import Path
@@ -13,13 +15,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from zoo import NOT_EXPRESSIBLE, ZOO  # noqa: E402
+from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
 import fuser  # noqa: E402
 
 SHAPES = [(7, 13), (29,), (3, 5, 4)]
 STEPS = 5
 RTOL = 1e-6
+# bf16 Newton–Schulz is within e <= 2.5% of the float64 iteration on these shapes
+# (tests/optim/test_normuon.py measures it); each side's result is, so states computed
+# from it agree to 2e.
+NS_RTOL = 0.05
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -45,7 +51,8 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device):
     ours = [p.clone().to(device) for p in start]
     theirs = [p.clone().double() for p in start]
     opt = fuser.compile(entry.rule)(ours, **entry.hyper)
-    ref = pytorch_optimizer.load_optimizer(entry.reference)(theirs, **entry.reference_kwargs)
+    given = [dict(params=theirs, **entry.reference_group)] if entry.reference_group else theirs
+    ref = pytorch_optimizer.load_optimizer(entry.reference)(given, **entry.reference_kwargs)
     for step, step_grads in enumerate(grads, 1):
         for p, q, g in zip(ours, theirs, step_grads):
             p.grad = g.to(device)
@@ -54,12 +61,13 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device):
         ref.step()
         for i, (p, q) in enumerate(zip(ours, theirs)):
             err = relative_error(p, q)
-            assert err <= RTOL, (
+            assert err <= entry.rtol, (
                 f"{name}: parameter {i} {tuple(p.shape)}, step {step}: relative error {err:.2e}"
             )
-            for ours_key, ref_key in entry.states.items():
-                err = relative_error(opt.state[p][ours_key], ref.state[q][ref_key])
-                assert err <= RTOL, f"{name}: state {ours_key!r} of parameter {i}, step {step}: {err:.2e}"
+            for keys, rtol in ((entry.states, RTOL), (entry.ns_states, NS_RTOL)):
+                for ours_key, ref_key in keys.items():
+                    err = relative_error(opt.state[p][ours_key], ref.state[q][ref_key])
+                    assert err <= rtol, f"{name}: state {ours_key!r} of parameter {i}, step {step}: {err:.2e}"
     assert all(not torch.equal(p.cpu(), s) for p, s in zip(ours, start)), f"{name}: a parameter never moved"
 
 
@@ -69,3 +77,8 @@ def test_zoo_names_its_references_and_gaps():
     assert set(NOT_EXPRESSIBLE) <= supported
     assert not set(NOT_EXPRESSIBLE) & {e.reference for e in ZOO.values()}
     assert all(e.doc for e in ZOO.values())
+
+
+def test_readme_shows_the_zoo_coverage_table():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert coverage_table() in readme, "paste `python examples/zoo.py --table` into README.md"

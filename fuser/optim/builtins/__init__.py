@@ -8,7 +8,7 @@ groups; the others are hyperparameters, one value per param group. Boolean keywo
 do not change the shape (``maximize``, ``decoupled_weight_decay``) are 0/1 hyperparameters:
 ``g - 2 * maximize * g`` is exactly ``g`` or ``-g``.
 
-Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME) follow their papers, with the
+Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon) follow their papers, with the
 keywords and state keys of the authors' reference implementations.
 
 One module per family, each rule beside its class; ``_base`` holds what they share. Every
@@ -45,7 +45,17 @@ from fuser.optim.builtins.adam_family import (
 )
 from fuser.optim.builtins.factored import CAME, Adafactor, adafactor, came, came_ams_bound
 from fuser.optim.builtins.layerwise import LAMB, LARS, lamb, lars
-from fuser.optim.builtins.orthogonal import Muon, muon, muon_adamw, muon_heavy_ball
+from fuser.optim.builtins.orthogonal import (
+    Muon,
+    NorMuon,
+    muon,
+    muon_adamw,
+    muon_heavy_ball,
+    normuon,
+    normuon_adamw,
+    normuon_heavy_ball,
+    normuon_match_rms,
+)
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
 from fuser.optim.builtins.sign import Lion, lion
 
@@ -66,6 +76,7 @@ __all__ = [
     "Lion",
     "Muon",
     "NAdam",
+    "NorMuon",
     "RAdam",
     "RMSprop",
     "adafactor",
@@ -86,6 +97,10 @@ __all__ = [
     "muon_adamw",
     "muon_heavy_ball",
     "nadam",
+    "normuon",
+    "normuon_adamw",
+    "normuon_heavy_ball",
+    "normuon_match_rms",
     "radam",
     "rmsprop",
     "rmsprop_centered",
