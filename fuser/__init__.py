@@ -63,7 +63,12 @@ orthogonalize = _REDUCTIONS["orthogonalize"]
 
 def compile(rule: Rule, **options):  # noqa: A001 - the public name
     """Compile a rule: an optimizer rule gives a ``torch.optim.Optimizer`` subclass, a loss
-    rule a callable fused ``linear + loss`` with autograd."""
+    rule a callable fused ``linear + loss`` with autograd. A dict of named optimizer rules
+    gives one optimizer whose param groups choose their rule (``rule="adamw"``)."""
+    if isinstance(rule, dict):  # several optimizer rules, chosen per param group
+        from fuser.optim.factory import make_optimizer
+
+        return make_optimizer(rule, **options)
     if not isinstance(rule, Rule):
         raise TypeError(
             f"fuser.compile takes a fuser.Rule (from fuser.rule or fuser.loss), not {type(rule).__name__}"

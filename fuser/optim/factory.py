@@ -261,8 +261,40 @@ def rule_view(opt: FuserOptimizer, rule: Rule) -> RuleView:
     return cls(opt, rule)
 
 
-def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
-    """Build the optimizer class for ``rule`` (see ``fuser.compile``).
+class MultiRuleOptimizer(FuserOptimizer):
+    """Base of an optimizer compiled from several rules: each param group names its rule
+    with the key ``rule`` (the first rule where it names none), and takes that rule's
+    hyperparameters (constructor keywords override the defaults of every rule that has
+    them). One ``step()`` runs a step engine per rule in use."""
+
+    rules: dict
+
+    def __init__(self, params, **hyper):
+        known = {h for r in self.rules.values() for h in r.hyper_defaults}
+        unknown = set(hyper) - known
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
+                f"its rules take {sorted(known)}"
+            )
+        self._overrides = dict(hyper)
+        self._init_fuser(params, {})
+
+    def add_param_group(self, param_group: dict) -> None:
+        name = param_group.setdefault("rule", next(iter(self.rules)))
+        if name not in self.rules:
+            raise ValueError(f"param group rule {name!r} is not one of {sorted(self.rules)}")
+        for h, default in self.rules[name].hyper_defaults.items():
+            param_group.setdefault(h, self._overrides.get(h, default))
+        super().add_param_group(param_group)
+
+    def _rule_of(self, group: dict) -> Rule:
+        return self.rules[group["rule"]]
+
+
+def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> type:
+    """Build the optimizer class for ``rule`` (see ``fuser.compile``), or for a dict of
+    named rules whose param groups choose one (``dict(params=..., rule="adamw")``).
 
     Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
     or ``"param"`` to store each state like its parameter), ``grad_attr`` (``"main_grad"``
@@ -273,6 +305,8 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
     then zeroes gradients in place, and ``refresh()`` re-reads everything once.
     """
     opts = parse_options(**options)
+    if isinstance(rule, dict):
+        return _multi_rule_class(rule, name, opts)
     plan_and_sources(rule, dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
     doc = (
@@ -285,3 +319,22 @@ def make_optimizer(rule: Rule, *, name: str | None = None, **options) -> type:
         (FuserOptimizer,),
         {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"},
     )
+
+
+def _multi_rule_class(rules: dict, name: str | None, opts: Options) -> type:
+    if not rules:
+        raise ValueError("fuser.compile needs at least one rule")
+    for key, r in rules.items():
+        if not isinstance(key, str) or not isinstance(r, Rule) or r.kind != "optim":
+            raise TypeError(f"fuser.compile takes a dict of names to optimizer rules; {key!r} is {r!r}")
+        plan_and_sources(r, dtype_plan(r, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
+    first = next(iter(rules.values()))
+    doc = "Optimizer compiled by fuser from rules " + ", ".join(f"{k!r} ({r.name})" for k, r in rules.items())
+    attrs = {
+        "rules": dict(rules),
+        "rule": first,
+        "options": opts,
+        "__doc__": doc,
+        "__module__": "fuser.optim",
+    }
+    return type(name or "MultiRuleOptimizer", (MultiRuleOptimizer,), attrs)
