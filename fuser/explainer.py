@@ -150,6 +150,10 @@ def _elementwise(plan) -> list[str]:
                 f"accumulate {plan.reductions[i].symbol}[{plan.reductions[i].axis}] += {_s(e)}"
                 for i, e in ph.axis_reduce
             ),
+            *(
+                f"store the matrix of {plan.reductions[i].symbol} = {_s(e)} (bf16)"
+                for i, e in ph.matrix_stores
+            ),
             *(f"store {name} = {_s(e)}" for name, e in ph.stores),
         ]
         for tail in ph.tails:
@@ -171,6 +175,14 @@ def _phases(plan) -> list[str]:
             scope = f"per {r.axis}, {_OVER[r.axis]}"
         elif r.over != "element":
             scope, where = f"per tensor, of {r.over} values", f"reduced by the tail of phase {r.phase}"
+        if r.matrix:
+            steps, a, b, c, eps = r.args
+            out.append(
+                f"   {r.symbol} = {r.op}(...) per element: each tensor's matrix written in phase "
+                f"{r.phase}, then {steps} Newton-Schulz steps (a={a}, b={b}, c={c}, eps={eps}) batched "
+                f"by shape, read from phase {r.phase + 1}"
+            )
+            continue
         how = _ACCUMULATE.get(r.op, r.op)
         if r.op == "mean" and (r.axis or r.over != "element"):
             how = "sum, then / the count"
