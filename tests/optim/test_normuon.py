@@ -67,8 +67,14 @@ def test_normuon_follows_pytorch_optimizer(config, device):
         ref.step()
         for i, (p, q) in enumerate(zip(mine[: len(MATRICES)], theirs)):
             where = f"{config}: {tuple(p.shape)}, step {step}"
-            # Exact on both sides: the momentum (ours in fp32, theirs in float64).
-            assert rel(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"]) < 1e-6, where
+            # The momentum is exact on both sides (ours in fp32, theirs in float64), except
+            # that an L2 decay (weight_decouple=False) adds weight_decay * p to the gradient,
+            # and p carries the earlier steps' bf16 Newton-Schulz differences.
+            m, ref_m = opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"]
+            l2 = 0.0 if keywords.get("weight_decouple", True) else keywords["weight_decay"]
+            drift = (before[i] - ref_before[i].cpu().reshape(before[i].shape)).norm()
+            allowed = 1e-6 + l2 * (drift / ref_m.detach().cpu().norm()).item()
+            assert rel(m, ref_m) < allowed, (where, rel(m, ref_m), allowed)
             # Each side's update is within bf16's Newton–Schulz error e of the float64
             # iteration, so the two are within 2e of each other (the row normalisation and
             # rescaling are smooth and keep relative errors).
