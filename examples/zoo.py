@@ -887,6 +887,33 @@ _add(
 )
 
 _add(
+    "prodigy",
+    """
+    d_lr = d * lr
+    d_numerator = beta3 * d_numerator + (d / d0) * d_lr * global_sum(g * (p0 - p))
+    exp_avg = beta1 * exp_avg + d * (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + d * d * (1 - beta2) * g**2
+    s = beta3 * s + (d / d0) * d_lr * g
+    d_new = maximum(d, d_coef * d_numerator / global_sum(abs(s)))
+    p = p * (1 - d_lr * weight_decay)
+    p = p - d_lr * exp_avg / (sqrt(exp_avg_sq) + d_new * eps)
+    d = d_new
+    """,
+    defaults=dict(
+        lr=1.0, beta1=0.9, beta2=0.999, beta3=0.999**0.5, d0=1e-6, d_coef=1.0, weight_decay=0.0, eps=1e-8
+    ),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, s=0.0, p0="p", d=1e-6, d_numerator=0.0),
+    reference_kwargs=dict(lr=1.0, betas=(0.9, 0.99), beta3=0.95, d0=1e-6, weight_decay=0.1),
+    hyper=dict(lr=1.0, beta1=0.9, beta2=0.99, beta3=0.95, d0=1e-6, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", s="s"),
+    doc="Prodigy(lr, betas, beta3, d0, d_coef, weight_decay) with its defaults growth_rate=inf "
+    "(so d is the running maximum of its estimate), bias_correction=False, safeguard_warmup=False "
+    "and decoupled decay; d and d_numerator are per-tensor states that every tensor shares, fed "
+    "by global_sum over every tensor (the reference keeps them in the param group). The state d "
+    "starts at d0's default (1e-6).",
+)
+
+_add(
     "adai",
     """
     d = g + weight_decay * p
@@ -1086,15 +1113,16 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
-    "prodigy": "needs signed sums over all tensors and one scalar carried for all of them: "
-    "d_numerator accumulates dot(g, p0 - p) across every tensor; global_norm only gives sums "
-    "of squares",
-    "dadaptadam": "needs signed sums over all tensors and one scalar d carried for all of them "
-    "(D-Adaptation, as prodigy)",
-    "dadaptsgd": "needs signed sums over all tensors and one scalar d carried for all of them",
-    "dadaptadagrad": "needs signed sums over all tensors and one scalar d carried for all of them",
-    "dadaptlion": "needs signed sums over all tensors and one scalar d carried for all of them",
-    "dadaptadan": "needs signed sums over all tensors and one scalar d carried for all of them",
+    "dadaptadam": "not written as a rule yet: global_sum and a scalar state fed by it give "
+    "D-Adaptation's shared d, as prodigy's entry shows",
+    "dadaptsgd": "not written as a rule yet: global_sum and a scalar state fed by it give "
+    "D-Adaptation's shared d, as prodigy's entry shows",
+    "dadaptadagrad": "not written as a rule yet: global_sum and a scalar state fed by it give "
+    "D-Adaptation's shared d, as prodigy's entry shows",
+    "dadaptlion": "not written as a rule yet: global_sum and a scalar state fed by it give "
+    "D-Adaptation's shared d, as prodigy's entry shows",
+    "dadaptadan": "not written as a rule yet: global_sum and a scalar state fed by it give "
+    "D-Adaptation's shared d, as prodigy's entry shows",
     "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
     "only to tensors with ndim > 1 (no keyword turns this off)",
     "adamp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
