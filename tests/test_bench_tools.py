@@ -85,7 +85,9 @@ def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
     assert "fuser.optim.CAME" in rows and "pytorch_optimizer.CAME" in rows
     for r in recorded["rows"]:
         if "error" not in r:
-            assert r["ms"] > 0 and r["floor_ms"] > 0 and 0 < r["pct_of_floor"]
+            # (on a busy CPU the fraction of a GPU floor rounds to 0.0)
+            assert r["ms"] > 0 and r["floor_ms"] > 0
+            assert abs(r["pct_of_floor"] - 100 * r["floor_ms"] / r["ms"]) <= 0.1
             # Each anchor took the same step as fuser from the same inputs.
             assert r["rel_err_vs_fuser"] is None or r["rel_err_vs_fuser"] < 1e-5, r
     assert {"date", "device", "torch", "triton", "copy_TBps", "command"} <= set(recorded["meta"])
