@@ -439,9 +439,9 @@ _add(
     hyper=dict(lr=1e-2, beta1=0.8, beta2=0.95, weight_decay=0.1, r=0.5, warmup_steps=3),
     states=dict(exp_avg_sq="exp_avg_sq", z="z"),
     doc="ScheduleFreeAdamW(lr, betas, weight_decay, r, weight_lr_power, warmup_steps, "
-    "decoupling_c, eps) with ams_bound=False: the training step, in train mode. The "
-    "reference's eval()/train() (moving p to the averaged point and back) are not "
-    "part of the compiled optimizer; do `p.lerp_(z, 1 - 1 / beta1)` to evaluate.",
+    "decoupling_c, eps) with ams_bound=False: the training step, in train mode. A rule "
+    "compiled alone has no eval()/train(); fuser.optim.ScheduleFreeAdamW is this rule with "
+    "them (p moved to the average and back).",
 )
 
 

@@ -18,6 +18,7 @@ from fuser.optim.builtins import (
     NorMuon,
     RAdam,
     RMSprop,
+    ScheduleFreeAdamW,
 )
 from fuser.optim.factory import FuserOptimizer, kernel_sources, make_optimizer
 
@@ -38,6 +39,7 @@ __all__ = [
     "NorMuon",
     "RAdam",
     "RMSprop",
+    "ScheduleFreeAdamW",
     "FuserOptimizer",
     "kernel_sources",
     "make_optimizer",

@@ -710,7 +710,7 @@ def test_every_builtin_rule_renders(device):
     from fuser.optim.factory import kernel_sources
 
     rules = [v for v in vars(builtins).values() if isinstance(v, fuser.Rule)]
-    assert len(rules) == 30
+    assert len(rules) == 31
     for rule in rules:
         for dtype in ("fp32", "bf16"):
             sources = kernel_sources(rule, dtype)

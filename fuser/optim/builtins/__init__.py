@@ -56,6 +56,7 @@ from fuser.optim.builtins.orthogonal import (
     normuon_heavy_ball,
     normuon_match_rms,
 )
+from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
 from fuser.optim.builtins.sign import Lion, lion
 
@@ -79,6 +80,7 @@ __all__ = [
     "NorMuon",
     "RAdam",
     "RMSprop",
+    "ScheduleFreeAdamW",
     "adafactor",
     "adagrad",
     "adam",
@@ -106,6 +108,7 @@ __all__ = [
     "rmsprop_centered",
     "rmsprop_centered_momentum",
     "rmsprop_momentum",
+    "schedule_free_adamw",
     "sgd",
     "sgd_momentum",
     "sgd_nesterov",
