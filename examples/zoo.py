@@ -914,6 +914,32 @@ _add(
 )
 
 _add(
+    "dadaptadam",
+    """
+    d_lr = d * lr
+    num = numerator_weighted + (1 - sqrt(beta2)) * (
+        d_lr * global_sum(g * s / (sqrt(exp_avg_sq) + eps)) - numerator_weighted
+    )
+    exp_avg = beta1 * exp_avg + d_lr * (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    s = sqrt(beta2) * s + d_lr * (1 - sqrt(beta2)) * g
+    d_new = maximum(d, num / ((1 - sqrt(beta2)) * global_sum(abs(s))))
+    p = p * (1 - d_lr * weight_decay) - exp_avg / (sqrt(exp_avg_sq) + eps)
+    numerator_weighted = num
+    d = d_new
+    """,
+    defaults=dict(lr=1.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8),
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, s=0.0, d=1e-6, numerator_weighted=0.0),
+    reference_kwargs=dict(lr=1.0, betas=(0.8, 0.95), weight_decay=0.1, weight_decouple=True),
+    hyper=dict(lr=1.0, beta1=0.8, beta2=0.95, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", s="s"),
+    doc="DAdaptAdam(lr, betas, weight_decay) with weight_decouple=True and its defaults "
+    "d0=1e-6 (the state d's start), growth_rate=inf, bias_correction=False: d grows to the "
+    "running maximum of its estimate, from dot products and L1 norms over every tensor "
+    "(global_sum); d and numerator_weighted are per-tensor states that every tensor shares.",
+)
+
+_add(
     "adai",
     """
     d = g + weight_decay * p
@@ -1113,8 +1139,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
-    "dadaptadam": "not written as a rule yet: global_sum and a scalar state fed by it give "
-    "D-Adaptation's shared d, as prodigy's entry shows",
     "dadaptsgd": "not written as a rule yet: global_sum and a scalar state fed by it give "
     "D-Adaptation's shared d, as prodigy's entry shows",
     "dadaptadagrad": "not written as a rule yet: global_sum and a scalar state fed by it give "
