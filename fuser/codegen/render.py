@@ -46,7 +46,7 @@ OPTIM_SIGNATURE = (
 )
 # Shape-aware (tiled) phase kernels also take each tensor's 2-D view and the axis buffer.
 TILED_SIGNATURE = (
-    ("shapes", "*i64"),
+    ("axis_starts", "*i64"),
     ("axis", "*fp32"),
     ("total_rows", "i64"),
     ("total_cols", "i64"),
@@ -468,7 +468,7 @@ def _one_tail(ctx: _PhaseContext, j: int, tail: Tail) -> list[str]:
     loop += [f"{s.name} = {pr.doprint_expr(e)}" for s, e in tail.body]
     after = []
     for col, e in tail.reduce:
-        r = next(x for x in plan.reductions if x.column == col and not x.axis)
+        r = _per_tensor(plan, col)
         acc = f"tacc{j}_{col}"
         if ACCUMULATE[r.op][1] == "sum":
             lines.append(f"{acc} = tl.full([RBLOCK], 0.0, tl.float32)")
@@ -563,7 +563,7 @@ def _reduction_lines(
     plan, nred, nglob = ctx.plan, ctx.nred, ctx.nglob
     lines = {name: [] for name in _COMBINE_SECTIONS}
     for col, e in ctx.phase.reduce:
-        r = next(x for x in plan.reductions if x.column == col and not x.axis and not x.matrix)
+        r = _per_tensor(plan, col)
         op = r.op
         combine = ACCUMULATE[op][1]
         value = ctx.p32.doprint_expr(e)
@@ -633,6 +633,12 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             **lines,
         )
     )
+
+
+def _per_tensor(plan: OptimPlan, column: int):
+    """The per-tensor reduction in ``column`` of the result table (axis reductions and
+    matrix functions have none, so a plan's index is not its column)."""
+    return next(r for r in plan.reductions if r.column == column)
 
 
 def _slot(plan: OptimPlan, name: str):

@@ -10,6 +10,8 @@ per row, and so on; a state never assigned, or starting as ``p``, is per element
 
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 from fuser.errors import RuleError
@@ -63,8 +65,14 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
 
 
 def state_kinds(rule) -> dict[str, str]:
-    """What each state of ``rule`` (a ``Rule``) holds."""
-    return _state_kinds(dict(rule.outputs), rule.state)
+    """What each state of ``rule`` (a ``Rule``) holds. Worked out once per rule: the
+    runtime asks at every rebuild and for every loaded parameter."""
+    return dict(_rule_kinds(rule))
+
+
+@functools.lru_cache(maxsize=256)
+def _rule_kinds(rule) -> tuple[tuple[str, str], ...]:
+    return tuple(_state_kinds(dict(rule.outputs), rule.state).items())
 
 
 def _state_kinds(outputs: dict, state) -> dict[str, str]:

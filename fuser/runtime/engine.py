@@ -71,7 +71,7 @@ class KernelStep:
         if g.plan.tiled:
             if self.first and g.axis_init is not None:
                 g.axis.copy_(g.axis_init)
-            tiled = (t.shapes, g.axis, t.total_rows, t.total_cols)
+            tiled = (t.axis_starts, g.axis, t.total_rows, t.total_cols)
         self.kernel(
             (t.n_blocks,),
             t.ptrs,

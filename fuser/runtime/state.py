@@ -139,7 +139,6 @@ def pack_scalars(opt, members, scalar_names, device) -> torch.Tensor:
     keys = opt._state_keys
     init = dict(opt.rule.state)
     cols = []
-    scalar_names = tuple(scalar_names)
     for p, _, _ in members:
         st = opt.state[p]
         vals = [st.get("step", 0.0)]

@@ -32,9 +32,9 @@ class Tables:
     counters: torch.Tensor  # int32 [n_tensors + 2]: zero between launches
     n_tensors: int
     n_blocks: int
-    # Tiled launches (shape-aware rules) only: each tensor's 2-D view and where its rows and
-    # columns start in the axis buffer (int64 [4, n_tensors]), and their totals.
-    shapes: torch.Tensor | None = None
+    # Tiled launches (shape-aware rules, whole tensors) only: where each tensor's rows and
+    # columns start in the axis buffer (int64 [2, n_tensors]), and their totals.
+    axis_starts: torch.Tensor | None = None
     total_rows: int = 0
     total_cols: int = 0
 
@@ -72,9 +72,9 @@ def build_tables(
     empty tensor still gets one (masked-off) block, so that every tensor reports its
     reductions and the step advances.
 
-    With ``tile`` (rows, cols), a block is a tile of the tensor's 2-D view (``view_2d``
-    of the first tensor of its row, which must be contiguous) and ``block_start`` its
-    index among the tensor's tiles, row-major.
+    With ``tile`` (rows, cols), a block is a tile of the tensor's 2-D view (``view_2d``;
+    the tensors are whole and contiguous) and ``block_start`` its index among the
+    tensor's tiles, row-major.
     """
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
@@ -83,13 +83,11 @@ def build_tables(
     logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
     sizes = torch.tensor([view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
-    shapes, views = None, []
-    if tile is not None:
-        views = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
-        tiles = ((views[:, 0] + tile[0] - 1) // tile[0]) * ((views[:, 1] + tile[1] - 1) // tile[1])
+    starts = None
+    if tile is not None:  # whole tensors: the logical view is the local one
+        tiles = ((sizes[:, 0] + tile[0] - 1) // tile[0]) * ((sizes[:, 1] + tile[1] - 1) // tile[1])
         counts = tiles.clamp_min(1)
-        offsets = torch.cumsum(views, 0) - views
-        shapes = torch.cat([views.T, offsets.T]).contiguous()
+        starts = (torch.cumsum(sizes, 0) - sizes).T.contiguous()
     total = int(counts.sum())
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
@@ -108,9 +106,9 @@ def build_tables(
         counters=torch.zeros(n + 2, dtype=torch.int32, device=device),
         n_tensors=n,
         n_blocks=total,
-        shapes=None if shapes is None else shapes.to(device),
-        total_rows=int(views[:, 0].sum()) if tile is not None and n else 0,
-        total_cols=int(views[:, 1].sum()) if tile is not None and n else 0,
+        axis_starts=None if starts is None else starts.to(device),
+        total_rows=int(sizes[:, 0].sum()) if tile is not None else 0,
+        total_cols=int(sizes[:, 1].sum()) if tile is not None else 0,
     )
 
 
