@@ -32,29 +32,39 @@ print(json.dumps(rows))
 """
 
 
+def sweep(child: str, configs: list[tuple[dict, dict]]) -> list[dict]:
+    """Run ``child`` (Python source printing a JSON list of rows on its last line) once per
+    (environment, fields) config, in a fresh process each; its rows get the fields."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = []
+    for env, fields in configs:
+        out = subprocess.run(
+            [sys.executable, "-c", child.format(root=os.path.dirname(here), bench=here)],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode:
+            print(fields, "failed:", out.stderr[-2000:], flush=True)
+            continue
+        for row in json.loads(out.stdout.strip().splitlines()[-1]):
+            row.update(fields)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--configs", default="2048:8,4096:8,8192:8,4096:4,8192:16")
     args = ap.parse_args(argv)
-    here = os.path.dirname(os.path.abspath(__file__))
-    results = []
+    configs = []
     for cfg in args.configs.split(","):
         block, warps = cfg.split(":")
-        env = {**os.environ, "FUSER_OPTIM_BLOCK": block, "FUSER_OPTIM_WARPS": warps}
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD.format(root=os.path.dirname(here), bench=here)],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if out.returncode:
-            print(cfg, "failed:", out.stderr[-2000:], flush=True)
-            continue
-        for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            row.update(block=int(block), warps=int(warps))
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        env = {"FUSER_OPTIM_BLOCK": block, "FUSER_OPTIM_WARPS": warps}
+        configs.append((env, dict(block=int(block), warps=int(warps))))
+    results = sweep(CHILD, configs)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep_optim.json"), "w") as f:
         json.dump(results, f, indent=1)

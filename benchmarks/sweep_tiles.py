@@ -10,8 +10,10 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_optim import sweep  # noqa: E402
 
 CHILD = r"""
 import json, sys, torch
@@ -38,24 +40,13 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--configs", default="8x256:8,16x256:8,32x128:8,16x128:4,32x256:8")
     args = ap.parse_args(argv)
-    here = os.path.dirname(os.path.abspath(__file__))
-    results = []
+    configs = []
     for cfg in args.configs.split(","):
         tile, warps = cfg.split(":")
-        env = {**os.environ, "FUSER_OPTIM_TILE": tile, "FUSER_OPTIM_WARPS": warps}
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD.format(root=os.path.dirname(here), bench=here)],
-            env=env,
-            capture_output=True,
-            text=True,
+        configs.append(
+            ({"FUSER_OPTIM_TILE": tile, "FUSER_OPTIM_WARPS": warps}, dict(tile=tile, warps=int(warps)))
         )
-        if out.returncode:
-            print(cfg, "failed:", out.stderr[-2000:], flush=True)
-            continue
-        for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            row.update(tile=tile, warps=int(warps))
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    results = sweep(CHILD, configs)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"sweep_tiles_{datetime.date.today().isoformat()}.json"), "w") as f:
         json.dump(results, f, indent=1)
