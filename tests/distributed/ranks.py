@@ -9,9 +9,11 @@ fails the test instead of blocking CI.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +40,7 @@ def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
         result = fn(rank, world, *args)
@@ -45,7 +48,15 @@ def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
         dist.destroy_process_group()
     except BaseException:
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
+        code = 1
+    else:
+        code = 0
+    # Leave without the interpreter's teardown: torch 2.13's C++ destructors at exit
+    # sometimes abort ("terminate called without an active exception", no Python frame)
+    # after the rank's work and result are complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0) -> list:
