@@ -23,7 +23,7 @@ import traceback
 import warnings
 
 from fuser import clitools
-from fuser.clitools import DTYPES, STATE_DTYPES, TargetError, one_line
+from fuser.clitools import DTYPES, MASTER_WEIGHTS, STATE_DTYPES, TargetError, one_line
 
 DEFAULT_TARGETS = ("cuda:80", "cuda:90")
 
@@ -51,7 +51,12 @@ def _kernel_options(p: argparse.ArgumentParser, repeat: bool) -> None:
     many = dict(action="append") if repeat else {}
     p.add_argument("--state-dtype", dest="state_dtypes", choices=STATE_DTYPES, **many,
                    help="optimizers' state_dtype: a dtype, or param (each parameter's)"
-                   + (", repeatable (default: fp32)" if repeat else " (default: fp32)"))  # fmt: skip
+                   + (", repeatable (default: fp32)" if repeat else " (default: fp32)")
+                   + "; int8, uint8 (companded), int8_linear, uint8_linear: 8-bit blockwise; "
+                   "q8: uint8 for states the rule keeps non-negative, int8 for the rest")  # fmt: skip
+    p.add_argument("--master-weights", choices=MASTER_WEIGHTS,
+                   help="optimizers' master_weights: bf16 parameters with an 8- or 16-bit low part "
+                   "of their fp32 masters")  # fmt: skip
     p.add_argument("--stochastic-rounding", action="store_true",
                    help="optimizers built with stochastic_rounding=True (instead of without; "
                    "precompile twice for both)")  # fmt: skip
@@ -200,7 +205,7 @@ def _render_all(args, found, plans, state_dtypes, failed: set[str]) -> list[tupl
     work = []
     for f in found:
         for variant in clitools.variants(f.rule, plans, state_dtypes, args.stochastic_rounding,
-                                         args.vocab_parallel):  # fmt: skip
+                                         args.vocab_parallel, args.master_weights):  # fmt: skip
             try:
                 work.append((f.rule.name, variant, clitools.kernel_sources(f.rule, variant)))
             except Exception as e:  # noqa: BLE001 - every failure becomes one line per rule
@@ -259,6 +264,7 @@ def _unused_options(args, kinds: set[str]) -> str | None:
         return None
     optim = ["--state-dtype"] if args.state_dtypes else []
     optim += ["--stochastic-rounding"] if args.stochastic_rounding else []
+    optim += ["--master-weights"] if args.master_weights else []
     if optim and "optim" not in kinds:
         return f"{optim[0]} applies to optimizer rules, and only loss rules were found"
     if args.vocab_parallel and "loss" not in kinds:
@@ -327,7 +333,7 @@ def show(args) -> int:
     status = 0
     for f in found:
         for variant in clitools.variants(f.rule, [plan], [args.state_dtypes], args.stochastic_rounding,
-                                         args.vocab_parallel):  # fmt: skip
+                                         args.vocab_parallel, args.master_weights):  # fmt: skip
             try:
                 sources = clitools.kernel_sources(f.rule, variant)
             except Exception as e:  # noqa: BLE001

@@ -18,7 +18,9 @@ from fuser.rules import Rule
 
 BUILTIN_MODULES = ("fuser.optim.builtins", "fuser.losses.builtins")
 DTYPES = ("fp32", "bf16", "fp16")
-STATE_DTYPES = (*DTYPES, "param")
+QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear")
+STATE_DTYPES = (*DTYPES, "param", *QFORMATS, "q8")
+MASTER_WEIGHTS = ("bf16+int8", "bf16+int16")
 
 
 class TargetError(Exception):
@@ -125,8 +127,9 @@ class Variant:
 
     Optimizers: parameters in ``dtype``, gradients in ``grad_dtype`` (``None``: ``dtype``),
     states per ``state_dtype`` (fuser.compile's keyword: ``None`` is fp32, ``"param"`` each
-    parameter's dtype) and ``stochastic_rounding``. Losses: ``hidden`` and ``weight`` in
-    ``dtype``; ``vocab_parallel`` for the kernels of a call with ``process_group=``.
+    parameter's dtype, an 8-bit format or ``"q8"``), ``stochastic_rounding`` and
+    ``master_weights``. Losses: ``hidden`` and ``weight`` in ``dtype``; ``vocab_parallel``
+    for the kernels of a call with ``process_group=``.
     """
 
     dtype: str = "fp32"
@@ -134,11 +137,13 @@ class Variant:
     state_dtype: str | None = None
     stochastic_rounding: bool = False
     vocab_parallel: bool = False
+    master_weights: str | None = None
 
     @property
     def options(self) -> str:
         """The keywords besides dtypes, as the summary table shows them."""
         names = ["stochastic rounding"] if self.stochastic_rounding else []
+        names += [f"master {self.master_weights}"] if self.master_weights else []
         names += ["vocab-parallel"] if self.vocab_parallel else []
         return ", ".join(names) or "-"
 
@@ -164,13 +169,23 @@ def variants(
     state_dtypes: list[str | None] = (None,),
     stochastic_rounding: bool = False,
     vocab_parallel: bool = False,
+    master_weights: str | None = None,
 ) -> list[Variant]:
     """Every variant of ``rule`` to compile: for an optimizer, each dtype plan with each
-    state dtype; for a loss, each plan's parameter dtype (its kernels include those of calls
-    with ``process_group=``, so ``vocab_parallel`` adds nothing)."""
+    state dtype (but 8-bit ones for a rule that reads rows, columns or matrices, which
+    refuses them); for a loss, each plan's parameter dtype (its kernels include those of
+    calls with ``process_group=``, so ``vocab_parallel`` adds nothing)."""
     if rule.kind == "loss":
         return [Variant(d) for d in dict.fromkeys(param for param, _ in plans)]
-    return [Variant(param, grad, sd, stochastic_rounding) for param, grad in plans for sd in state_dtypes]
+    from fuser.ir.optim import has_matrix_functions, is_tiled
+
+    shaped = is_tiled(rule) or has_matrix_functions(rule)
+    return [
+        Variant(param, grad, sd, stochastic_rounding, master_weights=master_weights)
+        for param, grad in plans
+        for sd in state_dtypes
+        if not (shaped and sd in (*QFORMATS, "q8"))
+    ]
 
 
 def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSource]:
@@ -184,6 +199,7 @@ def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSourc
             grad_dtype=variant.grad_dtype,
             state_dtype=variant.state_dtype,
             stochastic_rounding=variant.stochastic_rounding,
+            master_weights=variant.master_weights,
         )
         return list(found)
     if rule.kind == "loss":

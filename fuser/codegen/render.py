@@ -16,10 +16,32 @@ import sympy
 
 from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import ACCUMULATE, COL, COLS, NUMEL, ROW, ROWS, STEP, OptimPlan, Phase, Tail, matrix_slot
+from fuser.ir.optim import (
+    ACCUMULATE,
+    COL,
+    COLS,
+    MASTER_SLOT,
+    NUMEL,
+    QFORMATS,
+    ROW,
+    ROWS,
+    STEP,
+    OptimPlan,
+    Phase,
+    Tail,
+    matrix_slot,
+    scale_slot,
+)
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
+# Storage of the 8-bit formats' codes and of split masters' low parts.
+TL_INT_DTYPES = {"int8": "tl.int8", "uint8": "tl.uint8", "int8_linear": "tl.int8", "uint8_linear": "tl.uint8"}
+# The kernel helpers' number for each 8-bit format (``_q8_encode``, ``_q8_decode``).
+QFORMAT_CODE = {f: i + 1 for i, f in enumerate(QFORMATS)}
+# Elements per scale of an 8-bit state: FlashOptim's group of 32 (FUSER_OPTIM_QBLOCK
+# overrides it for tuning runs; the value is part of the kernel's cache key).
+QBLOCK = 32
 
 # Every phase kernel of an optimizer takes these runtime arguments, in this order.
 OPTIM_SIGNATURE = (
@@ -104,6 +126,14 @@ def helpers_source() -> str:
     return environment().get_template("helpers.py.jinja").render().strip("\n")
 
 
+def quant_block() -> int:
+    """Elements per scale of an 8-bit state."""
+    qb = int(os.environ.get("FUSER_OPTIM_QBLOCK") or QBLOCK)
+    if qb < 8 or qb & (qb - 1):
+        raise ValueError(f"FUSER_OPTIM_QBLOCK must be a power of two >= 8, not {qb}")
+    return qb
+
+
 def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
     """(BLOCK, num_warps) for a step kernel. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_WARPS``
     override them (for tuning runs; the values are part of the kernel's cache key)."""
@@ -171,7 +201,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     tile = optim_tile()
     tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else ()
     block = tile[0] * tile[1] if plan.tiled else block
-    constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles)
+    quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
+    constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant)
     text = _kernel_text(
         ctx,
         entry,
@@ -266,6 +297,9 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
     written = {n for n, _ in phase.stores} | {n for t in phase.tails for n, _ in t.stores}
     written |= {matrix_slot(i, "in") for i, _ in phase.matrix_stores}
     touched = read | written | {s.name for s in tail_free}
+    touched |= {scale_slot(sl.name) for sl in plan.slots if sl.dtype in QFORMATS and sl.name in touched}
+    if "p" in touched and any(sl.role == "master" for sl in plan.slots):
+        touched.add(MASTER_SLOT)
     return _PhaseContext(
         plan=plan,
         phase=phase,
@@ -330,9 +364,19 @@ def _global_reduction_loads(ctx: _PhaseContext) -> list[str]:
 def _pointer_lines(ctx: _PhaseContext) -> list[str]:
     pointers = []
     for j, sl in ctx.used_slots:
+        dtype = TL_DTYPES.get(sl.dtype) or TL_INT_DTYPES.get(sl.dtype, "tl.int16")
         pointers.append(f"{sl.name}_raw = tl.load(ptrs + t * {len(ctx.plan.slots)} + {j})")
-        pointers.append(f"{sl.name}_ptr = {sl.name}_raw.to(tl.pointer_type({TL_DTYPES[sl.dtype]}))")
+        pointers.append(f"{sl.name}_ptr = {sl.name}_raw.to(tl.pointer_type({dtype}))")
     return pointers
+
+
+def _is_compressed(plan: OptimPlan) -> bool:
+    return any(sl.role == "master" or sl.dtype in QFORMATS for sl in plan.slots)
+
+
+def _master_bits(plan: OptimPlan) -> int:
+    """Bits of the split master's low part (0: none)."""
+    return next((8 if sl.dtype == "int8" else 16 for sl in plan.slots if sl.role == "master"), 0)
 
 
 def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
@@ -344,11 +388,27 @@ def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
             lines.append(f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)")
     for _, sl in ctx.used_slots:
         if sl.name in ctx.read:
-            scale = " * inv_scale" if sl.role == "grad" else ""
-            how = "" if fast else ", mask=mask, other=0.0"
-            lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + offs{how}).to(tl.float32){scale}")
+            lines.append(f"x_{sl.name} = {_element_load(ctx, sl, fast)}")
     lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
     return lines
+
+
+def _element_load(ctx: _PhaseContext, sl, fast: bool) -> str:
+    """A flat block's fp32 values of slot ``sl``: decoded from 8 bits and their block's
+    scale, joined with the split master's low part, or cast."""
+    ints = "" if fast else ", mask=mask, other=0"
+    floats = "" if fast else ", mask=mask, other=0.0"
+    if sl.dtype in QFORMATS:
+        codes = f"tl.load({sl.name}_ptr + offs{ints})"
+        scales = f"tl.load({scale_slot(sl.name)}_ptr + offs // QB{floats})"
+        return f"_q8_decode({codes}, {scales}, {QFORMAT_CODE[sl.dtype]})"
+    value = f"tl.load({sl.name}_ptr + offs{floats}).to(tl.float32)"
+    if sl.role == "grad":
+        return f"{value} * inv_scale"
+    bits = _master_bits(ctx.plan)
+    if sl.role == "param" and bits:
+        return f"_master_join({value}, tl.load({MASTER_SLOT}_ptr + offs{ints}), {bits})"
+    return value
 
 
 # How a tile reads a value of each kind: per element at ``offs``, per row at ``ri`` as a
@@ -503,17 +563,48 @@ def _add_stores(
         # Counter-based random bits: one stream per (seed, step, tensor, slot), indexed
         # by the element, so a run is reproducible and no state is kept.
         pointers.append("sr_key = _stream_key(seed, step, t)")
+    fast_stores, masked_stores = [], []
     for k, (n, e) in enumerate(phase.stores):
         dtype = _slot(plan, n).dtype
+        value = ctx.p32.doprint_expr(e)
+        if dtype in QFORMATS or (n == "p" and _master_bits(plan)):
+            fast_stores += _compressed_store(plan, n, value, True)
+            masked_stores += _compressed_store(plan, n, value, False)
+            continue
         rnd = None
         if sr and dtype != "fp32":
             sr_lines.append(f"rnd_{n} = _hash32(offs.to(tl.uint32) ^ _hash32(sr_key + {k}))")
             rnd = f"rnd_{n}"
-        value = store_cast(ctx.p32.doprint_expr(e), dtype, rnd)
-        fast_lines.append(f"tl.store({n}_ptr + offs, {value})")
-        masked_lines.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
-    fast_lines[len(fast_lines) - len(phase.stores) : len(fast_lines) - len(phase.stores)] = sr_lines
-    masked_lines[len(masked_lines) - len(phase.stores) : len(masked_lines) - len(phase.stores)] = sr_lines
+        value = store_cast(value, dtype, rnd)
+        fast_stores.append(f"tl.store({n}_ptr + offs, {value})")
+        masked_stores.append(f"tl.store({n}_ptr + offs, {value}, mask=smask)")
+    fast_lines += sr_lines + fast_stores
+    masked_lines += sr_lines + masked_stores
+
+
+def _compressed_store(plan: OptimPlan, name: str, value: str, fast: bool) -> list[str]:
+    """Store a new value of an 8-bit state (its codes, then each block's fresh scale) or of
+    a parameter with a split master (the bf16 parameter, then the low part)."""
+    mask = "" if fast else ", mask=smask"
+    if name == "p":
+        return [
+            f"y_p = {value}",
+            "b_p = _to_bf16(y_p, INTERPRETED)",
+            f"tl.store(p_ptr + offs, b_p{mask})",
+            f"tl.store({MASTER_SLOT}_ptr + offs, _master_low(y_p, b_p, {_master_bits(plan)}){mask})",
+        ]
+    lines = [f"v_{name} = {value}" if fast else f"v_{name} = tl.where(mask, {value}, 0.0)"]
+    lines.append(
+        f"q_{name}, s_{name} = _q8_encode(v_{name}, {QFORMAT_CODE[_slot(plan, name).dtype]}, BLOCK, QB)"
+    )
+    lines.append(f"tl.store({name}_ptr + offs, q_{name}{mask})")
+    where = f"{scale_slot(name)}_ptr + start // QB + tl.arange(0, BLOCK // QB)"
+    if fast:
+        lines.append(f"tl.store({where}, s_{name})")
+    else:
+        qmask = "start + tl.arange(0, BLOCK // QB) * QB < tl.where(keep, n, 0)"
+        lines.append(f"tl.store({where}, s_{name}, mask={qmask})")
+    return lines
 
 
 def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:
@@ -615,6 +706,7 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             n_phases=len(plan.phases),
             last=ctx.last,
             tiled=plan.tiled,
+            quantized=_is_compressed(plan),
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
             rule_lines=plan.rule_text.splitlines(),
             helpers=helpers_source(),

@@ -38,6 +38,15 @@ from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
 
 # Storage dtypes a tensor may have, by the short name used in plans and cache entries.
 DTYPES = ("fp32", "bf16", "fp16")
+# 8-bit blockwise formats of element states: codes, and one fp32 scale per QBLOCK elements
+# in the slot ``<state>__absmax``. Companded codes after FlashOptim (Gonzalez Ortiz et al.,
+# arXiv:2602.23349, Algorithms 2-3): softsign for signed states, square root for
+# non-negative ones; or linear absmax codes.
+QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear")
+# Split master weights: the low part of an fp32 master beside a bf16 parameter, in slot
+# MASTER_SLOT, as a fraction of the parameter's bf16 spacing (``runtime.quant``).
+MASTER_DTYPES = ("int8", "int16")
+MASTER_SLOT = "p__lo"
 
 STEP = symbol("step")
 NUMEL = symbol("numel")
@@ -149,6 +158,11 @@ class OptimPlan:
     def n_axis(self) -> tuple[int, int]:
         """(row reductions, column reductions): the axis buffer's two parts."""
         return tuple(sum(1 for r in self.reductions if r.axis == a) for a in (ROW, COL))
+
+
+def scale_slot(state: str) -> str:
+    """The slot of an 8-bit state's per-block scales."""
+    return f"{state}__absmax"
 
 
 def symbol_kinds(rule: Rule) -> dict[sympy.Symbol, str]:
@@ -271,13 +285,15 @@ def lower_optim(
         raise TypeError(f"lower_optim takes an optimizer rule, not a {rule.kind} rule")
     dtypes = dict(dtypes or {})
     for k, v in dtypes.items():
-        if v not in DTYPES:
-            raise ValueError(f"dtype {v!r} of {k!r} is not one of {DTYPES}")
+        allowed = MASTER_DTYPES if k == MASTER_SLOT else DTYPES + QFORMATS
+        if v not in allowed:
+            raise ValueError(f"dtype {v!r} of {k!r} is not one of {allowed}")
     try:
         skinds = state_kinds(rule)
         outputs, reds, kinds = _extract_reductions(dict(rule.outputs), symbol_kinds(rule))
     except RuleError as e:
         raise e.with_rule(rule.name) from None
+    check_compressed(rule, dtypes)
     scalar_states = tuple(s for s, _ in rule.state if skinds[s] == SCALAR)
     reductions = _reduction_plans(reds)
     phases = _lower_phases(rule, outputs, reds, reductions, skinds, kinds)
@@ -292,6 +308,26 @@ def lower_optim(
         stochastic_rounding=stochastic_rounding,
         tiled=is_tiled(rule),
     )
+
+
+def check_compressed(rule: Rule, dtypes: dict[str, str]) -> None:
+    """8-bit formats are for element states of rules whose kernels walk flat blocks, and
+    split master weights for bf16 parameters."""
+    skinds = state_kinds(rule)
+    quantized = [s for s in skinds if dtypes.get(s) in QFORMATS]
+    for s in quantized:
+        if skinds[s] != ELEMENT:
+            raise ValueError(
+                f"state {s!r} of rule {rule.name!r} holds one number per {skinds[s]}; 8-bit formats "
+                "are for states of one value per element (store it as fp32 or bf16)"
+            )
+    if quantized and (is_tiled(rule) or has_matrix_functions(rule)):
+        raise ValueError(
+            f"rule {rule.name!r} reads rows, columns or matrices; its states cannot be stored in 8 "
+            f"bits ({', '.join(quantized)}): use fp32, bf16 or fp16 states"
+        )
+    if MASTER_SLOT in dtypes and dtypes.get("p") != "bf16":
+        raise ValueError(f"split master weights need bf16 parameters, not {dtypes.get('p')}")
 
 
 def _reduction_plans(reds: list[_Found]) -> tuple[ReductionPlan, ...]:
@@ -412,10 +448,14 @@ def _slots(
         Slot("p", "param", dtypes.get("p", "fp32"), True),
         Slot("g", "grad", dtypes.get("g", "fp32"), False),
     ]
+    if MASTER_SLOT in dtypes:
+        slots.append(Slot(MASTER_SLOT, "master", dtypes[MASTER_SLOT], True))
     roles = {ELEMENT: "state", ROW: "row", COL: "col"}
     for s, kind in skinds.items():
         if kind != SCALAR and (s in used or s in written):
             slots.append(Slot(s, roles[kind], dtypes.get(s, "fp32"), s in written))
+            if dtypes.get(s) in QFORMATS:
+                slots.append(Slot(scale_slot(s), "scale", "fp32", s in written))
     for i, r in enumerate(reductions):
         if r.matrix:
             slots += [

@@ -20,12 +20,14 @@ from fuser.runtime import distributed
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import (
     Options,
+    check_state_formats,
     dtype_plan,
     kernel_sources,
     parse_options,
     plan_and_sources,
     state_dtype,
 )
+from fuser.runtime.state import check_saved_format, dequantized, labelled
 from fuser.runtime.tables import view_2d
 from fuser.runtime.tracking import ParamState
 
@@ -153,8 +155,10 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             return
         super().zero_grad(set_to_none)
 
-    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return state_dtype(self.options, p.dtype)
+    def _state_dtype(self, p: torch.Tensor, state: str = "") -> torch.dtype:
+        """The dtype of a new state ``state`` (a rule state name) of ``p``: fp32 for an
+        8-bit one, which the step quantizes."""
+        return state_dtype(self.options, p.dtype, self.rule, state)
 
     def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
         """The shape of a new state of one number per row (``kind="row"``) or column of
@@ -162,10 +166,18 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         rows, cols = view_2d(p.shape)
         return (rows if kind == "row" else cols,)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, compressed: bool = False) -> dict:
+        """torch's state dict. States stored in 8 bits are given as fp32 tensors (which
+        torch's optimizers and checkpoints load) unless ``compressed``: then as stored,
+        codes under their key and fp32 scales under ``key + "_absmax"``, which
+        ``load_state_dict`` restores exactly. A split master's low part is ``master_lo``."""
         # Plain dicts: torch.load(weights_only=True) takes nothing else.
         sd = super().state_dict()
         sd["state"] = {k: dict(v) if isinstance(v, ParamState) else v for k, v in sd["state"].items()}
+        params = [(p, self._rule_of(g)) for g in self.param_groups for p in g["params"]]
+        for i, (p, rule) in enumerate(params):
+            if i in sd["state"]:
+                sd["state"][i] = (labelled if compressed else dequantized)(self, p, sd["state"][i], rule)
         return sd
 
     def load_state_dict(self, state_dict) -> None:
@@ -175,8 +187,16 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         # Saved ids in group order, as torch maps them: indices from state_dict(), or
         # parameter names from torch.distributed.checkpoint's set_optimizer_state_dict.
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        super().load_state_dict(state_dict)
         id_to_param = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))
+        rule_of = {p: self._rule_of(group) for group in self.param_groups for p in group["params"]}
+        for pid, st in saved.items():  # 8-bit codes in another format: refused before anything loads
+            p = id_to_param.get(pid)
+            if p is not None:
+                keys = self._state_keys_of(rule_of[p])
+                for s, key in keys.items():
+                    if torch.is_tensor(st.get(key)) and not st[key].is_floating_point():
+                        check_saved_format(self, p, st, key, s, rule_of[p])
+        super().load_state_dict(state_dict)
         rule_of = {p: self._rule_of(group) for group in self.param_groups for p in group["params"]}
         for pid, st in saved.items():
             p = id_to_param.get(pid)
@@ -194,14 +214,24 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         # The step too: a live optimizer's state_dict() holds views of its scalar table,
         # which its next step advances.
         scalar_keys = {keys[s] for s in keys if kinds[s] == "scalar"} | {"step"}
+        state_of = {k: s for s, k in keys.items()}
         for key, value in st.items():
             if not torch.is_tensor(value):
                 continue
+            dtype = state_dtype(self.options, p.dtype, rule, state_of.get(key, ""))
             if key in element_keys and value.shape == p.shape:
                 value = distributed.like_param(value, p)
-                self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+                # 8-bit codes stay as saved (with their scales); the step checks them
+                keep = dtype if value.is_floating_point() else value.dtype
+                self.state[p][key] = value.to(device=p.device, dtype=keep, copy=True)
             elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
-                self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+                self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+            elif key.endswith("_absmax") and key[: -len("_absmax")] in element_keys:
+                self.state[p][key] = value.to(
+                    device=distributed.local(p).device, dtype=torch.float32, copy=True
+                )
+            elif key == "master_lo":
+                self.state[p][key] = distributed.like_param(value, p).to(device=p.device, copy=True)
             elif key in scalar_keys and value.numel() == 1:
                 self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
 
@@ -307,6 +337,7 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
     opts = parse_options(**options)
     if isinstance(rule, dict):
         return _multi_rule_class(rule, name, opts)
+    check_state_formats(rule, opts)
     plan_and_sources(rule, dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
     doc = (
@@ -327,6 +358,7 @@ def _multi_rule_class(rules: dict, name: str | None, opts: Options) -> type:
     for key, r in rules.items():
         if not isinstance(key, str) or not isinstance(r, Rule) or r.kind != "optim":
             raise TypeError(f"fuser.compile takes a dict of names to optimizer rules; {key!r} is {r!r}")
+        check_state_formats(r, opts)
         plan_and_sources(r, dtype_plan(r, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     first = next(iter(rules.values()))
     doc = "Optimizer compiled by fuser from rules " + ", ".join(f"{k!r} ({r.name})" for k, r in rules.items())

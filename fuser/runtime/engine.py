@@ -25,8 +25,9 @@ import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0
 
 from fuser.cache import load_kernel
 from fuser.counters import count
-from fuser.ir.optim import scalar_state_names
+from fuser.ir.optim import MASTER_SLOT, scalar_state_names, scale_slot
 from fuser.log import logger
+from fuser.rules.signs import interval_hyper, nonneg_states
 from fuser.runtime import distributed
 from fuser.runtime.matrix import build_matrices
 from fuser.runtime.plans import TORCH_DTYPES, StepLayout, dtype_plan, plan_and_sources
@@ -243,6 +244,7 @@ class StepEngine:
         rows, tensors = hyper_rows(opt, names)
         devices = {group.tables.ptrs.device for group in self.launches}
         if rows != self.hyper_values or set(self.hyper_tables) != devices:
+            check_unsigned_states(opt, names, rows)
             numbers = [[math.nan if v is None else v for v in row] for row in rows]
             for device in devices:
                 self.hyper_tables[device] = (
@@ -255,6 +257,22 @@ class StepEngine:
                     table = self.hyper_tables[device]
                     for gi, j, v in tensors:
                         table[gi, j].copy_(v.reshape(()))
+
+
+def check_unsigned_states(opt, names: list[str], rows: list[tuple]) -> None:
+    """Raise where ``state_dtype="q8"`` stores a state unsigned on a proof that holds for
+    hyperparameters in [0, 1] and a param group's value lies outside."""
+    if "q8" not in str(opt.options.state_dtype):
+        return
+    for h in sorted(interval_hyper(opt.rule)):
+        j = names.index(h)
+        for gi, row in enumerate(rows):
+            if row[j] is not None and not 0.0 <= row[j] <= 1.0:
+                raise ValueError(
+                    f"state_dtype='q8' stores {sorted(nonneg_states(opt.rule))} unsigned: the rule keeps "
+                    f"them non-negative for {h} in [0, 1], and param group {gi} has {h}={row[j]}; "
+                    "name their formats instead, e.g. state_dtype=dict(name='int8')"
+                )
 
 
 def hyper_rows(opt, names: list[str]) -> tuple[list[tuple], list]:
@@ -285,6 +303,7 @@ def gather(opt):
     walk: a DTensor's own ``data_ptr()`` is 0."""
     attr = opt.options.grad_attr
     keys = list(opt._state_keys.values())
+    keys += [k + "_absmax" for k in keys] + ["master_lo"]  # 8-bit scales, split masters' low parts
     items, signature, grad_ptrs = [], [], []
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"]:
@@ -339,6 +358,11 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
     for (p, g, _), mats in zip(members, matrix_slots):
         st = opt.state[p]
         slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}, **mats}
+        slot_tensor.update(
+            {scale_slot(s): st[keys[s] + "_absmax"] for s in keys if keys[s] + "_absmax" in st}
+        )
+        if "master_lo" in st:
+            slot_tensor[MASTER_SLOT] = st["master_lo"]
         rows.append([distributed.local(slot_tensor[sl.name]) for sl in plan.slots])
     block = dict(sources[0].constexprs)["BLOCK"]
     tables = build_tables(

@@ -19,8 +19,19 @@ import torch
 from fuser.cache import rendered
 from fuser.codegen.render import optim_tile, render_optim, template_dir
 from fuser.codegen.source import KernelSource
-from fuser.ir.optim import DTYPES, ReductionPlan, Slot, lower_optim
+from fuser.ir.optim import (
+    DTYPES,
+    ELEMENT,
+    MASTER_SLOT,
+    QFORMATS,
+    ReductionPlan,
+    Slot,
+    check_compressed,
+    lower_optim,
+    state_kinds,
+)
 from fuser.rules.rule import Rule
+from fuser.rules.signs import nonneg_states
 
 TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
@@ -30,24 +41,60 @@ FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
 class Options:
     """Compile options of an optimizer class."""
 
-    state_dtype: str | None = None  # None: fp32; "param": each parameter's dtype; or a dtype name
+    # None: fp32; "param": each parameter's dtype; a dtype name; an 8-bit format (QFORMATS,
+    # or "q8": unsigned where the rule keeps the state non-negative); or per state, as
+    # sorted (state, one of those) pairs, "default" naming the rest's.
+    state_dtype: str | tuple[tuple[str, str], ...] | None = None
     state_keys: tuple[tuple[str, str], ...] = ()  # rule state name -> key in optimizer.state[p]
     grad_attr: str = "grad"  # read each gradient from this attribute ("main_grad": Megatron's fp32)
     stochastic_rounding: bool = False  # bf16/fp16 stores round stochastically
     seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
     static: bool = False  # storage of params, grads and states never replaced: no per-tensor check
+    master_weights: str | None = None  # "bf16+int8" / "bf16+int16": split fp32 masters of bf16 params
+
+
+# state_dtype's names: a dtype, each parameter's ("param"), an 8-bit format, or "q8".
+STATE_FORMATS = (*DTYPES, "param", *QFORMATS, "q8")
+MASTER_WEIGHTS = {"bf16+int8": "int8", "bf16+int16": "int16"}
+
+
+def _state_format(value, what: str = "state_dtype") -> str:
+    if isinstance(value, torch.dtype):
+        if value not in TORCH_DTYPES:
+            raise ValueError(f"{what} must be float32, bfloat16 or float16, not {value}")
+        return TORCH_DTYPES[value]
+    if value not in STATE_FORMATS:
+        raise ValueError(
+            f"{what} must be a torch dtype or one of {', '.join(map(repr, STATE_FORMATS))}, not {value!r}"
+        )
+    return value
 
 
 def parse_options(
-    state_dtype=None, state_keys=None, grad_attr="grad", stochastic_rounding=False, seed=0, static=False
+    state_dtype=None,
+    state_keys=None,
+    grad_attr="grad",
+    stochastic_rounding=False,
+    seed=0,
+    static=False,
+    master_weights=None,
 ) -> Options:
     """``Options`` from ``fuser.compile``'s keywords, checked."""
-    if isinstance(state_dtype, torch.dtype):
-        if state_dtype not in TORCH_DTYPES:
-            raise ValueError(f"state_dtype must be float32, bfloat16 or float16, not {state_dtype}")
-        state_dtype = TORCH_DTYPES[state_dtype]
-    if state_dtype not in (None, "param", *DTYPES):
-        raise ValueError(f"state_dtype must be a torch dtype, one of {DTYPES}, or 'param'")
+    if isinstance(state_dtype, dict):
+        if not all(isinstance(k, str) for k in state_dtype):
+            raise ValueError("state_dtype's keys must be the rule's state names (or 'default')")
+        state_dtype = tuple(
+            sorted((k, _state_format(v, f"state_dtype[{k!r}]")) for k, v in state_dtype.items())
+        )
+    elif state_dtype is not None:
+        state_dtype = _state_format(state_dtype)
+    if master_weights not in (None, *MASTER_WEIGHTS):
+        raise ValueError(f"master_weights must be None, 'bf16+int8' or 'bf16+int16', not {master_weights!r}")
+    if master_weights and stochastic_rounding:
+        raise ValueError(
+            "master_weights keeps the bits that bf16 rounding drops; stochastic_rounding would "
+            "discard them: choose one"
+        )
     if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
         raise ValueError("grad_attr must be an attribute name such as 'grad' or 'main_grad'")
     if not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -61,26 +108,65 @@ def parse_options(
         bool(stochastic_rounding),
         seed,
         static,
+        master_weights,
     )
 
 
-def state_dtype(options: Options, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the element states of a parameter stored in ``param_dtype``."""
+def check_state_formats(rules, options: Options) -> None:
+    """Raise where a per-state ``state_dtype`` names a state none of ``rules`` has, or
+    where a rule cannot store its states as asked (8 bits for a state of one number per
+    row; any 8-bit state of a rule that reads rows, columns or matrices)."""
+    rules = [rules] if isinstance(rules, Rule) else list(rules)
     sd = options.state_dtype
+    if isinstance(sd, tuple):
+        names = {s for r in rules for s, _ in r.state}
+        unknown = sorted({k for k, _ in sd} - names - {"default"})
+        if unknown:
+            raise ValueError(
+                f"state_dtype names {unknown}, which rule {rules[0].name!r} does not have; its states "
+                f"are {sorted(names)} (and 'default' names the rest)"
+            )
+    for r in rules:
+        check_compressed(r, dict(dtype_plan(r, options, "bf16", "bf16")))
+
+
+def state_format(options: Options, rule: Rule | None, state: str, param_dtype: str) -> str:
+    """The storage of ``state`` of a parameter stored in ``param_dtype``: a dtype name
+    (DTYPES) or an 8-bit format (QFORMATS)."""
+    sd = options.state_dtype
+    if isinstance(sd, tuple):
+        sd = dict(sd).get(state) or dict(sd).get("default")
+        named = state in dict(options.state_dtype)
+    else:
+        named = False
     if sd is None:
-        return torch.float32
-    return param_dtype if sd == "param" else FROM_NAME[sd]
+        return "fp32"
+    if sd in (*QFORMATS, "q8") and not named and rule is not None and state_kinds(rule).get(state) != ELEMENT:
+        return "fp32"  # one number per row, column or tensor: 8 bits would save nothing
+    if sd == "param":
+        return param_dtype
+    if sd == "q8":
+        return "uint8" if rule is not None and state in nonneg_states(rule) else "int8"
+    return sd
+
+
+def state_dtype(
+    options: Options, param_dtype: torch.dtype, rule: Rule | None = None, state: str = ""
+) -> torch.dtype:
+    """The torch dtype of a new element state ``state`` of ``rule`` for a parameter
+    stored in ``param_dtype``: fp32 for those stored in 8 bits (quantized from it)."""
+    fmt = state_format(options, rule, state, TORCH_DTYPES.get(param_dtype, "fp32"))
+    return FROM_NAME.get(fmt, torch.float32)
 
 
 def dtype_plan(rule: Rule, options: Options, param_dtype: str, grad_dtype: str) -> tuple:
-    """The storage dtype of each slot ((name, dtype) pairs) of one launch group."""
-    if options.state_dtype is None:
-        sd = "fp32"
-    elif options.state_dtype == "param":
-        sd = param_dtype
-    else:
-        sd = options.state_dtype
-    return (("p", param_dtype), ("g", grad_dtype), *((s, sd) for s, _ in rule.state))
+    """The storage dtype of each slot ((name, dtype) pairs) of one launch group: a split
+    master's low part beside bf16 parameters when ``master_weights`` asks for it."""
+    master = ()
+    if options.master_weights and param_dtype == "bf16":
+        master = ((MASTER_SLOT, MASTER_WEIGHTS[options.master_weights]),)
+    states = tuple((s, state_format(options, rule, s, param_dtype)) for s, _ in rule.state)
+    return (("p", param_dtype), ("g", grad_dtype), *master, *states)
 
 
 @dataclass(frozen=True)
@@ -111,7 +197,10 @@ def plan_and_sources(
         [(n, sympy.srepr(e)) for n, e in rule.outputs],
         dtypes,
         stochastic_rounding,
-        [os.environ.get(v) for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS", "FUSER_OPTIM_TILE")],
+        [
+            os.environ.get(v)
+            for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS", "FUSER_OPTIM_TILE", "FUSER_OPTIM_QBLOCK")
+        ],
         templates=template_dir(),
     )
     memo = rendered.load(key)

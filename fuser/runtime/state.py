@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from fuser.ir.optim import COL, ROW, SCALAR, has_matrix_functions, is_tiled, state_kinds
-from fuser.runtime import distributed
+from fuser.codegen.render import quant_block
+from fuser.ir.optim import COL, QFORMATS, ROW, SCALAR, has_matrix_functions, is_tiled, state_kinds
+from fuser.runtime import distributed, quant
 from fuser.runtime.distributed import local
-from fuser.runtime.plans import TORCH_DTYPES, state_dtype
+from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, state_format
 from fuser.runtime.tables import check_layout, view_2d
 
 
@@ -49,6 +50,36 @@ def validate(opt, items) -> None:
             )
     if is_tiled(opt.rule) or has_matrix_functions(opt.rule):
         _validate_shaped(opt, items)
+    if opt.options.master_weights or _quantized_states(opt):
+        _validate_compressed(opt, items)
+
+
+def _quantized_states(opt) -> list[str]:
+    """The rule's states that some parameter stores in 8 bits."""
+    return [
+        s
+        for s in opt._state_keys
+        if any(state_format(opt.options, opt.rule, s, d) in QFORMATS for d in ("fp32", "bf16", "fp16"))
+    ]
+
+
+def _validate_compressed(opt, items) -> None:
+    """8-bit states follow their parameter's memory order in blocks; split masters sit
+    beside bf16 parameters (fp32 ones are their own masters)."""
+    name = type(opt).__name__
+    quantized = _quantized_states(opt)
+    for p, _, _ in items:
+        where = f"parameter of shape {tuple(p.shape)}"
+        if opt.options.master_weights and p.dtype == torch.float16:
+            raise RuntimeError(
+                f"{name} keeps split master weights ({opt.options.master_weights}) for bf16 parameters; "
+                f"a {where} is float16: store it as bfloat16, or as float32 without master_weights"
+            )
+        if quantized and not local(p).is_contiguous():
+            raise RuntimeError(
+                f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
+                f"so a {where} must be contiguous (call .contiguous() on it)"
+            )
 
 
 def _validate_shaped(opt, items) -> None:
@@ -76,11 +107,18 @@ def ensure_states(opt, items) -> None:
     kinds = state_kinds(opt.rule)
     for p, _, _ in items:
         st = opt.state[p]
-        want = state_dtype(opt.options, p.dtype)
+        pdtype = TORCH_DTYPES[p.dtype]
+        if opt.options.master_weights and p.dtype == torch.bfloat16:
+            _ensure_master(opt, p, st)
         for s, key in opt._state_keys.items():
             if kinds[s] == SCALAR:
                 _check_scalar(key, st.get(key))  # packed into the scalar table by pack_scalars
                 continue
+            fmt = state_format(opt.options, opt.rule, s, pdtype)
+            if fmt in QFORMATS:
+                _ensure_quantized(p, st, key, init[s], fmt)
+                continue
+            want = FROM_NAME[fmt]
             if kinds[s] in (ROW, COL):
                 st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want)
                 continue
@@ -96,6 +134,59 @@ def ensure_states(opt, items) -> None:
                 fixed.copy_(st[key])
                 st[key] = fixed
             check_layout(f"state {key!r}", local(st[key]), local(p))
+
+
+def _ensure_master(opt, p: torch.Tensor, st) -> None:
+    """The low part of ``p``'s split master: zeros when new (the master is ``p``)."""
+    dtype = getattr(torch, MASTER_WEIGHTS[opt.options.master_weights])
+    lo = st.get("master_lo")
+    if lo is None:
+        st["master_lo"] = _like(p, torch.zeros_like(local(p), dtype=dtype))
+        return
+    if not torch.is_tensor(lo) or lo.shape != p.shape or lo.dtype != dtype:
+        found = f"{lo.dtype} of shape {tuple(lo.shape)}" if torch.is_tensor(lo) else type(lo).__name__
+        raise RuntimeError(
+            f"state 'master_lo' of a parameter of shape {tuple(p.shape)} is {found}; with master_weights="
+            f"{opt.options.master_weights!r} it is {dtype} of the parameter's shape"
+        )
+    if local(lo).device != local(p).device:
+        st["master_lo"] = _like(p, local(lo).to(local(p).device))
+
+
+def _like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """``local_value`` (this rank's part) as a state of ``p``: a DTensor laid out like
+    ``p`` when it is one."""
+    if distributed.layout(p) is None:
+        return local_value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
+    """An 8-bit state of ``p``: its codes under ``key`` and fp32 scales (one per block of
+    this rank's elements) under ``key + "_absmax"``. A new state, or one given in floating
+    point (loaded, assigned, made by a constructor), is quantized here."""
+    block = quant_block()
+    lp = local(p)
+    value = st.get(key)
+    if value is None:
+        value = _initial(lp, init, torch.float32)
+    elif not torch.is_tensor(value):
+        raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
+    if value.is_floating_point():
+        if value.shape != p.shape:
+            raise RuntimeError(
+                f"state {key!r} of a parameter of shape {tuple(p.shape)} has shape {tuple(value.shape)}"
+            )
+        codes, scales = quant.encode(local(distributed.like_param(value, p)).to(lp.device), fmt, block)
+        st[key], st[key + "_absmax"] = _like(p, codes), scales
+        return
+    scales = st.get(key + "_absmax")
+    quant.check_compressed(key, local(value), scales, lp, fmt, block)
+    if local(value).device != lp.device or scales.device != lp.device or scales.dtype != torch.float32:
+        st[key] = _like(p, local(value).to(lp.device))
+        st[key + "_absmax"] = scales.to(device=lp.device, dtype=torch.float32).reshape(-1)
 
 
 def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype) -> torch.Tensor:
@@ -153,3 +244,45 @@ def pack_scalars(opt, members, scalar_names, device) -> torch.Tensor:
         for j, s in enumerate(scalar_names):
             st[keys[s]] = scalars[i, j + 1]
     return scalars
+
+
+def dequantized(opt, p: torch.Tensor, st: dict, rule) -> dict:
+    """``st`` (a state dict's entry for ``p``, updated by ``rule``) with each 8-bit state
+    as fp32 values shaped like ``p``, and no scales."""
+    out = dict(st)
+    block = quant_block()
+    for s, key in opt._state_keys_of(rule).items():
+        fmt = state_format(opt.options, rule, s, TORCH_DTYPES.get(p.dtype, "fp32"))
+        codes, scales = out.get(key), out.get(key + "_absmax")
+        if fmt not in QFORMATS or not torch.is_tensor(codes) or codes.is_floating_point() or scales is None:
+            continue
+        out[key] = _like(p, quant.decode(local(codes), scales, fmt, block))
+        del out[key + "_absmax"]
+    return out
+
+
+def labelled(opt, p: torch.Tensor, st: dict, rule) -> dict:
+    """``st`` as stored, each 8-bit state's format named under ``key + "_format"``."""
+    out = dict(st)
+    for s, key in opt._state_keys_of(rule).items():
+        fmt = state_format(opt.options, rule, s, TORCH_DTYPES.get(p.dtype, "fp32"))
+        if fmt in QFORMATS and key + "_absmax" in out:
+            out[key + "_format"] = fmt
+    return out
+
+
+def check_saved_format(opt, p: torch.Tensor, st: dict, key: str, state: str, rule) -> None:
+    """Raise unless saved 8-bit codes of ``state`` are in the format this optimizer
+    stores it in."""
+    fmt = state_format(opt.options, rule, state, TORCH_DTYPES.get(p.dtype, "fp32"))
+    saved = st.get(key + "_format")
+    if fmt not in QFORMATS:
+        raise RuntimeError(
+            f"the state dict holds 8-bit codes of {key!r} (saved with compressed=True), and this optimizer "
+            f"stores it as {fmt}: load it into one with the same state_dtype, or save without compressed"
+        )
+    if saved is not None and saved != fmt:
+        raise RuntimeError(
+            f"the state dict holds {key!r} in {saved}, and this optimizer stores it in {fmt}: load it into "
+            "one with the same state_dtype, or save without compressed"
+        )

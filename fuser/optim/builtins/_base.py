@@ -18,6 +18,7 @@ import torch
 
 from fuser.optim.factory import FuserOptimizer, Options, parse_options
 from fuser.rules.rule import Rule
+from fuser.runtime.plans import check_state_formats
 
 # --- reading a param group ---------------------------------------------------------------
 
@@ -140,9 +141,11 @@ class BuiltinOptimizer(FuserOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ) -> None:
         """fuser's own keywords, on every built-in: ``state_dtype``, ``grad_attr``
-        (``"main_grad"``), ``stochastic_rounding``, ``seed`` and ``static`` (see ``fuser.compile``)."""
+        (``"main_grad"``), ``stochastic_rounding``, ``seed``, ``static`` and
+        ``master_weights`` (see ``fuser.compile``)."""
         if defaults.get("differentiable"):
             raise ValueError("fuser optimizers are not differentiable")
         self._variant_key = None
@@ -152,6 +155,7 @@ class BuiltinOptimizer(FuserOptimizer):
             stochastic_rounding=stochastic_rounding,
             seed=seed,
             static=static,
+            master_weights=master_weights,
         )
         options = dataclasses.replace(
             type(self).options,
@@ -160,7 +164,10 @@ class BuiltinOptimizer(FuserOptimizer):
             stochastic_rounding=checked.stochastic_rounding,
             seed=checked.seed,
             static=checked.static,
+            master_weights=checked.master_weights,
         )
+        rules = self.variants.rules.values() if self.variants else [type(self).rule]
+        check_state_formats(rules, options)
         self._init_fuser(params, defaults, options=options)  # its first group picks the variant
 
     def _key(self, group: dict) -> tuple:

@@ -50,6 +50,7 @@ class Adagrad(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(
@@ -69,7 +70,9 @@ class Adagrad(BuiltinOptimizer):
             differentiable=differentiable,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -176,6 +179,7 @@ class RMSprop(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, momentum=momentum, weight_decay=weight_decay, alpha=alpha)
@@ -191,4 +195,6 @@ class RMSprop(BuiltinOptimizer):
             maximize=maximize,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )

@@ -108,6 +108,7 @@ class Adam(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -125,7 +126,9 @@ class Adam(BuiltinOptimizer):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
 
 class AdamW(BuiltinOptimizer):
@@ -153,6 +156,7 @@ class AdamW(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -170,7 +174,9 @@ class AdamW(BuiltinOptimizer):
             fused=fused,
             decoupled_weight_decay=True,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -234,6 +240,7 @@ class NAdam(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)
@@ -250,7 +257,9 @@ class NAdam(BuiltinOptimizer):
             capturable=capturable,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
 
 # --- RAdam (torch.optim.RAdam) -------------------------------------------------------------
@@ -303,6 +312,7 @@ class RAdam(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -318,7 +328,9 @@ class RAdam(BuiltinOptimizer):
             decoupled_weight_decay=decoupled_weight_decay,
             differentiable=differentiable,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
 
 # --- AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer", Alg. 1) ------------------
@@ -384,6 +396,7 @@ class AdEMAMix(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay, alpha=alpha)
@@ -403,7 +416,9 @@ class AdEMAMix(BuiltinOptimizer):
             weight_decay=weight_decay,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
 
 # --- Adan (Xie et al. 2022, "Adan: Adaptive Nesterov Momentum Algorithm", Alg. 1) -----------
@@ -477,6 +492,7 @@ class Adan(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay)
@@ -493,4 +509,6 @@ class Adan(BuiltinOptimizer):
             foreach=foreach,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )

@@ -140,6 +140,7 @@ class Adafactor(_Factored):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         if torch.is_tensor(lr) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -164,7 +165,9 @@ class Adafactor(_Factored):
             foreach=foreach,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
         """torch's shapes: ``[rows, 1]`` and ``[1, cols]`` for 2-D (keeping every dimension
@@ -280,6 +283,7 @@ class CAME(_Factored):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         if lr is not None and lr < 0.0:
             raise ValueError(f"learning rate must be positive. ({lr} > 0)")
@@ -300,7 +304,9 @@ class CAME(_Factored):
             clip_threshold=clip_threshold,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def load_state_dict(self, state_dict) -> None:
         # The reference keeps clip_threshold and maximize on the optimizer, not in its groups.

@@ -46,12 +46,15 @@ class LAMB(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(epsilon=eps, weight_decay=weight_decay)
         betas = check_betas(betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
 
 # --- LARS (You et al. 2017, "Large Batch Training of Convolutional Networks", Alg. 1) -------
@@ -96,6 +99,7 @@ class LARS(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(
@@ -112,4 +116,6 @@ class LARS(BuiltinOptimizer):
             trust_coefficient=trust_coefficient,
             maximize=maximize,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )

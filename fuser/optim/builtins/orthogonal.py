@@ -94,6 +94,7 @@ class Muon(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(weight_decay=weight_decay, momentum=momentum)
@@ -102,7 +103,9 @@ class Muon(BuiltinOptimizer):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def _rule_for(self, key: tuple) -> Rule:
         return muon_adamw if key == (False,) else muon_rule(key[1], key[2])
@@ -308,6 +311,7 @@ class NorMuon(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_lr(adamw_lr)
@@ -337,7 +341,9 @@ class NorMuon(BuiltinOptimizer):
             maximize=maximize,
             foreach=foreach,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def _rule_for(self, key: tuple) -> Rule:
         return normuon_adamw if key == (False,) else normuon_rule(*key[1:])

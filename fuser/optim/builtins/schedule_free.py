@@ -73,6 +73,7 @@ class ScheduleFreeAdamW(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         betas = check_betas(betas)
@@ -84,7 +85,9 @@ class ScheduleFreeAdamW(BuiltinOptimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, r=r, weight_lr_power=weight_lr_power,
                         warmup_steps=warmup_steps, decoupling_c=decoupling_c, eps=eps, maximize=maximize,
                         train_mode=True)  # fmt: skip
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def eval(self) -> None:
         """Move every parameter to the average ``x`` (for evaluation and checkpoints)."""

@@ -80,6 +80,7 @@ class SGD(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(momentum=momentum, weight_decay=weight_decay)
@@ -96,7 +97,9 @@ class SGD(BuiltinOptimizer):
             differentiable=differentiable,
             fused=fused,
         )
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)

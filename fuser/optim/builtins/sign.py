@@ -38,9 +38,12 @@ class Lion(BuiltinOptimizer):
         stochastic_rounding=False,
         seed=0,
         static=False,
+        master_weights=None,
     ):
         check_lr(lr)
         check_nonneg(weight_decay=weight_decay)
         betas = check_betas(betas)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )

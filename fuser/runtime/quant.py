@@ -1,0 +1,103 @@
+"""8-bit blockwise states and split master weights, in torch: what ``state_dict()`` and
+``load_state_dict()`` use to move between the stored form and fp32. The step's kernels do
+the same arithmetic in Triton (``templates/helpers.py.jinja``: ``_q8_encode``,
+``_q8_decode``, ``_master_join``); both round half to even and divide correctly rounded.
+
+Formats (FlashOptim, Gonzalez Ortiz et al., arXiv:2602.23349, Algorithms 2-3), each over
+blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
+
+- ``int8``: s = max|x|, y = 2(x/s) / (1 + |x/s|) (softsign), q = round(127 y);
+  x = s * y / (2 - |y|) with y = q / 127.
+- ``uint8``: r = sqrt(max(x, 0)), s = max r, q = round(255 r / s); x = (s q / 255)^2.
+- ``int8_linear``: s = max|x|, q = round(127 x / s); x = s q / 127.
+- ``uint8_linear``: s = max(max(x, 0)), q = round(255 x / s); x = s q / 255.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SIGNED = ("int8", "int8_linear")
+CODE_DTYPES = {
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int8_linear": torch.int8,
+    "uint8_linear": torch.uint8,
+}
+
+
+def n_blocks(numel: int, block: int) -> int:
+    return max(1, -(-numel // block))
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.detach().reshape(-1).float()
+    pad = n_blocks(flat.numel(), block) * block - flat.numel()
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
+
+
+def encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes shaped like ``x``, fp32 scales [blocks]) of the values of ``x``."""
+    v = _blocks(x, block)
+    if fmt == "uint8":
+        a = v.clamp(min=0).double().sqrt().float()  # correctly rounded, as the kernel's sqrt_rn
+    elif fmt == "uint8_linear":
+        a = v.clamp(min=0)
+    else:
+        a = v.abs()
+    s = a.amax(dim=1)
+    se = torch.where(s > 0, s, torch.ones_like(s))[:, None]
+    y = (v if fmt in SIGNED else a) / se
+    if fmt == "int8":
+        y = 2 * y / (1 + y.abs())
+    q = torch.round(y * (127.0 if fmt in SIGNED else 255.0))
+    codes = q.reshape(-1)[: x.numel()].to(CODE_DTYPES[fmt]).view(x.shape)
+    return codes, s
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """fp32 values shaped like ``codes``."""
+    c = _blocks(codes, block)
+    s = scales.float().reshape(-1, 1)
+    if fmt == "int8":
+        y = c / 127.0
+        x = y / (2 - y.abs()) * s
+    elif fmt == "uint8":
+        r = c / 255.0 * s
+        x = r * r
+    elif fmt == "int8_linear":
+        x = c / 127.0 * s
+    else:
+        x = c / 255.0 * s
+    return x.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+def check_compressed(key: str, codes: torch.Tensor, scales, p: torch.Tensor, fmt: str, block: int) -> None:
+    """Raise unless ``codes`` and ``scales`` are a stored ``fmt`` state of ``p``."""
+    want = CODE_DTYPES[fmt]
+    if codes.dtype != want or codes.shape != p.shape:
+        raise RuntimeError(
+            f"state {key!r} holds {codes.dtype} of shape {tuple(codes.shape)}; this optimizer stores it "
+            f"as {fmt}: {want} of the parameter's shape {tuple(p.shape)}"
+        )
+    blocks = n_blocks(p.numel(), block)
+    if not torch.is_tensor(scales) or scales.numel() != blocks:
+        found = tuple(scales.shape) if torch.is_tensor(scales) else type(scales).__name__
+        raise RuntimeError(
+            f"state {key!r} in {fmt} needs {key + '_absmax'!r}: {blocks} fp32 scales (one per {block} "
+            f"elements), not {found}"
+        )
+
+
+def bf16_spacing(p: torch.Tensor) -> torch.Tensor:
+    """bf16's spacing at each value of bf16 ``p``, as fp32: 2**(exponent - 7), the
+    exponent floored at -100."""
+    bits = p.float().view(torch.int32) & 0x7F800000
+    return bits.clamp(min=0x0D800000).view(torch.float32) * 2.0**-7
+
+
+def master_join(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of bf16 ``p`` and its low part (int8: 2**-8 of p's spacing; int16:
+    2**-16)."""
+    bits = 8 if lo.dtype == torch.int8 else 16
+    return p.float() + lo.float() * (bf16_spacing(p) * 2.0**-bits)
