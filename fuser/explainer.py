@@ -198,11 +198,20 @@ def _phases(plan) -> list[str]:
 
 
 def _dtypes(plan, seed: int) -> list[str]:
-    out = [f"   {'slot':<14}{'role':<7}{'dtype':<7}access"]
+    width = max(14, *(len(sl.name) + 1 for sl in plan.slots))
+    out = [f"   {'slot':<{width}}{'role':<7}{'dtype':<13}access"]
     for sl in plan.slots:
-        out.append(f"   {sl.name:<14}{sl.role:<7}{sl.dtype:<7}{'read/write' if sl.written else 'read'}")
+        out.append(f"   {sl.name:<{width}}{sl.role:<7}{sl.dtype:<13}{'read/write' if sl.written else 'read'}")
     rounding = f"stochastic (seed {seed})" if plan.stochastic_rounding else "to nearest even"
-    return out + [
+    notes = []
+    if any(sl.role == "scale" for sl in plan.slots):
+        notes.append(
+            "   8-bit states: decoded in registers with their block's scale (<state>__absmax), "
+            "re-encoded with each block's fresh absmax"
+        )
+    if any(sl.role == "master" for sl in plan.slots):
+        notes.append("   p__lo: the low part of each bf16 parameter's fp32 master (split master weights)")
+    return out + notes + [
         f"   bf16/fp16 stores round {rounding}",
         f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}",
         f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
