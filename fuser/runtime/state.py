@@ -171,8 +171,10 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
     lp = local(p)
     value = st.get(key)
     if value is None:
-        value = _initial(lp, init, torch.float32)
-    elif not torch.is_tensor(value):
+        codes, scales = quant.encode(_initial(lp, init, torch.float32), fmt, block)
+        st[key], st[key + "_absmax"] = _like(p, codes), scales
+        return
+    if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
     if value.is_floating_point():
         if value.shape != p.shape:
