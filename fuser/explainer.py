@@ -211,12 +211,16 @@ def _dtypes(plan, seed: int) -> list[str]:
         )
     if any(sl.role == "master" for sl in plan.slots):
         notes.append("   p__lo: the low part of each bf16 parameter's fp32 master (split master weights)")
-    return out + notes + [
-        f"   bf16/fp16 stores round {rounding}",
-        f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}",
-        f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
-        + ", ".join(("step", *plan.scalar_states)),
-    ]
+    return (
+        out
+        + notes
+        + [
+            f"   bf16/fp16 stores round {rounding}",
+            f"   hyper table: fp64 [param groups, {len(plan.hyper)}]: {', '.join(plan.hyper) or '(none)'}",
+            f"   scalar table: fp32 [tensors, {1 + len(plan.scalar_states)}]: "
+            + ", ".join(("step", *plan.scalar_states)),
+        ]
+    )
 
 
 def _kernel(src) -> list[str]:

@@ -323,8 +323,8 @@ def check_compressed(rule: Rule, dtypes: dict[str, str]) -> None:
             )
     if quantized and (is_tiled(rule) or has_matrix_functions(rule)):
         raise ValueError(
-            f"rule {rule.name!r} reads rows, columns or matrices; its states cannot be stored in 8 "
-            f"bits ({', '.join(quantized)}): use fp32, bf16 or fp16 states"
+            f"rule {rule.name!r} reads rows, columns or matrices; its states cannot be stored in 8-bit "
+            f"formats ({', '.join(quantized)}): use fp32, bf16 or fp16 states"
         )
     if MASTER_SLOT in dtypes and dtypes.get("p") != "bf16":
         raise ValueError(f"split master weights need bf16 parameters, not {dtypes.get('p')}")

@@ -27,7 +27,7 @@ from fuser.runtime.plans import (
     plan_and_sources,
     state_dtype,
 )
-from fuser.runtime.state import check_saved_format, dequantized, labelled
+from fuser.runtime.state import check_saved_format, dequantized, labelled, quantize_loaded
 from fuser.runtime.tables import view_2d
 from fuser.runtime.tracking import ParamState
 
@@ -221,9 +221,11 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             dtype = state_dtype(self.options, p.dtype, rule, state_of.get(key, ""))
             if key in element_keys and value.shape == p.shape:
                 value = distributed.like_param(value, p)
-                # 8-bit codes stay as saved (with their scales); the step checks them
+                # 8-bit codes stay as saved (with their scales), checked at the step
                 keep = dtype if value.is_floating_point() else value.dtype
                 self.state[p][key] = value.to(device=p.device, dtype=keep, copy=True)
+                if value.is_floating_point():
+                    quantize_loaded(self, p, key, state_of[key], rule)
             elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
             elif key.endswith("_absmax") and key[: -len("_absmax")] in element_keys:

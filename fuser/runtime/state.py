@@ -288,3 +288,11 @@ def check_saved_format(opt, p: torch.Tensor, st: dict, key: str, state: str, rul
             f"the state dict holds {key!r} in {saved}, and this optimizer stores it in {fmt}: load it into "
             "one with the same state_dtype, or save without compressed"
         )
+
+
+def quantize_loaded(opt, p: torch.Tensor, key: str, state: str, rule) -> None:
+    """A state loaded in floating point, in 8 bits where ``opt`` stores it so."""
+    fmt = state_format(opt.options, rule, state, TORCH_DTYPES.get(p.dtype, "fp32"))
+    if fmt in QFORMATS:
+        opt.state[p].pop(key + "_absmax", None)
+        _ensure_quantized(p, opt.state[p], key, 0.0, fmt)

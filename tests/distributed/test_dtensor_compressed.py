@@ -36,7 +36,9 @@ def make_optimizer(params):
 def data():
     gen = torch.Generator().manual_seed(session_seed(4321))
     params = [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS]
-    grads = [[torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS] for _ in range(STEPS)]
+    grads = [
+        [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS] for _ in range(STEPS)
+    ]
     return params, grads
 
 

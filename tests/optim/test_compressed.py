@@ -77,7 +77,10 @@ def step_with(opt, params, grads):
 
 def cpu_state(sd: dict) -> dict:
     """A state_dict's per-parameter state, copied to the CPU (a live one may hold views)."""
-    return {i: {k: v.detach().cpu().clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    return {
+        i: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        for i, st in sd["state"].items()
+    }
 
 
 # --- the codecs, in float64 ----------------------------------------------------------------
@@ -672,8 +675,10 @@ def test_compressed_state_dict_round_trip_is_exact(device, gen):
     packed = copy.deepcopy(opt.state_dict(compressed=True))
     for i, p in enumerate(params):
         st = packed["state"][i]
-        assert set(st) == {"step", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"}, set(st)
-        for key in st:
+        tensors = {"step", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"}
+        assert set(st) == tensors | {"exp_avg_format", "exp_avg_sq_format"}, set(st)
+        assert (st["exp_avg_format"], st["exp_avg_sq_format"]) == ("int8", "uint8")
+        for key in tensors:
             assert torch.equal(st[key], opt.state[p][key]), key
     again = clones(params)
     opt2 = fo.AdamW(again, state_dtype="q8", lr=0.5)
@@ -683,7 +688,7 @@ def test_compressed_state_dict_round_trip_is_exact(device, gen):
     for i in packed["state"]:
         for key, v in packed["state"][i].items():
             got = repacked["state"][i][key]
-            assert got.dtype == v.dtype and torch.equal(got, v), (i, key)
+            assert got == v if isinstance(v, str) else got.dtype == v.dtype and torch.equal(got, v), (i, key)
     # Both continue bit for bit.
     grads = [randn(s, gen, device) + 0.1 for s in SHAPES]
     step_with(opt, params, grads)
@@ -734,7 +739,8 @@ def test_state_dicts_save_and_load_with_weights_only(compressed, device, gen):
     for i, st in sd["state"].items():
         assert set(loaded["state"][i]) == set(st)
         for key, v in st.items():
-            assert loaded["state"][i][key].dtype == v.dtype and torch.equal(loaded["state"][i][key], v), key
+            got = loaded["state"][i][key]
+            assert got == v if isinstance(v, str) else got.dtype == v.dtype and torch.equal(got, v), key
     # It loads into a fresh q8 optimizer; the compressed form exactly.
     opt2 = fo.AdamW(clones(params), state_dtype="q8", **ADAMW_KW)
     opt2.load_state_dict(loaded)
@@ -786,7 +792,7 @@ def test_8bit_states_refused_where_a_state_is_not_one_value_per_element(device):
     p = torch.randn(5, 13, device=device)
     eight_bit = r"(?i)int8|8-bit|q8|quantiz"
     with pytest.raises(ValueError, match=eight_bit):
-        fo.Adafactor([p], state_dtype="int8")
+        fo.Adafactor([p], state_dtype=dict(row_var="int8"))
     with pytest.raises(ValueError, match=eight_bit):
         fuser.compile(ROWMEAN_RULE, state_dtype="q8")
     with pytest.raises(ValueError, match=eight_bit):
@@ -798,6 +804,15 @@ def test_8bit_states_refused_where_a_state_is_not_one_value_per_element(device):
         fo.NAdam([p], state_dtype=dict(mu_product="int8"))
     # Those rules take 16-bit states, and element-wise rules take 8-bit ones.
     fo.Adafactor([p], state_dtype="bf16")
+    # A rule-wide 8-bit format leaves states of one number per row or column in fp32.
+    q = torch.randn(5, 13, device=device, requires_grad=True)
+    q.grad = torch.randn(5, 13, device=device)
+    opt = fo.Adafactor([q], state_dtype="int8")
+    opt.step()
+    assert {k: v.dtype for k, v in opt.state[q].items() if k != "step"} == {
+        "row_var": torch.float32,
+        "col_var": torch.float32,
+    }
     fuser.compile(ROWMEAN_RULE, state_dtype="bf16")
     fuser.compile(COPY_RULE, state_dtype="int8")
 
@@ -810,7 +825,25 @@ def test_master_weights_refuse_stochastic_rounding(device):
         fuser.compile(COPY_RULE, master_weights="bf16+int8", stochastic_rounding=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp32_parameters_are_their_own_masters(device, gen):
+    # Beside bf16 parameters with split masters, fp32 ones step as without master_weights.
+    shapes = SHAPES[:2]
+    low = [randn(s, gen, device, torch.bfloat16) for s in shapes]
+    full = [randn(s, gen, device) for s in shapes]
+    plain = clones(full)
+    opt = fo.AdamW([*low, *full], master_weights="bf16+int8", lr=1e-2)
+    ref = fo.AdamW(plain, lr=1e-2)
+    for _ in range(2):
+        grads = [randn(s, gen, device) for s in shapes]
+        step_with(opt, [*low, *full], [g.bfloat16() for g in grads] + grads)
+        step_with(ref, plain, grads)
+    for p, q in zip(full, plain):
+        assert torch.equal(p, q)
+        assert "master_lo" not in opt.state[p]
+    assert all(opt.state[p]["master_lo"].dtype == torch.int8 for p in low)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 def test_master_weights_need_bf16_parameters_and_change_nothing_otherwise(dtype, device, gen):
     params = [randn(s, gen, device, torch.bfloat16) for s in SHAPES[:2]]
     opt = fo.AdamW(params, master_weights="bf16+int16", lr=1e-2)
