@@ -11,6 +11,9 @@ blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
 - ``uint8``: r = sqrt(max(x, 0)), s = max r, q = round(255 r / s); x = (s q / 255)^2.
 - ``int8_linear``: s = max|x|, q = round(127 x / s); x = s q / 127.
 - ``uint8_linear``: s = max(max(x, 0)), q = round(255 x / s); x = s q / 255.
+
+In fp32, x / s is x times the block's 1 / s, and q / 127 is q times fp32(1 / 127): one
+correctly rounded division per block, and one per element only for softsign.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ CODE_DTYPES = {
     "int8_linear": torch.int8,
     "uint8_linear": torch.uint8,
 }
+
+
+# fp32 constants, as the kernels' literals round to them: each product below is one fp32
+# multiplication in both.
+_F32_127 = torch.tensor(127.0)
+_F32_255 = torch.tensor(255.0)
+_INV_127 = torch.tensor(1 / 127, dtype=torch.float32)
+_INV_255 = torch.tensor(1 / 255, dtype=torch.float32)
 
 
 def n_blocks(numel: int, block: int) -> int:
@@ -46,11 +57,14 @@ def encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.T
     else:
         a = v.abs()
     s = a.amax(dim=1)
-    se = torch.where(s > 0, s, torch.ones_like(s))[:, None]
-    y = (v if fmt in SIGNED else a) / se
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))[:, None]
+    y = (v if fmt in SIGNED else a) * inv
     if fmt == "int8":
         y = 2 * y / (1 + y.abs())
-    q = torch.round(y * (127.0 if fmt in SIGNED else 255.0))
+    if fmt in SIGNED:
+        q = torch.round(y * _F32_127).clamp(-127, 127)
+    else:
+        q = torch.round(y * _F32_255).clamp(max=255)
     codes = q.reshape(-1)[: x.numel()].to(CODE_DTYPES[fmt]).view(x.shape)
     return codes, s
 
@@ -60,15 +74,15 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int) -> t
     c = _blocks(codes, block)
     s = scales.float().reshape(-1, 1)
     if fmt == "int8":
-        y = c / 127.0
+        y = c * _INV_127
         x = y / (2 - y.abs()) * s
     elif fmt == "uint8":
-        r = c / 255.0 * s
+        r = c * _INV_255 * s
         x = r * r
     elif fmt == "int8_linear":
-        x = c / 127.0 * s
+        x = c * _INV_127 * s
     else:
-        x = c / 255.0 * s
+        x = c * _INV_255 * s
     return x.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
