@@ -215,6 +215,32 @@ def test_precompile_optimizer_options(cache_root, rules_file, capsys, monkeypatc
     assert len(rows) == 2 * 4 and {r[4] for r in rows} == {"stochastic rounding"}
 
 
+def test_precompile_compressed_state_options(cache_root, rules_file, capsys, monkeypatch):
+    seen = _recording(monkeypatch)
+    args = ["precompile", str(rules_file), "--target", "cuda:90", "--dtype", "bf16",
+            "--state-dtype", "q8", "--state-dtype", "int8_linear", "--master-weights", "bf16+int16"]  # fmt: skip
+    assert cli.main(args) == 0, capsys.readouterr().err
+    want = {Variant("bf16", None, sd, master_weights="bf16+int16") for sd in ("q8", "int8_linear")}
+    assert {v for name, v in seen if name == "heavy_ball"} == want
+    rows = _rows(capsys.readouterr().out)
+    assert rows and {r[4] for r in rows} == {"master bf16+int16"}
+
+
+def test_show_renders_8bit_states_and_split_masters(cache_root, rules_file, capsys):
+    # the real kernels: heavy_ball's momentum decoded and re-encoded, the bf16 parameter
+    # joined with its master's low part and split again
+    args = ["show", str(rules_file), "--rule", "heavy_ball", "--dtype", "bf16", "--state-dtype", "q8",
+            "--master-weights", "bf16+int8"]  # fmt: skip
+    assert cli.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    for text in ("_q8_decode(", "_q8_encode(", "_master_join(", "_master_low(", "p__lo_ptr", "QB: tl.constexpr"):
+        assert text in out, text
+    for bad in (["--state-dtype", "int4"], ["--master-weights", "bf16+int4"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["show", str(rules_file), *bad])
+        assert e.value.code == 2
+
+
 def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
     # the row kernel, the staged sequence (process_group= calls and the one-device
     # whole / vocab schedules) and the lean schedule's matmul kernels, with or without the
