@@ -217,8 +217,8 @@ def test_precompile_optimizer_options(cache_root, rules_file, capsys, monkeypatc
 
 def test_precompile_compressed_state_options(cache_root, rules_file, capsys, monkeypatch):
     seen = _recording(monkeypatch)
-    args = ["precompile", str(rules_file), "--target", "cuda:90", "--dtype", "bf16",
-            "--state-dtype", "q8", "--state-dtype", "int8_linear", "--master-weights", "bf16+int16"]  # fmt: skip
+    args = ["precompile", str(rules_file), "--target", "cuda:90", "--dtype", "bf16", "--state-dtype", "q8",
+            "--state-dtype", "int8_linear", "--master-weights", "bf16+int16"]  # fmt: skip
     assert cli.main(args) == 0, capsys.readouterr().err
     want = {Variant("bf16", None, sd, master_weights="bf16+int16") for sd in ("q8", "int8_linear")}
     assert {v for name, v in seen if name == "heavy_ball"} == want
@@ -233,7 +233,8 @@ def test_show_renders_8bit_states_and_split_masters(cache_root, rules_file, caps
             "--master-weights", "bf16+int8"]  # fmt: skip
     assert cli.main(args) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    for text in ("_q8_decode(", "_q8_encode(", "_master_join(", "_master_low(", "p__lo_ptr", "QB: tl.constexpr"):
+    wanted = ("_q8_decode(", "_q8_encode(", "_master_join(", "_master_low(", "p__lo_ptr", "QB: tl.constexpr")
+    for text in wanted:
         assert text in out, text
     for bad in (["--state-dtype", "int4"], ["--master-weights", "bf16+int4"]):
         with pytest.raises(SystemExit) as e:
