@@ -37,8 +37,9 @@ bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary 
 	$(PYTHON) benchmarks/loss_bench.py
 	$(PYTHON) benchmarks/scaling.py
 	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
+	$(PYTHON) benchmarks/state_bench.py  # anchors (FlashOptim, bitsandbytes, torchao) when importable
 	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/loss_$(DATE).json \
-		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
+		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json $(RESULTS)/state_$(DATE).json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -4,9 +4,10 @@
 
 Where two files hold the same (workload, impl), the later file's row is kept.
 
-Reads what ``optim_bench.py``, ``loss_bench.py`` and ``first_step.py`` wrote and emits one
-list of rows with ``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median),
-``peak_mib`` where memory matters, ``device``, and the source file. ``ms`` of
+Reads what ``optim_bench.py`` (and ``state_bench.py``, in its format), ``loss_bench.py`` and
+``first_step.py`` wrote and emits one list of rows with ``workload``, ``impl`` (fuser's start
+with ``fuser``), ``ms`` (median), ``peak_mib`` where memory matters (optimizer state:
+``state_bytes_per_param``), ``device``, and the source file. ``ms`` of
 ``adamw_fp32_small1000`` is the wall time per step, Python included (the event median is
 kept as ``event_ms``); elsewhere it is the median of device events, and for the first step
 the seconds to the first completed step, in milliseconds.
@@ -37,7 +38,7 @@ def optim_rows(doc: dict, source: str) -> list[dict]:
             row.update(ms=r["wall_ms"], event_ms=r["ms"])
         else:
             row.update(ms=r["ms"], wall_ms=r["wall_ms"])
-        row.update({k: r[k] for k in ("pct_of_floor", "floor_ms") if k in r})
+        row.update({k: r[k] for k in ("pct_of_floor", "floor_ms", "state_bytes_per_param") if k in r})
         out.append(row)
     return out
 

@@ -112,3 +112,40 @@ def test_muon_bench_smoke_runs_on_cpu(tmp_path):
     assert rows[("muon_hidden_llama1b", "fuser.optim.Muon")]["fuser_launches"] == 2 + 3 * 18
     assert rows[("muon_llama1b", "fuser.optim.Muon (+AdamW groups)")]["fuser_launches"] == 2 + 3 * 18 + 1
     assert {"date", "device", "torch", "triton", "bf16_gemm_TFLOPs", "command"} <= set(recorded["meta"])
+
+
+def test_state_bench_smoke_runs_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "benchmarks", "state_bench.py")
+    cmd = [sys.executable, script, "--cpu-smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    (result,) = tmp_path.glob("state_*.json")
+    recorded = json.loads(result.read_text())
+    rows = {(r["workload"], r["impl"]): r for r in recorded["rows"]}
+    workloads = {"adamw_q8_llama1b", "adamw_q8_master24_llama1b", "adamw_bf16p_fp32s_llama1b",
+                 "adamw_bf16_llama1b", "lion_q8_llama1b"}  # fmt: skip
+    assert {w for w, _ in rows} == workloads and len(rows) == 10  # each as built and static
+    for r in recorded["rows"]:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["floor_ms"] > 0
+        assert abs(r["pct_of_floor"] - 100 * r["floor_ms"] / r["ms"]) <= 0.1
+    for static in ("", " static"):
+        q8 = rows[("adamw_q8_llama1b", "fuser.optim.AdamW" + static)]
+        master = rows[("adamw_q8_master24_llama1b", "fuser.optim.AdamW" + static)]
+        lion = rows[("lion_q8_llama1b", "fuser.rule lion" + static)]
+        want = dict(exp_avg="int8", exp_avg_absmax="float32", exp_avg_sq="uint8", exp_avg_sq_absmax="float32")
+        assert {k: q8["state_layout"].get(k) for k in want} == want
+        assert master["state_layout"]["master_lo"] == "int8"
+        assert lion["state_layout"]["exp_avg"] == "int8"
+        # 1 byte a state element and a 4-byte scale per 32: 2.25 B per parameter for AdamW
+        # (2.253 for these shapes' partial blocks), 1 more with the correction.
+        assert 2.2 < q8["state_bytes_per_param"] < 2.4
+        assert 3.2 < master["state_bytes_per_param"] < 3.4
+        assert 1.1 < lion["state_bytes_per_param"] < 1.2
+        # The correction carries what bf16 parameters lose: 10 steps' update nearer float64's.
+        assert master["update_rel_err"] < 0.75 * q8["update_rel_err"]
+    fp32 = rows[("adamw_bf16p_fp32s_llama1b", "fuser.optim.AdamW")]
+    assert fp32["state_layout"]["exp_avg"] == "float32" and 7.9 < fp32["state_bytes_per_param"] < 8.1
+    meta = recorded["meta"]
+    assert {"date", "device", "torch", "triton", "versions", "copy_TBps", "command"} <= set(meta)
+    assert (tmp_path / result.name.replace(".json", ".md")).read_text().count("| adamw_q8_llama1b |") == 2
