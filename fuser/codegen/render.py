@@ -138,7 +138,10 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
     """(BLOCK, num_warps) for a step kernel. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_WARPS``
     override them (for tuning runs; the values are part of the kernel's cache key)."""
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or 2048)
-    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or 8)
+    # 8-bit states and split masters do more arithmetic per byte: with 4 warps (16 values
+    # per thread) the step with split masters took 9.9 ms instead of 14.7 on TinyLlama's
+    # tensors on an H100 (benchmarks/results/state_2026-11-25_b2048w4.json, _v2.json).
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (4 if _is_compressed(plan) else 8))
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
     return block, warps
