@@ -1,7 +1,9 @@
 """8-bit blockwise states and split master weights, in torch: what ``state_dict()`` and
-``load_state_dict()`` use to move between the stored form and fp32. The step's kernels do
-the same arithmetic in Triton (``templates/helpers.py.jinja``: ``_q8_encode``,
-``_q8_decode``, ``_master_join``); both round half to even and divide correctly rounded.
+``load_state_dict()`` use to move between the stored form and fp32. The step's kernels
+compute the same formulas in Triton (``templates/helpers.py.jinja``: ``_q8_encode``,
+``_q8_decode``, ``_master_join``), with the GPU's fast division and square root (a few
+ulp): their codes can differ from these by one, next to a rounding boundary only. Both
+round half to even.
 
 Formats (FlashOptim, Gonzalez Ortiz et al., arXiv:2602.23349, Algorithms 2-3), each over
 blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
@@ -13,7 +15,7 @@ blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
 - ``uint8_linear``: s = max(max(x, 0)), q = round(255 x / s); x = s q / 255.
 
 In fp32, x / s is x times the block's 1 / s, and q / 127 is q times fp32(1 / 127): one
-correctly rounded division per block, and one per element only for softsign.
+division per block, and one per element only for softsign.
 """
 
 from __future__ import annotations
