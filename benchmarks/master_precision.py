@@ -68,7 +68,9 @@ def main(argv=None) -> str:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = {(lr, mu): run(lr, mu, args.steps, args.n, device) for mu in args.grad_mean for lr in args.lr}
-    where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.machine()}), Triton's interpreter"
+    where = f"CPU ({platform.machine()}), Triton's interpreter"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(0)
     date = datetime.date.today().isoformat()
     command = "python " + " ".join([os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
     lines = [
@@ -76,8 +78,8 @@ def main(argv=None) -> str:
         "",
         f"{where}; torch {torch.__version__}. Command: `{command}`",
         "",
-        f"SGD, {args.steps} steps of fresh N(mean, 1) gradients on {args.n} parameters in [1, 2) (bf16 spacing "
-        "2**-7); error of the parameter (or its split master) against float64, in bf16 spacings "
+        f"SGD, {args.steps} steps of fresh N(mean, 1) gradients on {args.n} parameters in [1, 2) "
+        "(bf16 spacing 2**-7); error of the parameter (or its split master) against float64, in bf16 spacings "
         "(mean / max over elements). One step moves a parameter by about lr, i.e. lr / 2**-7 spacings.",
         "",
         "| gradient mean | lr | " + " | ".join(RUNS) + " |",
@@ -91,8 +93,8 @@ def main(argv=None) -> str:
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump(dict(date=date, device=where, command=command, steps=args.steps, n=args.n,
-                       rows=[dict(lr=lr, grad_mean=mu, **v) for (lr, mu), v in rows.items()]), f, indent=1)  # fmt: skip
+        table = [dict(lr=lr, grad_mean=mu, **v) for (lr, mu), v in rows.items()]
+        json.dump(dict(date=date, device=where, command=command, steps=args.steps, n=args.n, rows=table), f, indent=1)
     print("\n".join(lines))
     return stem + ".md"
 
