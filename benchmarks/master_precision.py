@@ -79,8 +79,8 @@ def main(argv=None) -> str:
         f"{where}; torch {torch.__version__}. Command: `{command}`",
         "",
         f"SGD, {args.steps} steps of fresh N(mean, 1) gradients on {args.n} parameters in [1, 2) "
-        "(bf16 spacing 2**-7); error of the parameter (or its split master) against float64, in bf16 spacings "
-        "(mean / max over elements). One step moves a parameter by about lr, i.e. lr / 2**-7 spacings.",
+        "(bf16 spacing 2**-7); error of the parameter (or its split master) against float64, in bf16 "
+        "spacings (mean / max over elements). One step moves a parameter by about lr, i.e. lr / 2**-7 spacings.",
         "",
         "| gradient mean | lr | " + " | ".join(RUNS) + " |",
         "|---|---|" + "---|" * len(RUNS),
@@ -94,7 +94,8 @@ def main(argv=None) -> str:
         f.write("\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
         table = [dict(lr=lr, grad_mean=mu, **v) for (lr, mu), v in rows.items()]
-        json.dump(dict(date=date, device=where, command=command, steps=args.steps, n=args.n, rows=table), f, indent=1)
+        doc = dict(date=date, device=where, command=command, steps=args.steps, n=args.n, rows=table)
+        json.dump(doc, f, indent=1)
     print("\n".join(lines))
     return stem + ".md"
 
