@@ -80,7 +80,8 @@ def main(argv=None) -> str:
         "",
         f"SGD, {args.steps} steps of fresh N(mean, 1) gradients on {args.n} parameters in [1, 2) "
         "(bf16 spacing 2**-7); error of the parameter (or its split master) against float64, in bf16 "
-        "spacings (mean / max over elements). One step moves a parameter by about lr, i.e. lr / 2**-7 spacings.",
+        "spacings (mean / max over elements). One step moves a parameter by about lr, i.e. "
+        "lr / 2**-7 spacings.",
         "",
         "| gradient mean | lr | " + " | ".join(RUNS) + " |",
         "|---|---|" + "---|" * len(RUNS),
