@@ -1,14 +1,19 @@
 """8-bit states and split master weights on DTensor shards (2 gloo processes): each rank
 quantizes its own shard in blocks, so a rank's step is exactly a single-process step over
-its local tensors; the default state dict holds fp32 DTensors placed like the parameters."""
+its local tensors; the default state dict holds fp32 DTensors placed like the parameters,
+which torch.distributed.checkpoint saves on 2 ranks and loads into one process."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from cases import batches, make_model, train
 from ranks import run_ranks
 
 import fuser
+from fuser.runtime import quant
 
 dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -107,3 +112,57 @@ def test_each_rank_steps_its_shards_as_local_tensors(ranks):
 def test_default_state_dict_is_fp32_dtensors_placed_like_parameters(ranks):
     for got in ranks:
         assert got["saved_kinds"] == [("exp_avg", "DTensor", True), ("exp_avg_sq", "DTensor", True)]
+
+
+def fsdp_worker(rank, world, path):
+    """FSDP2 with 8-bit AdamW states: two steps, then a DCP checkpoint of the default
+    (fp32) state dict; returns the saved states as full tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = fuser.optim.AdamW(model.parameters(), lr=0.05, state_dtype="q8")
+    train(model, opt, [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches(2)])
+    osd = get_optimizer_state_dict(model, opt)
+    dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=path)
+    return {
+        name: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
+        for name, st in osd["state"].items()
+    }
+
+
+def test_dcp_saves_8bit_states_on_two_ranks_and_loads_them_in_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = str(tmp_path / "dcp")
+    saved = run_ranks(fsdp_worker, path)[0]
+    model = make_model()
+    opt = fuser.optim.AdamW(model.parameters(), lr=0.05, state_dtype="q8")
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    named = dict(model.named_parameters())
+    for name, st in saved.items():
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"}, (name, set(st))
+        p = named[name]
+        for key, fmt in (("exp_avg", "int8"), ("exp_avg_sq", "uint8")):
+            assert opt.state[p][key].dtype == (torch.int8 if fmt == "int8" else torch.uint8), (name, key)
+            # the saved fp32 values, quantized in blocks of the whole tensor
+            codes, scales = quant.encode(st[key], fmt, 32)
+            assert torch.equal(opt.state[p][key], codes), (name, key)
+            assert torch.equal(opt.state[p][key + "_absmax"], scales), (name, key)
+        assert opt.state[p]["step"].item() == st["step"].item() == 2
