@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -37,6 +36,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from optim_bench import llama1b_shapes  # noqa: E402
+from timing import copy_bandwidth, step_ms, sync, wall_ms  # noqa: E402
 
 import fuser  # noqa: E402
 
@@ -67,49 +67,6 @@ def implementations(workload):
         ("fuser.optim.CAME", lambda ps: fuser.optim.CAME(ps, lr=1e-3), None),
         ("pytorch_optimizer.CAME", came and (lambda ps: came(ps, lr=1e-3)), error),
     ]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_ms(fn, device, steps):
-    """Median time of one call: CUDA events on a GPU, the host clock on CPU."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def wall_ms(fn, device, steps):
-    """Host wall time per call over back-to-back calls, Python included."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def copy_bandwidth(device, numel):
-    """Bytes read and written per second by a large copy (TB/s)."""
-    src = torch.randn(numel, device=device)
-    dst = torch.empty_like(src)
-    ms = step_ms(lambda: dst.copy_(src), device, 10)
-    return 2 * numel * 4 / (ms * 1e-3) / 1e12
 
 
 def make(shapes, device, seed):
@@ -154,7 +111,8 @@ def run(workload, shapes, device, bw, steps, rows):
             ms=round(ms, 4),
             wall_ms=round(wall_ms(opt.step, device, steps), 4),
             floor_ms=round(floor_ms, 4),
-            pct_of_floor=round(100 * floor_ms / ms, 1),
+            # from the rounded figures the row shows, so that they agree to the last digit
+            pct_of_floor=round(100 * round(floor_ms, 4) / round(ms, 4), 1),
             first_step_s=round(first_s, 3),
             tensors=len(shapes),
             params=n,

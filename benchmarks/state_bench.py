@@ -55,7 +55,6 @@ import importlib.metadata
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -70,6 +69,7 @@ sys.path.insert(0, HERE)
 
 import triton  # noqa: E402
 from optim_bench import CompiledAdamW, llama1b_shapes  # noqa: E402
+from timing import copy_bandwidth, step_ms, sync, wall_ms  # noqa: E402
 
 import fuser  # noqa: E402
 import fuser.optim  # noqa: E402
@@ -204,50 +204,6 @@ def anchor_impls(quick):
 # --- timing and memory ----------------------------------------------------------------------
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_ms(fn, device, warmup, rep):
-    """Median time of one call after warm-up: CUDA events on a GPU, the host clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(rep):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def wall_ms(fn, device, steps):
-    """Host wall time per call over back-to-back calls, Python included."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def copy_bandwidth(device, numel):
-    """Bytes read and written per second by a large device-to-device copy (TB/s)."""
-    src = torch.randn(numel, device=device)
-    dst = torch.empty_like(src)
-    ms = step_ms(lambda: dst.copy_(src), device, 3, 20)
-    return 2 * numel * 4 / (ms * 1e-3) / 1e12
-
-
 def free(device):
     gc.collect()
     if device.type == "cuda":
@@ -360,13 +316,14 @@ def run_one(workload, impl, build, compiled, shapes, device, bw, cfg, rows):
         before = fuser.stats()["launches"]
         opt.step()
         launches = fuser.stats()["launches"] - before if impl.startswith("fuser") else None
-        ms = step_ms(opt.step, device, cfg["warmup"], cfg["rep"])
+        ms = step_ms(opt.step, device, cfg["rep"], warmup=cfg["warmup"])
         wall = wall_ms(opt.step, device, cfg["rep"])
         row.update(
             ms=round(ms, 4),
             wall_ms=round(wall, 4),
             floor_ms=round(floor_ms, 4),
-            pct_of_floor=round(100 * floor_ms / ms, 1),
+            # from the rounded figures the row shows, so that they agree to the last digit
+            pct_of_floor=round(100 * round(floor_ms, 4) / round(ms, 4), 1),
             floor_bytes_per_param=per_param,
             state_bytes_per_param=round(held / n, 3),
             first_step_s=round(first_s, 3),
@@ -502,7 +459,7 @@ def main(argv=None):
         torch._dynamo.config.cache_size_limit = 64
         impls += anchor_impls(args.quick)
     impls = [x for x in impls if x[0] in wanted]
-    bw = copy_bandwidth(device, 1 << 16 if args.cpu_smoke else 1 << 28)
+    bw = copy_bandwidth(device, 1 << 16 if args.cpu_smoke else 1 << 28, rep=20)
     n = sum(math.prod(s) for s in shapes)
     print(f"copy bandwidth {bw:.3f} TB/s; {len(shapes)} tensors, {n / 1e6:.1f} M params", flush=True)
     rows = []
