@@ -18,7 +18,7 @@ from fuser.rules import Rule
 
 BUILTIN_MODULES = ("fuser.optim.builtins", "fuser.losses.builtins")
 DTYPES = ("fp32", "bf16", "fp16")
-QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear")
+QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear", "fp8e4m3", "fp8e5m2")
 STATE_DTYPES = (*DTYPES, "param", *QFORMATS, "q8")
 MASTER_WEIGHTS = ("bf16+int8", "bf16+int16")
 

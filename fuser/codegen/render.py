@@ -36,7 +36,14 @@ from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
 # Storage of the 8-bit formats' codes and of split masters' low parts.
-TL_INT_DTYPES = {"int8": "tl.int8", "uint8": "tl.uint8", "int8_linear": "tl.int8", "uint8_linear": "tl.uint8"}
+TL_INT_DTYPES = {
+    "int8": "tl.int8",
+    "uint8": "tl.uint8",
+    "int8_linear": "tl.int8",
+    "uint8_linear": "tl.uint8",
+    "fp8e4m3": "tl.float8e4nv",
+    "fp8e5m2": "tl.float8e5",
+}
 # The kernel helpers' number for each 8-bit format (``_q8_encode``, ``_q8_decode``).
 QFORMAT_CODE = {f: i + 1 for i, f in enumerate(QFORMATS)}
 # Elements per scale of an 8-bit state: FlashOptim's group of 32 (FUSER_OPTIM_QBLOCK
@@ -402,7 +409,8 @@ def _element_load(ctx: _PhaseContext, sl, fast: bool) -> str:
     ints = "" if fast else ", mask=mask, other=0"
     floats = "" if fast else ", mask=mask, other=0.0"
     if sl.dtype in QFORMATS:
-        codes = f"tl.load({sl.name}_ptr + offs{ints})"
+        fp8 = sl.dtype.startswith("fp8")  # (no `other`: an int would not convert)
+        codes = f"tl.load({sl.name}_ptr + offs{'' if fast else ', mask=mask' if fp8 else ints})"
         scales = f"tl.load({scale_slot(sl.name)}_ptr + offs // QB{floats})"
         return f"_q8_decode({codes}, {scales}, {QFORMAT_CODE[sl.dtype]})"
     value = f"tl.load({sl.name}_ptr + offs{floats}).to(tl.float32)"
@@ -597,9 +605,8 @@ def _compressed_store(plan: OptimPlan, name: str, value: str, fast: bool) -> lis
             f"tl.store({MASTER_SLOT}_ptr + offs, _master_low(y_p, b_p, {_master_bits(plan)}){mask})",
         ]
     lines = [f"v_{name} = {value}" if fast else f"v_{name} = tl.where(mask, {value}, 0.0)"]
-    lines.append(
-        f"q_{name}, s_{name} = _q8_encode(v_{name}, {QFORMAT_CODE[_slot(plan, name).dtype]}, BLOCK, QB)"
-    )
+    fmt = QFORMAT_CODE[_slot(plan, name).dtype]
+    lines.append(f"q_{name}, s_{name} = _q8_encode(v_{name}, {fmt}, BLOCK, QB, INTERPRETED)")
     lines.append(f"tl.store({name}_ptr + offs, q_{name}{mask})")
     where = f"{scale_slot(name)}_ptr + start // QB + tl.arange(0, BLOCK // QB)"
     if fast:

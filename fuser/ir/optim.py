@@ -41,8 +41,9 @@ DTYPES = ("fp32", "bf16", "fp16")
 # 8-bit blockwise formats of element states: codes, and one fp32 scale per QBLOCK elements
 # in the slot ``<state>__absmax``. Companded codes after FlashOptim (Gonzalez Ortiz et al.,
 # arXiv:2602.23349, Algorithms 2-3): softsign for signed states, square root for
-# non-negative ones; or linear absmax codes.
-QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear")
+# non-negative ones; linear absmax codes; or fp8 (e4m3, e5m2) of the value over its
+# block's absmax.
+QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear", "fp8e4m3", "fp8e5m2")
 # Split master weights: the low part of an fp32 master beside a bf16 parameter, in slot
 # MASTER_SLOT, as a fraction of the parameter's bf16 spacing (``runtime.quant``).
 MASTER_DTYPES = ("int8", "int16")

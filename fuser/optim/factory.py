@@ -16,7 +16,7 @@ import torch.optim.optimizer as _optimizer
 from fuser.display import NotebookDisplay
 from fuser.ir.optim import state_kinds
 from fuser.rules.rule import Rule
-from fuser.runtime import distributed
+from fuser.runtime import distributed, quant
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import (
     Options,
@@ -194,7 +194,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             if p is not None:
                 keys = self._state_keys_of(rule_of[p])
                 for s, key in keys.items():
-                    if torch.is_tensor(st.get(key)) and not st[key].is_floating_point():
+                    if quant.is_codes(st.get(key)):
                         check_saved_format(self, p, st, key, s, rule_of[p])
         super().load_state_dict(state_dict)
         rule_of = {p: self._rule_of(group) for group in self.param_groups for p in group["params"]}
@@ -222,9 +222,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             if key in element_keys and value.shape == p.shape:
                 value = distributed.like_param(value, p)
                 # 8-bit codes stay as saved (with their scales), checked at the step
-                keep = dtype if value.is_floating_point() else value.dtype
+                keep = value.dtype if quant.is_codes(value) else dtype
                 self.state[p][key] = value.to(device=p.device, dtype=keep, copy=True)
-                if value.is_floating_point():
+                if not quant.is_codes(value):
                     quantize_loaded(self, p, key, state_of[key], rule)
             elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)

@@ -13,6 +13,8 @@ blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
 - ``uint8``: r = sqrt(max(x, 0)), s = max r, q = round(255 r / s); x = (s q / 255)^2.
 - ``int8_linear``: s = max|x|, q = round(127 x / s); x = s q / 127.
 - ``uint8_linear``: s = max(max(x, 0)), q = round(255 x / s); x = s q / 255.
+- ``fp8e4m3``, ``fp8e5m2``: s = max|x|, q = fp8(M x / s) rounded to nearest, M the
+  format's largest finite number (448, 57344); x = s q / M.
 
 In fp32, x / s is x times the block's 1 / s, and q / 127 is q times fp32(1 / 127): one
 division per block, and one per element only for softsign.
@@ -23,7 +25,10 @@ from __future__ import annotations
 import torch
 
 SIGNED = ("int8", "int8_linear")
+FP8_MAX = {"fp8e4m3": 448.0, "fp8e5m2": 57344.0}
 CODE_DTYPES = {
+    "fp8e4m3": torch.float8_e4m3fn,
+    "fp8e5m2": torch.float8_e5m2,
     "int8": torch.int8,
     "uint8": torch.uint8,
     "int8_linear": torch.int8,
@@ -37,6 +42,11 @@ _F32_127 = torch.tensor(127.0)
 _F32_255 = torch.tensor(255.0)
 _INV_127 = torch.tensor(1 / 127, dtype=torch.float32)
 _INV_255 = torch.tensor(1 / 255, dtype=torch.float32)
+
+
+def is_codes(t) -> bool:
+    """Whether ``t`` holds a format's codes (not values to quantize)."""
+    return torch.is_tensor(t) and t.dtype in CODE_DTYPES.values()
 
 
 def n_blocks(numel: int, block: int) -> int:
@@ -60,6 +70,10 @@ def encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.T
         a = v.abs()
     s = a.amax(dim=1)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))[:, None]
+    if fmt in FP8_MAX:
+        m = FP8_MAX[fmt]
+        q = ((v * inv) * m).clamp(-m, m).to(CODE_DTYPES[fmt])
+        return q.reshape(-1)[: x.numel()].view(x.shape), s
     y = (v if fmt in SIGNED else a) * inv
     if fmt == "int8":
         y = 2 * y / (1 + y.abs())
@@ -75,7 +89,9 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int) -> t
     """fp32 values shaped like ``codes``."""
     c = _blocks(codes, block)
     s = scales.float().reshape(-1, 1)
-    if fmt == "int8":
+    if fmt in FP8_MAX:
+        x = c * torch.tensor(1 / FP8_MAX[fmt], dtype=torch.float32) * s
+    elif fmt == "int8":
         y = c * _INV_127
         x = y / (2 - y.abs()) * s
     elif fmt == "uint8":

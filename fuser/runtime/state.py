@@ -75,6 +75,8 @@ def _validate_compressed(opt, items) -> None:
                 f"{name} keeps split master weights ({opt.options.master_weights}) for bf16 parameters; "
                 f"a {where} is float16: store it as bfloat16, or as float32 without master_weights"
             )
+        if local(p).is_cuda and torch.cuda.get_device_capability(local(p).device) < (8, 9):
+            _check_fp8e4m3(opt, quantized, torch.cuda.get_device_name(local(p).device))
         if quantized and not local(p).is_contiguous():
             raise RuntimeError(
                 f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
@@ -98,6 +100,18 @@ def _validate_shaped(opt, items) -> None:
                 f"{name} reads rows and columns of its tensors, so a {where} and its "
                 f".{opt.options.grad_attr} must be contiguous (call .contiguous() on them)"
             )
+
+
+def _check_fp8e4m3(opt, quantized: list[str], gpu: str) -> None:
+    fmts = {
+        s: {state_format(opt.options, opt.rule, s, d) for d in ("fp32", "bf16", "fp16")} for s in quantized
+    }
+    fp8 = [s for s in quantized if "fp8e4m3" in fmts[s]]
+    if fp8:
+        raise RuntimeError(
+            f"{type(opt).__name__} stores {', '.join(fp8)} as fp8e4m3, which this GPU ({gpu}) cannot "
+            "convert to (compute capability 8.9 or later: Ada, Hopper); use fp8e5m2 or int8"
+        )
 
 
 def ensure_states(opt, items) -> None:
@@ -176,7 +190,7 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
         return
     if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
-    if value.is_floating_point():
+    if not quant.is_codes(value):
         if value.shape != p.shape:
             raise RuntimeError(
                 f"state {key!r} of a parameter of shape {tuple(p.shape)} has shape {tuple(value.shape)}"
@@ -256,7 +270,7 @@ def dequantized(opt, p: torch.Tensor, st: dict, rule) -> dict:
     for s, key in opt._state_keys_of(rule).items():
         fmt = state_format(opt.options, rule, s, TORCH_DTYPES.get(p.dtype, "fp32"))
         codes, scales = out.get(key), out.get(key + "_absmax")
-        if fmt not in QFORMATS or not torch.is_tensor(codes) or codes.is_floating_point() or scales is None:
+        if fmt not in QFORMATS or not quant.is_codes(codes) or scales is None:
             continue
         out[key] = _like(p, quant.decode(local(codes), scales, fmt, block))
         del out[key + "_absmax"]

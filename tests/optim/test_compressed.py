@@ -327,6 +327,48 @@ def test_state_round_trips_through_each_format(fmt, device, gen):
         )
 
 
+# dtype, largest number, mantissa bits, smallest normal
+FP8 = {
+    "fp8e4m3": (torch.float8_e4m3fn, 448.0, 3, 2.0**-6),
+    "fp8e5m2": (torch.float8_e5m2, 57344.0, 2, 2.0**-14),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_states_are_the_block_scaled_values_rounded_to_fp8(fmt, device, gen):
+    # Reference: each block's absmax s in float64; the code is x / s times the format's
+    # largest number, rounded to nearest by torch's own cast.
+    if device.type == "cuda" and fmt == "fp8e4m3" and torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("fp8e4m3 needs compute capability 8.9")
+    dtype, top, mantissa, tiny = FP8[fmt]
+    params = [randn(s, gen, device) for s in SHAPES]
+    opt = fuser.compile(COPY_RULE, state_dtype=fmt)(params)
+    step_with(opt, params, [torch.full(p.shape, 7.0, device=device) for p in params])
+    grads = [blockwise_randn(s, gen, device) for s in SHAPES]
+    step_with(opt, params, grads)
+    plain = cpu_state(opt.state_dict())
+    for i, (p, g) in enumerate(zip(params, grads)):
+        codes, scales = opt.state[p]["m"].cpu(), opt.state[p]["m_absmax"].cpu()
+        assert codes.dtype == dtype and codes.shape == p.shape
+        blocks, n = _blocks(g.cpu().double())
+        s = blocks.abs().amax(dim=1)
+        assert torch.equal(scales.double(), s.float().double()), f"scales of parameter {i}"
+        scaled = (blocks / s[:, None] * top).reshape(-1)[:n]
+        want = scaled.float().to(dtype).double()
+        got = codes.double().reshape(-1)
+        # fp32 rounding of x / s * top may move a value that sits next to a rounding
+        # boundary to the other side: one fp8 step, there only.
+        off = (got != want).nonzero().reshape(-1)
+        step = 2.0 ** (torch.floor(torch.log2(scaled.abs().clamp(min=tiny))) - mantissa)
+        for j in off.tolist():
+            halfway = (scaled[j] - want[j]).abs()
+            assert (halfway - step[j] / 2).abs() <= 1e-5 * scaled[j].abs(), (i, j, got[j], want[j])
+        assert len(off) <= max(1, n // 50), f"parameter {i}: {len(off)} of {n} codes differ"
+        # state_dict decodes them: code / top * s
+        per = s.repeat_interleave(QBLOCK)[:n]
+        torch.testing.assert_close(plain[i]["m"].double().reshape(-1), got / top * per, rtol=1e-6, atol=1e-30)
+
+
 # --- 2. AdamW in q8 against float64, step by step ------------------------------------------------
 
 # fuser decodes a state in fp32 as it reads it; the state_dict's fp32 copy may differ from
