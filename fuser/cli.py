@@ -53,7 +53,8 @@ def _kernel_options(p: argparse.ArgumentParser, repeat: bool) -> None:
                    help="optimizers' state_dtype: a dtype, or param (each parameter's)"
                    + (", repeatable (default: fp32)" if repeat else " (default: fp32)")
                    + "; int8, uint8 (companded), int8_linear, uint8_linear, fp8e4m3, fp8e5m2: "
-                   "8-bit blockwise; q8: uint8 for states the rule keeps non-negative, int8 for the rest")  # fmt: skip
+                   "8-bit blockwise; q8: uint8 for states the rule keeps non-negative, "
+                   "int8 for the rest")  # fmt: skip
     p.add_argument("--master-weights", choices=MASTER_WEIGHTS,
                    help="optimizers' master_weights: bf16 parameters with an 8- or 16-bit low part "
                    "of their fp32 masters")  # fmt: skip
