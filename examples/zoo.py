@@ -940,6 +940,132 @@ _add(
 )
 
 _add(
+    "dadaptsgd",
+    """
+    d = where(step == 1, d0, d)
+    g0_norm = where(step == 1, global_norm(g), g0_norm)
+    d_lr = d * lr / g0_norm
+    gw = g + weight_decay * p
+    num = numerator_weighted + d_lr * global_sum(gw * s)
+    s = s + d_lr * gw
+    d_new = maximum(d, 2 * num / sqrt(global_sum(s**2)))
+    z = x0 - s
+    p = p + (1 - momentum) * (z - p)
+    numerator_weighted = num
+    d = d_new
+    """,
+    defaults=dict(lr=1.0, d0=1e-6, momentum=0.9, weight_decay=0.0),
+    state=dict(s=0.0, x0="p", z="p", d=0.0, numerator_weighted=0.0, g0_norm=1.0),
+    reference_kwargs=dict(lr=0.8, momentum=0.8, d0=0.1, weight_decay=1.5),
+    hyper=dict(lr=0.8, momentum=0.8, d0=0.1, weight_decay=1.5),
+    states=dict(s="s", x0="x0", z="z"),
+    doc="DAdaptSGD(lr, momentum, d0, weight_decay) with coupled decay (weight_decouple=False, "
+    "fixed_decay=False) and growth_rate=inf as by default, one param group: the step size is "
+    "d * lr / g0_norm, g0_norm the global gradient norm of the first step, and d (d0 at the "
+    "first step) grows to the running maximum of 2 * numerator_weighted / ||s||, a dot product "
+    "and a norm over every tensor (global_sum); d, numerator_weighted and g0_norm are "
+    "per-tensor states that every tensor shares (the reference keeps them in the param group).",
+)
+
+_add(
+    "dadaptadagrad",
+    """
+    d = where(step == 1, d0, d)
+    d_lr = d * lr
+    gw = g + weight_decay * p
+    old_sq = global_sum(sk**2 / (sqrt(alpha_k) + eps))
+    old_l1 = global_sum(abs(sk))
+    alpha_k = alpha_k + gw**2
+    de_nom = sqrt(alpha_k) + eps
+    gsq_weighted = gsq_weighted + d_lr * d_lr * global_sum(gw**2 / de_nom)
+    sk = sk + d_lr * gw
+    sk_sq_weighted = sk_sq_weighted + (global_sum(sk**2 / de_nom) - old_sq)
+    sk_l1 = sk_l1 + (global_sum(abs(sk)) - old_l1)
+    d = maximum(d, (sk_sq_weighted - gsq_weighted) / sk_l1)
+    z = x0 - sk / de_nom
+    p = p + (1 - momentum) * (z - p)
+    """,
+    defaults=dict(lr=1.0, d0=1e-6, momentum=0.0, weight_decay=0.0, eps=0.0),
+    state=dict(alpha_k=1e-6, sk=0.0, x0="p", d=0.0, gsq_weighted=0.0, sk_sq_weighted=0.0, sk_l1=0.0),
+    reference_kwargs=dict(lr=5.0, momentum=0.5, d0=0.01, weight_decay=1.0, eps=1e-8),
+    hyper=dict(lr=5.0, momentum=0.5, d0=0.01, weight_decay=1.0, eps=1e-8),
+    states=dict(alpha_k="alpha_k", sk="sk", x0="x0"),
+    doc="DAdaptAdaGrad(lr, momentum, d0, weight_decay, eps) with coupled decay "
+    "(weight_decouple=False) and growth_rate=inf as by default, dense gradients, one param "
+    "group: d (d0 at the first step) grows to the running maximum of "
+    "(sk_sq_weighted - gsq_weighted) / sk_l1, running sums over every tensor (global_sum) "
+    "that, like d, are per-tensor states every tensor shares (the reference keeps them in the "
+    "param group); sk_sq_weighted and sk_l1 are updated by their change, as the reference does.",
+)
+
+_add(
+    "dadaptlion",
+    """
+    d = where(step == 1, d0, d)
+    d_lr = d * lr
+    gw = g + weight_decay * p
+    update = sign(exp_avg + (1 - beta1) * (gw - exp_avg))
+    num = numerator_weighted + (1 - sqrt(beta2)) * (d_lr * global_sum(update * s) - numerator_weighted)
+    p = p - d_lr * update
+    exp_avg = beta2 * exp_avg + (1 - beta2) * d_lr * gw
+    s = sqrt(beta2) * s + (1 - sqrt(beta2)) * d_lr * update
+    d_new = maximum(d, num / ((1 - sqrt(beta2)) * global_sum(abs(s))))
+    numerator_weighted = num
+    d = d_new
+    """,
+    defaults=dict(lr=1.0, d0=1e-6, beta1=0.9, beta2=0.999, weight_decay=0.0),
+    state=dict(exp_avg=0.0, s=0.0, d=0.0, numerator_weighted=0.0),
+    reference_kwargs=dict(lr=5.0, betas=(0.8, 0.95), d0=0.003, weight_decay=1.0),
+    hyper=dict(lr=5.0, d0=0.003, beta1=0.8, beta2=0.95, weight_decay=1.0),
+    states=dict(exp_avg="exp_avg", s="s"),
+    doc="DAdaptLion(lr, betas, d0, weight_decay) with coupled decay (weight_decouple=False) as "
+    "by default, one param group: d (d0 at the first step) grows to the running maximum of "
+    "its estimate, a dot product and an L1 norm over every tensor (global_sum); d and "
+    "numerator_weighted are per-tensor states that every tensor shares (the reference keeps "
+    "them in the param group).",
+)
+
+_add(
+    "dadaptadan",
+    """
+    d = where(step == 1, d0, d)
+    d_lr = d * lr
+    grad_diff = where(step > 1, previous_grad + g, 0)
+    exp_avg = beta1 * exp_avg + d_lr * (1 - beta1) * g
+    exp_avg_diff = beta2 * exp_avg_diff + d_lr * (1 - beta2) * grad_diff
+    diff_sq = (beta2 * grad_diff + g)**2
+    exp_avg_sq = beta3 * exp_avg_sq + (1 - beta3) * diff_sq * diff_sq
+    de_nom = sqrt(exp_avg_sq) + eps
+    s = beta3 * s + d_lr * (1 - beta3) * g
+    gsq_weighted = beta3 * gsq_weighted + d_lr * d_lr * (1 - beta3) * global_sum(g**2 / de_nom)
+    d_new = maximum(d, (global_sum(s**2 / de_nom) / (1 - beta3) - gsq_weighted) / global_sum(abs(s)))
+    p = (p - exp_avg / de_nom - beta2 * exp_avg_diff / de_nom) / (1 + d_lr * weight_decay)
+    previous_grad = -g
+    d = d_new
+    """,
+    defaults=dict(lr=1.0, d0=1e-6, beta1=0.98, beta2=0.92, beta3=0.99, weight_decay=0.0, eps=1e-8),
+    state=dict(
+        exp_avg=0.0, exp_avg_sq=0.0, exp_avg_diff=0.0, s=0.0, previous_grad=0.0, d=0.0, gsq_weighted=0.0
+    ),
+    reference_kwargs=dict(lr=0.5, betas=(0.9, 0.8, 0.95), d0=0.01, weight_decay=0.1),
+    hyper=dict(lr=0.5, d0=0.01, beta1=0.9, beta2=0.8, beta3=0.95, weight_decay=0.1),
+    states=dict(
+        exp_avg="exp_avg",
+        exp_avg_sq="exp_avg_sq",
+        exp_avg_diff="exp_avg_diff",
+        s="s",
+        previous_grad="previous_grad",
+    ),
+    doc="DAdaptAdan(lr, betas, d0, weight_decay, eps) with coupled decay "
+    "(weight_decouple=False: the parameter is divided by 1 + d * lr * weight_decay) and "
+    "growth_rate=inf as by default, one param group: d (d0 at the first step) grows to the "
+    "running maximum of its estimate, from weighted sums and an L1 norm over every tensor "
+    "(global_sum); d and gsq_weighted are per-tensor states that every tensor shares (the "
+    "reference keeps them in the param group). As the reference does, exp_avg_sq averages the "
+    "fourth power of beta2 * (g - previous g) + g.",
+)
+
+_add(
     "adai",
     """
     d = g + weight_decay * p
@@ -1139,14 +1265,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
-    "dadaptsgd": "not written as a rule yet: global_sum and a scalar state fed by it give "
-    "D-Adaptation's shared d, as prodigy's entry shows",
-    "dadaptadagrad": "not written as a rule yet: global_sum and a scalar state fed by it give "
-    "D-Adaptation's shared d, as prodigy's entry shows",
-    "dadaptlion": "not written as a rule yet: global_sum and a scalar state fed by it give "
-    "D-Adaptation's shared d, as prodigy's entry shows",
-    "dadaptadan": "not written as a rule yet: global_sum and a scalar state fed by it give "
-    "D-Adaptation's shared d, as prodigy's entry shows",
     "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
     "only to tensors with ndim > 1 (no keyword turns this off)",
     "adamp": "not written as a rule yet: rowsum and rownorm now give its per-channel cosine "
