@@ -108,6 +108,14 @@ def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def from_local_like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """``local_value``, this rank's part of a state of ``p``: a DTensor laid out like
+    ``p`` when ``p`` is one, else itself (``like_param`` takes full tensors instead)."""
+    if not isinstance(p, DTensor):
+        return local_value
+    return DTensor.from_local(local_value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
 def shard_groups(p: torch.Tensor) -> list:
     """Process groups of the mesh dimensions on which ``p`` is sharded (none when plain
     or replicated)."""

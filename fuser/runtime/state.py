@@ -54,20 +54,30 @@ def validate(opt, items) -> None:
         _validate_compressed(opt, items)
 
 
+DTYPE_NAMES = tuple(TORCH_DTYPES.values())  # a state's format may depend on its parameter's
+
+
 def _quantized_states(opt) -> list[str]:
     """The rule's states that some parameter stores in 8 bits."""
     return [
         s
         for s in opt._state_keys
-        if any(state_format(opt.options, opt.rule, s, d) in QFORMATS for d in ("fp32", "bf16", "fp16"))
+        if any(state_format(opt.options, opt.rule, s, d) in QFORMATS for d in DTYPE_NAMES)
     ]
 
 
 def _validate_compressed(opt, items) -> None:
-    """8-bit states follow their parameter's memory order in blocks; split masters sit
-    beside bf16 parameters (fp32 ones are their own masters)."""
+    """8-bit states follow their parameter's memory order in blocks; fp8e4m3 needs a GPU
+    that converts to it; split masters sit beside bf16 parameters (fp32 ones are their
+    own masters)."""
     name = type(opt).__name__
     quantized = _quantized_states(opt)
+    e4m3 = [
+        s
+        for s in quantized
+        if any(state_format(opt.options, opt.rule, s, d) == "fp8e4m3" for d in DTYPE_NAMES)
+    ]
+    old_gpus = set()
     for p, _, _ in items:
         where = f"parameter of shape {tuple(p.shape)}"
         if opt.options.master_weights and p.dtype == torch.float16:
@@ -75,13 +85,19 @@ def _validate_compressed(opt, items) -> None:
                 f"{name} keeps split master weights ({opt.options.master_weights}) for bf16 parameters; "
                 f"a {where} is float16: store it as bfloat16, or as float32 without master_weights"
             )
-        if local(p).is_cuda and torch.cuda.get_device_capability(local(p).device) < (8, 9):
-            _check_fp8e4m3(opt, quantized, torch.cuda.get_device_name(local(p).device))
         if quantized and not local(p).is_contiguous():
             raise RuntimeError(
                 f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
                 f"so a {where} must be contiguous (call .contiguous() on it)"
             )
+        device = local(p).device
+        if e4m3 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            old_gpus.add(torch.cuda.get_device_name(device))
+    if old_gpus:
+        raise RuntimeError(
+            f"{name} stores {', '.join(e4m3)} as fp8e4m3, which this GPU ({', '.join(sorted(old_gpus))}) "
+            "cannot convert to (compute capability 8.9 or later: Ada, Hopper); use fp8e5m2 or int8"
+        )
 
 
 def _validate_shaped(opt, items) -> None:
@@ -100,18 +116,6 @@ def _validate_shaped(opt, items) -> None:
                 f"{name} reads rows and columns of its tensors, so a {where} and its "
                 f".{opt.options.grad_attr} must be contiguous (call .contiguous() on them)"
             )
-
-
-def _check_fp8e4m3(opt, quantized: list[str], gpu: str) -> None:
-    fmts = {
-        s: {state_format(opt.options, opt.rule, s, d) for d in ("fp32", "bf16", "fp16")} for s in quantized
-    }
-    fp8 = [s for s in quantized if "fp8e4m3" in fmts[s]]
-    if fp8:
-        raise RuntimeError(
-            f"{type(opt).__name__} stores {', '.join(fp8)} as fp8e4m3, which this GPU ({gpu}) cannot "
-            "convert to (compute capability 8.9 or later: Ada, Hopper); use fp8e5m2 or int8"
-        )
 
 
 def ensure_states(opt, items) -> None:
@@ -155,7 +159,7 @@ def _ensure_master(opt, p: torch.Tensor, st) -> None:
     dtype = getattr(torch, MASTER_WEIGHTS[opt.options.master_weights])
     lo = st.get("master_lo")
     if lo is None:
-        st["master_lo"] = _like(p, torch.zeros_like(local(p), dtype=dtype))
+        st["master_lo"] = distributed.from_local_like(p, torch.zeros_like(local(p), dtype=dtype))
         return
     if not torch.is_tensor(lo) or lo.shape != p.shape or lo.dtype != dtype:
         found = f"{lo.dtype} of shape {tuple(lo.shape)}" if torch.is_tensor(lo) else type(lo).__name__
@@ -164,17 +168,7 @@ def _ensure_master(opt, p: torch.Tensor, st) -> None:
             f"{opt.options.master_weights!r} it is {dtype} of the parameter's shape"
         )
     if local(lo).device != local(p).device:
-        st["master_lo"] = _like(p, local(lo).to(local(p).device))
-
-
-def _like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
-    """``local_value`` (this rank's part) as a state of ``p``: a DTensor laid out like
-    ``p`` when it is one."""
-    if distributed.layout(p) is None:
-        return local_value
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local_value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        st["master_lo"] = distributed.from_local_like(p, local(lo).to(local(p).device))
 
 
 def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
@@ -186,7 +180,7 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
     value = st.get(key)
     if value is None:
         codes, scales = quant.encode(_initial(lp, init, torch.float32), fmt, block)
-        st[key], st[key + "_absmax"] = _like(p, codes), scales
+        st[key], st[key + "_absmax"] = distributed.from_local_like(p, codes), scales
         return
     if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
@@ -196,12 +190,12 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
                 f"state {key!r} of a parameter of shape {tuple(p.shape)} has shape {tuple(value.shape)}"
             )
         codes, scales = quant.encode(local(distributed.like_param(value, p)).to(lp.device), fmt, block)
-        st[key], st[key + "_absmax"] = _like(p, codes), scales
+        st[key], st[key + "_absmax"] = distributed.from_local_like(p, codes), scales
         return
     scales = st.get(key + "_absmax")
     quant.check_compressed(key, local(value), scales, lp, fmt, block)
     if local(value).device != lp.device or scales.device != lp.device or scales.dtype != torch.float32:
-        st[key] = _like(p, local(value).to(lp.device))
+        st[key] = distributed.from_local_like(p, local(value).to(lp.device))
         st[key + "_absmax"] = scales.to(device=lp.device, dtype=torch.float32).reshape(-1)
 
 
@@ -272,7 +266,7 @@ def dequantized(opt, p: torch.Tensor, st: dict, rule) -> dict:
         codes, scales = out.get(key), out.get(key + "_absmax")
         if fmt not in QFORMATS or not quant.is_codes(codes) or scales is None:
             continue
-        out[key] = _like(p, quant.decode(local(codes), scales, fmt, block))
+        out[key] = distributed.from_local_like(p, quant.decode(local(codes), scales, fmt, block))
         del out[key + "_absmax"]
     return out
 
