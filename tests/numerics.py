@@ -169,10 +169,11 @@ def total(a: Tracked) -> Tracked:
     """Sum of every element. A summation whose dependency tree has depth ``d`` errs by at
     most ``d U sum |x|`` (Higham, section 4.2). Kernels sum a block as a tree (``tl.sum``;
     numpy's pairwise sum under the interpreter, sequential below 8 terms) and chain the
-    blocks' partials of 2048 elements: ``d <= log2(n) + 8 + n / 2048``, and never more than
-    ``n``, the depth of a plain loop."""
+    partials of its passes of at least 128 elements (a block's passes, then the blocks, in
+    order): ``d <= log2(n) + 8 + n / 128``, and never more than ``n``, the depth of a plain
+    loop."""
     n = a.value.numel()
-    depth = min(n, math.ceil(math.log2(max(n, 2))) + 8 + math.ceil(n / 2048))
+    depth = min(n, math.ceil(math.log2(max(n, 2))) + 8 + math.ceil(n / 128))
     return Tracked(a.value.sum(), a.err.sum() + depth * U * a.value.abs().sum() + TINY)
 
 

@@ -141,17 +141,33 @@ def quant_block() -> int:
     return qb
 
 
-def optim_launch_config(plan: OptimPlan) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a step kernel. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_WARPS``
-    override them (for tuning runs; the values are part of the kernel's cache key)."""
-    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or 2048)
-    # 8-bit states and split masters do more arithmetic per byte: with 4 warps (16 values
-    # per thread) the step with split masters took 9.9 ms instead of 14.7 on TinyLlama's
-    # tensors on an H100 (benchmarks/results/state_2026-11-25_b2048w4.json, _v2.json).
-    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (4 if _is_compressed(plan) else 8))
+def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
+    """(BLOCK, SUB, num_warps) for a step kernel: each program updates BLOCK elements of
+    one tensor, SUB at a time. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_SUB`` /
+    ``FUSER_OPTIM_WARPS`` override them (for tuning runs; the values are part of the
+    kernel's cache key).
+
+    Four values per thread per pass keep a thread's registers few (about 50 for AdamW
+    with 8-bit states, 255 at 16 values), so many programs share a multiprocessor, and
+    the loop spreads each program's fixed costs (its tensor's addresses and scalars, the
+    counter it bumps at the end) over 8192 elements. On TinyLlama-1.1B's tensors on an
+    H100 this took AdamW with 8-bit states from 9.2 to 5.0 ms, with bf16 parameters and
+    fp32 states from 10.7 to 9.0 ms, all-bf16 from 5.8 to 5.6 ms; all-fp32 AdamW was 5%
+    slower than with one pass of 2048 values over 8 warps (8 per thread), which it keeps
+    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Tiles (shape-aware rules)
+    keep 8 warps.
+    """
+    wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
+    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
+    sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 512, block))
+    warps = int(
+        os.environ.get("FUSER_OPTIM_WARPS") or (4 if not (plan.tiled or wide) or _is_compressed(plan) else 8)
+    )
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
-    return block, warps
+    if sub < 128 or sub & (sub - 1) or sub > block:
+        raise ValueError(f"FUSER_OPTIM_SUB must be a power of two from 128 to BLOCK ({block}), not {sub}")
+    return block, sub, warps
 
 
 def store_cast(value: str, dtype: str, random: str | None = None) -> str:
@@ -207,9 +223,9 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     sections["tail_lines"] = _tail_lines(ctx)
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
-    block, warps = optim_launch_config(plan)
+    block, sub, warps = optim_launch_config(plan)
     tile = optim_tile()
-    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else ()
+    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
     quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
     constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant)
@@ -244,6 +260,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
 # The template's line lists that only the last phase fills, and those only the others fill.
 _UPDATE_SECTIONS = ("update_loads", "update_prologue", "update_stores")
 _COMBINE_SECTIONS = (
+    "partial_init",
+    "partial_store",
     "combine_init",
     "combine_step",
     "combine_store",
@@ -606,13 +624,13 @@ def _compressed_store(plan: OptimPlan, name: str, value: str, fast: bool) -> lis
         ]
     lines = [f"v_{name} = {value}" if fast else f"v_{name} = tl.where(mask, {value}, 0.0)"]
     fmt = QFORMAT_CODE[_slot(plan, name).dtype]
-    lines.append(f"q_{name}, s_{name} = _q8_encode(v_{name}, {fmt}, BLOCK, QB, INTERPRETED)")
+    lines.append(f"q_{name}, s_{name} = _q8_encode(v_{name}, {fmt}, SUB, QB, INTERPRETED)")
     lines.append(f"tl.store({name}_ptr + offs, q_{name}{mask})")
-    where = f"{scale_slot(name)}_ptr + start // QB + tl.arange(0, BLOCK // QB)"
+    where = f"{scale_slot(name)}_ptr + base // QB + tl.arange(0, SUB // QB)"
     if fast:
         lines.append(f"tl.store({where}, s_{name})")
     else:
-        qmask = "start + tl.arange(0, BLOCK // QB) * QB < tl.where(keep, n, 0)"
+        qmask = "base + tl.arange(0, SUB // QB) * QB < tl.where(keep, n, 0)"
         lines.append(f"tl.store({where}, s_{name}, mask={qmask})")
     return lines
 
@@ -673,13 +691,20 @@ def _reduction_lines(
         if plan.tiled:  # a tile: across its columns, then its rows
             masked = f"{SUM}({masked}, 1, {comb})"
             fast_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
+            masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
         else:
-            # A scalar-only value (sum(1), say) still counts once per element.
-            fast_lines.append(
-                f"tl.store(partials + pid * {nred} + {col}, "
-                f"{SUM}(tl.full([BLOCK], 0.0, tl.float32) + ({value}), 0, {comb}))"
-            )
-        masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
+            # The block's partial accumulates over the program's passes (a scalar-only
+            # value, sum(1) say, still counts once per element); stored after the last.
+            acc = f"part{col}"
+            for out, part in (
+                (fast_lines, f"{SUM}(tl.full([SUB], 0.0, tl.float32) + ({value}), 0, {comb})"),
+                (masked_lines, f"{SUM}({masked}, 0, {comb})"),
+            ):
+                out.append(
+                    f"{acc} = {acc} + {part}" if combine == "sum" else f"{acc} = tl.maximum({acc}, {part})"
+                )
+            lines["partial_init"].append(f"part{col} = tl.full([], {neutral}, tl.float32)")
+            lines["partial_store"].append(f"tl.store(partials + pid * {nred} + {col}, part{col})")
         if combine == "sum":
             lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
             lines["combine_step"].append(

@@ -182,6 +182,17 @@ class StepLayout:
     tile: tuple[int, int] = (0, 0)  # (rows, cols) of a tile, when tiled
 
 
+# The tuning variables the renderer reads: part of a rendering's key. (This process's
+# cache of plans does not see them change: tuning runs clear it, or start a process.)
+LAUNCH_VARIABLES = (
+    "FUSER_OPTIM_BLOCK",
+    "FUSER_OPTIM_SUB",
+    "FUSER_OPTIM_WARPS",
+    "FUSER_OPTIM_TILE",
+    "FUSER_OPTIM_QBLOCK",
+)
+
+
 @functools.lru_cache(maxsize=256)
 def plan_and_sources(
     rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False
@@ -197,10 +208,7 @@ def plan_and_sources(
         [(n, sympy.srepr(e)) for n, e in rule.outputs],
         dtypes,
         stochastic_rounding,
-        [
-            os.environ.get(v)
-            for v in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_WARPS", "FUSER_OPTIM_TILE", "FUSER_OPTIM_QBLOCK")
-        ],
+        [os.environ.get(v) for v in LAUNCH_VARIABLES],
         templates=template_dir(),
     )
     memo = rendered.load(key)

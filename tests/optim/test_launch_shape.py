@@ -1,0 +1,125 @@
+"""The flat step kernels' launch shape: each program walks BLOCK elements of one tensor
+SUB at a time (FUSER_OPTIM_BLOCK / FUSER_OPTIM_SUB). Results must not depend on it:
+reductions accumulate over passes and blocks, 8-bit states re-encode per 32 elements
+whatever the pass, and tails of every length take the masked path."""
+
+import pytest
+import torch
+from numerics import Tracked, amax, assert_fp32_close, mean, total
+from test_reductions import fresh, lamb_reference, set_grads
+
+import fuser
+import fuser.runtime.plans as plans
+
+# Sizes around the pass and block edges of the shapes below, and 8-bit blocks cut short.
+SHAPES = [(1,), (127,), (128,), (129,), (700,), (33, 17), (2, 3, 41)]
+LAUNCH_SHAPES = [(256, 128), (512, 256), (1024, 1024), None]  # None: the defaults
+
+
+@pytest.fixture
+def launch_shape(request, monkeypatch):
+    """Render kernels with (BLOCK, SUB) = request.param, then forget them."""
+    if request.param is not None:
+        block, sub = request.param
+        monkeypatch.setenv("FUSER_OPTIM_BLOCK", str(block))
+        monkeypatch.setenv("FUSER_OPTIM_SUB", str(sub))
+    plans.plan_and_sources.cache_clear()
+    yield request.param
+    plans.plan_and_sources.cache_clear()
+
+
+@pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
+def test_lamb_matches_the_paper_for_every_launch_shape(device, launch_shape):
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone() for p in params]
+    opt = fuser.optim.LAMB(params, lr=0.05, weight_decay=0.1)
+    grads = fresh(params, 2)
+    for gs in grads:
+        set_grads(params, gs)
+        opt.step()
+    for i, p in enumerate(params):
+        want, state = lamb_reference(start[i], [gs[i] for gs in grads], 0.05, 0.9, 0.999, 1e-6, 0.1)
+        assert_fp32_close(p, want, f"p of shape {SHAPES[i]}")
+        for k, v in state.items():
+            assert_fp32_close(opt.state[p][k], v, k)
+
+
+@pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
+def test_sum_mean_and_amax_span_passes_and_blocks(device, launch_shape):
+    rule = fuser.rule(
+        """
+        centered = g - mean(g)
+        scale = amax(abs(g)) * numel / sum(abs(g))
+        p = p - lr * centered * scale
+    """,
+        name="centered_launch",
+        hyper=dict(lr=0.1),
+    )
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone() for p in params]
+    grads = [torch.randn(s, device=device) for s in SHAPES]
+    # the largest magnitude in the middle of the last pass of the 700-element tensor
+    grads[4][650] = 40.0
+    set_grads(params, grads)
+    fuser.compile(rule)(params).step()
+    for p, g, s in zip(params, grads, start):
+        g = Tracked.exact(g)
+        want = Tracked.exact(s) - 0.1 * (g - mean(g)) * (amax(abs(g)) * g.value.numel() / total(abs(g)))
+        assert_fp32_close(p, want, f"p of shape {tuple(s.shape)}")
+
+
+Q8_KEYS = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")
+
+
+def _q8_run(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [(torch.randn(s, generator=gen) * 0.02).bfloat16().to(device) for s in SHAPES]
+    grads = [[(torch.randn(s, generator=gen) * 1e-3).bfloat16().to(device) for s in SHAPES] for _ in range(2)]
+    opt = fuser.optim.AdamW(params, lr=1e-2, weight_decay=0.01, state_dtype="q8")
+    for gs in grads:
+        set_grads(params, gs)
+        opt.step()
+    return [(p.cpu(), *(opt.state[p][k].cpu() for k in Q8_KEYS)) for p in params]
+
+
+def test_8bit_codes_and_scales_do_not_depend_on_the_launch_shape(device, monkeypatch):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    runs = {}
+    for shape in [(256, 128), (512, 256), None]:
+        monkeypatch.delenv("FUSER_OPTIM_BLOCK", raising=False)
+        monkeypatch.delenv("FUSER_OPTIM_SUB", raising=False)
+        if shape is not None:
+            monkeypatch.setenv("FUSER_OPTIM_BLOCK", str(shape[0]))
+            monkeypatch.setenv("FUSER_OPTIM_SUB", str(shape[1]))
+        plans.plan_and_sources.cache_clear()
+        runs[shape] = _q8_run(device, seed)
+    plans.plan_and_sources.cache_clear()
+    for shape, run in runs.items():
+        for i, (got, want) in enumerate(zip(run, runs[None])):
+            for name, a, b in zip(
+                ("p", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"), got, want
+            ):
+                assert torch.equal(a, b), f"{name} of shape {SHAPES[i]} differs with (BLOCK, SUB) = {shape}"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(FUSER_OPTIM_SUB="100"), "FUSER_OPTIM_SUB must be a power of two from 128 to BLOCK"),
+        (dict(FUSER_OPTIM_BLOCK="256", FUSER_OPTIM_SUB="512"), "from 128 to BLOCK (256), not 512"),
+        (dict(FUSER_OPTIM_BLOCK="3000"), "FUSER_OPTIM_BLOCK must be a power of two"),
+    ],
+)
+def test_a_bad_launch_shape_is_refused_with_its_variable(device, monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    plans.plan_and_sources.cache_clear()
+    p = torch.randn(5, device=device)
+    p.grad = torch.randn(5, device=device)
+    before = p.clone()
+    try:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            fuser.optim.AdamW([p], lr=0.1).step()
+    finally:
+        plans.plan_and_sources.cache_clear()
+    assert torch.equal(p, before)
