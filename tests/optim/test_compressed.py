@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 from numerics import SLACK, TINY, Tracked, U, assert_fp32_close, fp32_close, sqrt
+from test_muon import newton_schulz, rel, view
 
 import fuser
 import fuser.optim as fo
@@ -461,6 +462,42 @@ def test_adamw_q8_each_step_within_one_code_of_float64(device, gen):
         prev = plain
 
 
+MUON_KW = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+
+
+def test_muon_momentum_in_8_bits_follows_float64_each_step(device, gen):
+    # Wide, tall, and a 3-D tensor viewed as [3, 40]; blocks of 32 cross its rows.
+    shapes = [(16, 40), (40, 16), (3, 4, 10)]
+    params = [randn(s, gen, device) for s in shapes]
+    opt = fo.Muon(params, state_dtype="q8", **MUON_KW)
+    beta, lr, wd = MUON_KW["momentum"], MUON_KW["lr"], MUON_KW["weight_decay"]
+    prev = {}
+    for t in range(1, 4):
+        before = clones(params)
+        grads = [blockwise_randn(s, gen, device) for s in shapes]
+        step_with(opt, params, grads)
+        plain, packed = cpu_state(opt.state_dict()), cpu_state(opt.state_dict(compressed=True))
+        for i, p in enumerate(params):
+            # q8: the momentum can take either sign, so int8.
+            assert_stored(opt.state[p], "momentum_buffer", "int8", p.shape)
+            g = grads[i].double().cpu()
+            m0 = prev[i]["momentum_buffer"] if i in prev else torch.zeros(p.shape)
+            want = beta * decoded(m0) + (1 - beta) * Tracked.exact(g)
+            what = f"momentum of {tuple(p.shape)}, step {t}"
+            assert_quantized_close(plain[i]["momentum_buffer"], want.value, "int8", want.err, what)
+            assert_codes_match(packed[i]["momentum_buffer"], want.value, "int8", want.err, what)
+            # The update orthogonalises the Nesterov mix of the step's own momentum (fp32,
+            # before it is stored in 8 bits): as close as bf16 products allow.
+            mix = g + beta * (want.value - g)
+            exact = newton_schulz(mix).reshape(p.shape)
+            bf16_error = rel(newton_schulz(mix, dtype=torch.bfloat16).reshape(p.shape), exact)
+            rows, cols = view(p).shape
+            start = before[i].double().cpu()
+            step = -lr * wd * start - lr * max(1, rows / cols) ** 0.5 * exact
+            assert rel(p.detach().cpu().double() - start, step) < max(1.5 * bf16_error, 0.03), what
+        prev = plain
+
+
 # --- 3. a format per state -------------------------------------------------------------------
 
 PER_STATE = {
@@ -839,8 +876,6 @@ def test_8bit_states_refused_where_a_state_is_not_one_value_per_element(device):
         fuser.compile(ROWMEAN_RULE, state_dtype="q8")
     with pytest.raises(ValueError, match=eight_bit):
         fuser.compile(ROWMEAN_RULE, state_dtype=dict(m="int8"))
-    with pytest.raises(ValueError, match=eight_bit):
-        fuser.compile(MUON_RULE, state_dtype="int8")
     # NAdam's mu_product is one number per tensor.
     with pytest.raises(ValueError, match="mu_product"):
         fo.NAdam([p], state_dtype=dict(mu_product="int8"))
@@ -857,6 +892,8 @@ def test_8bit_states_refused_where_a_state_is_not_one_value_per_element(device):
     }
     fuser.compile(ROWMEAN_RULE, state_dtype="bf16")
     fuser.compile(COPY_RULE, state_dtype="int8")
+    # A matrix function's rule walks flat blocks around its products: 8 bits are fine.
+    fuser.compile(MUON_RULE, state_dtype="int8")
 
 
 def test_master_weights_refuse_stochastic_rounding(device):
