@@ -27,7 +27,7 @@ from fuser.runtime.plans import (
     plan_and_sources,
     state_dtype,
 )
-from fuser.runtime.state import check_saved_format, dequantized, labelled, quantize_loaded
+from fuser.runtime.state import check_saved_format, dequantized, labelled, quantize_loaded, saved_scales
 from fuser.runtime.tables import view_2d
 from fuser.runtime.tracking import ParamState
 
@@ -196,6 +196,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 for s, key in keys.items():
                     if quant.is_codes(st.get(key)):
                         check_saved_format(self, p, st, key, s, rule_of[p])
+                        if torch.is_tensor(st.get(key + "_absmax")):
+                            saved_scales(p, st[key + "_absmax"])
         super().load_state_dict(state_dict)
         rule_of = {p: self._rule_of(group) for group in self.param_groups for p in group["params"]}
         for pid, st in saved.items():
@@ -229,6 +231,7 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
             elif key in reduced_keys:  # checked against the parameter's rows and columns at the step
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
             elif key.endswith("_absmax") and key[: -len("_absmax")] in element_keys:
+                value = saved_scales(p, value)
                 self.state[p][key] = value.to(
                     device=distributed.local(p).device, dtype=torch.float32, copy=True
                 )
@@ -236,6 +239,8 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
                 self.state[p][key] = distributed.like_param(value, p).to(device=p.device, copy=True)
             elif key in scalar_keys and value.numel() == 1:
                 self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+        for key in element_keys:  # the formats of saved codes were checked before loading
+            self.state[p].pop(key + "_format", None)
 
     def _forget(self) -> None:
         """Re-read everything at the next step (new param groups, loaded state)."""

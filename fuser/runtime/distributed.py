@@ -25,6 +25,7 @@ import torch
 
 from fuser.counters import count
 from fuser.ir.optim import ACCUMULATE
+from fuser.runtime.quant import n_blocks
 
 try:
     import torch.distributed as dist
@@ -114,6 +115,73 @@ def from_local_like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return local_value
     return DTensor.from_local(local_value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _shard_sizes(p: DTensor, dim: int) -> list[int]:
+    """Elements of ``p`` held at each coordinate of mesh dimension ``dim`` (its only sharded
+    one), by ``torch.chunk``'s split, which ``Shard`` uses."""
+    tdim = p.placements[dim].dim
+    n, parts = p.shape[tdim], p.device_mesh.size(dim)
+    chunk = -(-n // parts) if n else 0
+    rest = p.numel() // n if n else 0
+    return [max(0, min(chunk, n - c * chunk)) * rest for c in range(parts)]
+
+
+def _scales_layout(p: torch.Tensor, block: int):
+    """(mesh dimension, [S, L] shape) of ``scales_like``'s layout for ``p``; ``None`` where
+    the scales stay as they are (a plain or replicated ``p``)."""
+    if not isinstance(p, DTensor):
+        return None
+    sharded = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    if not sharded:
+        return None
+    if len(sharded) > 1:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} is sharded over {len(sharded)} mesh dimensions "
+            f"({p.placements}): compressed state dicts keep the block scales of parameters sharded on "
+            "one; save the default state dict (fp32 states), which checkpoints reshard"
+        )
+    dim = sharded[0]
+    width = max(n_blocks(n, block) for n in _shard_sizes(p, dim))
+    return dim, (p.device_mesh.size(dim), width)
+
+
+def scales_like(p: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """This rank's block scales of an 8-bit state of ``p``, laid out so that
+    torch.distributed.checkpoint saves every rank's: for ``p`` sharded on one mesh
+    dimension of size S, a DTensor of shape ``[S, L]`` whose row c (zero-padded to L, the
+    most blocks any shard has) holds the scales of the shard at coordinate c, replicated
+    over the other mesh dimensions. (A plain tensor under one key would be saved from one
+    rank only.) The scales themselves for a plain or replicated ``p``. ``local_scales``
+    inverts it."""
+    layout = _scales_layout(p, block)
+    if layout is None:
+        return scales
+    from torch.distributed.tensor import Replicate, Shard
+
+    dim, (parts, width) = layout
+    row = scales.new_zeros(1, width)
+    row[0, : scales.numel()] = scales
+    mesh = p.device_mesh
+    placements = [Shard(0) if d == dim else Replicate() for d in range(mesh.ndim)]
+    return DTensor.from_local(row, mesh, placements, shape=(parts, width), stride=(width, 1))
+
+
+def local_scales(p: torch.Tensor, value: torch.Tensor, block: int) -> torch.Tensor:
+    """This rank's block scales from a saved ``value``: ``scales_like``'s layout, or the
+    plain scales of a plain or replicated ``p``. Raises for scales laid out for another
+    sharding."""
+    if not isinstance(value, DTensor):
+        return value
+    layout = _scales_layout(p, block)
+    same = layout is not None and tuple(value.shape) == layout[1] and value.device_mesh.ndim > layout[0]
+    if not (same and value.placements[layout[0]].is_shard(0)):
+        raise RuntimeError(
+            f"the saved scales of a parameter of shape {tuple(p.shape)} were laid out for another sharding "
+            f"({tuple(value.shape)} on {value.placements}); a compressed state dict loads into the sharding "
+            "it was saved from: save the default state dict (fp32 states) to reshard"
+        )
+    return value._local_tensor.reshape(-1)[: n_blocks(local(p).numel(), block)]
 
 
 def shard_groups(p: torch.Tensor) -> list:

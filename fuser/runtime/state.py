@@ -272,13 +272,21 @@ def dequantized(opt, p: torch.Tensor, st: dict, rule) -> dict:
 
 
 def labelled(opt, p: torch.Tensor, st: dict, rule) -> dict:
-    """``st`` as stored, each 8-bit state's format named under ``key + "_format"``."""
+    """``st`` as stored, each 8-bit state's format named under ``key + "_format"``; the
+    scales of a sharded DTensor's state as ``distributed.scales_like`` lays them out."""
     out = dict(st)
     for s, key in opt._state_keys_of(rule).items():
         fmt = state_format(opt.options, rule, s, TORCH_DTYPES.get(p.dtype, "fp32"))
         if fmt in QFORMATS and key + "_absmax" in out:
             out[key + "_format"] = fmt
+            out[key + "_absmax"] = distributed.scales_like(p, out[key + "_absmax"], quant_block())
     return out
+
+
+def saved_scales(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's block scales of ``p``'s state from a compressed state dict
+    (``distributed.local_scales``: raises for scales saved from another sharding)."""
+    return distributed.local_scales(p, value, quant_block())
 
 
 def check_saved_format(opt, p: torch.Tensor, st: dict, key: str, state: str, rule) -> None:

@@ -166,3 +166,105 @@ def test_dcp_saves_8bit_states_on_two_ranks_and_loads_them_in_one_process(tmp_pa
             assert torch.equal(opt.state[p][key], codes), (name, key)
             assert torch.equal(opt.state[p][key + "_absmax"], scales), (name, key)
         assert opt.state[p]["step"].item() == st["step"].item() == 2
+
+
+def _local(v):
+    return (v.to_local() if isinstance(v, DTensor) else v).clone() if torch.is_tensor(v) else v
+
+
+def _state_of(opt, params):
+    return [{k: _local(v) for k, v in opt.state[p].items()} for p in params]
+
+
+def _step(opt, params, mesh, step_grads):
+    for p, g, (_, pl, _) in zip(params, step_grads, LAYOUTS):
+        p.grad = distribute_tensor(g, mesh, [pl])
+    opt.step()
+
+
+def _with_state(params):
+    """A new optimizer whose states exist (one step at lr 0 from zero gradients): a
+    template for torch.distributed.checkpoint to load into."""
+    opt = make_optimizer(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    return opt
+
+
+def compressed_dcp_worker(rank, world, path):
+    """Two steps, a DCP checkpoint of state_dict(compressed=True), a third step; then the
+    parameters as they were at the checkpoint, a new optimizer loaded from it, and the
+    third step again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data()
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [pl])) for t, (_, pl, _) in zip(full, LAYOUTS)]
+    opt = make_optimizer(params)
+    for step_grads in grads[:2]:
+        _step(opt, params, mesh, step_grads)
+    sd = opt.state_dict(compressed=True)
+    scale_kinds = sorted({type(st["exp_avg_absmax"]).__name__ for st in sd["state"].values()})
+    dcp.save({"optim": sd}, checkpoint_id=path)
+    saved, at_checkpoint = _state_of(opt, params), [p.to_local().clone() for p in params]
+    _step(opt, params, mesh, grads[2])
+    continued = [p.to_local().clone() for p in params]
+
+    with torch.no_grad():
+        for p, value in zip(params, at_checkpoint):
+            p.to_local().copy_(value)
+    again = _with_state(params)
+    template = again.state_dict(compressed=True)
+    dcp.load({"optim": template}, checkpoint_id=path)
+    again.load_state_dict(template)
+    loaded = _state_of(again, params)
+    _step(again, params, mesh, grads[2])
+    return dict(
+        saved=saved,
+        loaded=loaded,
+        continued=continued,
+        resumed=[p.to_local().clone() for p in params],
+        scale_kinds=scale_kinds,
+    )
+
+
+def test_compressed_state_dict_round_trips_through_dcp_on_the_same_ranks(tmp_path):
+    path = str(tmp_path / "dcp")
+    for rank, got in enumerate(run_ranks(compressed_dcp_worker, path)):
+        # sharded parameters' scales are DTensors (every rank's saved), replicated ones plain
+        assert got["scale_kinds"] == ["DTensor", "Tensor"], got["scale_kinds"]
+        for i, (saved, loaded) in enumerate(zip(got["saved"], got["loaded"])):
+            assert set(saved) == set(loaded), (rank, i, set(saved), set(loaded))
+            for key in saved:
+                assert torch.equal(torch.as_tensor(saved[key]), torch.as_tensor(loaded[key])), (rank, i, key)
+            assert saved["exp_avg"].dtype == torch.int8, (rank, i)
+        for i, (a, b) in enumerate(zip(got["continued"], got["resumed"])):
+            assert torch.equal(a, b), f"rank {rank}, parameter {i} {LAYOUTS[i][0]}: the resumed step differs"
+
+
+def test_compressed_checkpoint_of_two_ranks_is_refused_by_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = str(tmp_path / "dcp")
+    run_ranks(compressed_dcp_worker, path)
+    full, _ = data()
+    params = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = _with_state(params)
+    before = _state_of(opt, params)
+    template = opt.state_dict(compressed=True)
+    # Each rank's scales are a row of a [2, L] tensor: torch.distributed.checkpoint
+    # refuses them before it reads anything (a compressed state dict loads into the
+    # sharding it was saved from; the default fp32 one reshards).
+    with warnings.catch_warnings(), pytest.raises(CheckpointException, match="Size mismatch"):
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
+    for got, want in zip(_state_of(opt, params), before):
+        for key in want:
+            assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
