@@ -184,6 +184,30 @@ def local_scales(p: torch.Tensor, value: torch.Tensor, block: int) -> torch.Tens
     return value._local_tensor.reshape(-1)[: n_blocks(local(p).numel(), block)]
 
 
+def row_shard(p: torch.Tensor):
+    """(process group, this rank's rows [first, end) of ``p``'s 2-D view) for a DTensor
+    sharded by those rows (``Shard(0)`` of a tensor of 2 or more dimensions, on one mesh
+    dimension), as a matrix function gathers it; ``None`` for a plain or replicated
+    tensor. Raises for other layouts."""
+    if not isinstance(p, DTensor):
+        return None
+    sharded = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or not p.placements[sharded[0]].is_shard(0) or p.dim() < 2:
+        raise RuntimeError(
+            f"a matrix function gathers a DTensor's matrix from shards of whole rows of its 2-D view "
+            f"(Shard(0) of a tensor of 2 or more dimensions, on one mesh dimension); a parameter of shape "
+            f"{tuple(p.shape)} is placed {p.placements}: shard it by rows, or replicate it"
+        )
+    dim = sharded[0]
+    mesh = p.device_mesh
+    rows, parts = p.shape[0], mesh.size(dim)
+    chunk = -(-rows // parts)
+    first = min(rows, mesh.get_local_rank(dim) * chunk)
+    return mesh.get_group(dim), (first, min(rows, first + chunk))
+
+
 def shard_groups(p: torch.Tensor) -> list:
     """Process groups of the mesh dimensions on which ``p`` is sharded (none when plain
     or replicated)."""
@@ -256,8 +280,10 @@ def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict
     plan = launches[0].plan
     exchanges: dict[int, list[_Exchange]] = {}
     retotals: dict[int, list[_Retotal]] = {}
-    for phase in sorted({r.phase for r in plan.reductions}):
-        reds = [r for r in plan.reductions if r.phase == phase]
+    # (per-tensor reductions only: matrix functions gather their own matrices, runtime.matrix)
+    per_tensor = [r for r in plan.reductions if r.column >= 0]
+    for phase in sorted({r.phase for r in per_tensor}):
+        reds = [r for r in per_tensor if r.phase == phase]
         for combine, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
             columns = [r.column for r in reds if ACCUMULATE[r.op][1] == combine]
             if not columns:

@@ -353,7 +353,10 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGr
     kernels = [load_kernel(src, device) for src in sources]
     keys = opt._state_keys
     scalar_names = scalar_state_names(opt.rule)
-    matrices, matrix_slots = build_matrices(plan.reductions, [p.shape for p, _, _ in members], device)
+    shards = (
+        [distributed.row_shard(p) for p, _, _ in members] if any(r.matrix for r in plan.reductions) else None
+    )
+    matrices, matrix_slots = build_matrices(plan.reductions, [p.shape for p, _, _ in members], device, shards)
     rows = []
     for (p, g, _), mats in zip(members, matrix_slots):
         st = opt.state[p]

@@ -5,6 +5,13 @@ group per product, then read by the later phases.
 Tensors of one 2-D shape share a stacked buffer ``[n, rows, cols]``; the pointer table's
 ``in`` slot of each tensor points at its matrix there, the ``out`` slot at its matrix in
 the buffer that holds the result.
+
+A DTensor sharded by rows of its 2-D view (``Shard(0)`` on one mesh dimension) has its
+own shape group per shard group, of full matrices: each rank's kernel writes its rows in
+place, the other rows are zeroed, and one ``all_reduce`` over the shard group completes
+every matrix of the group (each row comes from one rank, so the sum is exact); every
+rank then runs the products on the full matrices and its later phases read their own
+rows of the result.
 """
 
 from __future__ import annotations
@@ -28,6 +35,25 @@ class ShapeGroup:
     a: torch.Tensor  # bf16 [n, k, k], k = min(rows, cols)
     b: torch.Tensor  # bf16 [n, k, k]
     tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
+    gather: Gather | None = None  # DTensor shards: complete the matrices before the products
+
+
+@dataclass
+class Gather:
+    """Full matrices of row-sharded DTensors from the rows each rank wrote: the rest are
+    zeroed, then one ``all_reduce`` over the shard group sums them."""
+
+    group: object  # torch.distributed.ProcessGroup
+    spans: list[tuple[int, int]]  # this rank's rows [first, end) of each matrix of the stack
+
+    def __call__(self, x: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        for j, (first, end) in enumerate(self.spans):
+            x[j, :first].zero_()
+            x[j, end:].zero_()
+        dist.all_reduce(x, group=self.group)
+        count("collectives", 1)
 
 
 @dataclass
@@ -42,6 +68,8 @@ class MatrixWork:
     def __call__(self) -> None:
         steps, a, b, c, eps = self.args
         for sg in self.groups:
+            if sg.gather is not None:
+                sg.gather(sg.x)
             newton_schulz(sg, steps, a, b, c, eps)
 
 
@@ -67,18 +95,22 @@ def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps:
     count("launches", 3 + 3 * steps)
 
 
-def build_matrices(reductions, shapes: list, device) -> tuple[list[MatrixWork], list[dict]]:
-    """Buffers for each matrix function of a launch group whose tensors have ``shapes``:
-    the work of each, and per tensor the tensors its ``in`` and ``out`` slots point at."""
+def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[MatrixWork], list[dict]]:
+    """Buffers for each matrix function of a launch group whose tensors have ``shapes``
+    (of the whole tensors); ``shards[i]``, for a row-sharded DTensor, is (shard process
+    group, this rank's rows [first, end) of its 2-D view), else ``None``. Returns the work
+    of each function, and per tensor the tensors its ``in`` and ``out`` slots point at."""
     works, slots = [], [{} for _ in shapes]
+    shards = shards or [None] * len(shapes)
     for index, r in enumerate(reductions):
         if not r.matrix:
             continue
         by_shape: dict[tuple, list[int]] = {}
         for i, shape in enumerate(shapes):
-            by_shape.setdefault(view_2d(shape), []).append(i)
+            group = None if shards[i] is None else shards[i][0]
+            by_shape.setdefault((view_2d(shape), group), []).append(i)
         groups = []
-        for (rows, cols), members in by_shape.items():
+        for ((rows, cols), group), members in by_shape.items():
             k = min(rows, cols)
             kw = dict(dtype=torch.bfloat16, device=device)
             sg = ShapeGroup(
@@ -89,9 +121,13 @@ def build_matrices(reductions, shapes: list, device) -> tuple[list[MatrixWork], 
                 rows > cols,
             )
             result = sg.x if r.args[0] % 2 == 0 else sg.y
-            for j, i in enumerate(members):
-                slots[i][matrix_slot(index, "in")] = sg.x[j]
-                slots[i][matrix_slot(index, "out")] = result[j]
+            spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]
+            if group is not None:
+                sg.gather = Gather(group, spans)
+            for j, (i, (first, end)) in enumerate(zip(members, spans)):
+                # this rank's rows (all of them for a whole tensor)
+                slots[i][matrix_slot(index, "in")] = sg.x[j, first:end]
+                slots[i][matrix_slot(index, "out")] = result[j, first:end]
             groups.append(sg)
         works.append(MatrixWork(index, r.phase, groups, r.args))
     return works, slots

@@ -102,15 +102,17 @@ def _validate_compressed(opt, items) -> None:
 
 def _validate_shaped(opt, items) -> None:
     """A rule that reads rows, columns or whole matrices walks each tensor's 2-D view in
-    memory order."""
+    memory order; a matrix function gathers a DTensor's matrix from shards of whole rows."""
     name = type(opt).__name__
+    tiled = is_tiled(opt.rule)
     for p, g, _ in items:
         where = f"parameter of shape {tuple(p.shape)}"
-        if distributed.layout(p) is not None:
+        if tiled and distributed.layout(p) is not None:
             raise RuntimeError(
                 f"{name} reads rows and columns of its tensors, which a DTensor shard does not "
                 f"hold whole ({where}); give it full tensors (e.g. outside FSDP)"
             )
+        distributed.row_shard(p)
         if not (p.is_contiguous() and g.is_contiguous()):
             raise RuntimeError(
                 f"{name} reads rows and columns of its tensors, so a {where} and its "

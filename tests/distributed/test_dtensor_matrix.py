@@ -1,0 +1,134 @@
+"""Matrix functions of DTensor parameters (2 gloo processes): Muon on parameters sharded
+by rows of their 2-D view gathers each full matrix once per step (one all_reduce per
+shape group) and every rank keeps its rows of the result, so each rank's shards follow
+the same optimizer on the whole tensors in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+
+import fuser
+
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch was built without gloo", allow_module_level=True)
+
+from seeds import session_seed  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+
+# Wide and tall, two of one shape (one all_reduce for both), a 4-D tensor viewed as
+# [5, 12], a replicated matrix (nothing to gather), one whose second shard is empty.
+LAYOUTS = [
+    ((9, 33), Shard(0)),
+    ((33, 9), Shard(0)),
+    ((9, 33), Shard(0)),
+    ((5, 3, 2, 2), Shard(0)),
+    ((17, 17), Replicate()),
+    ((1, 12), Shard(0)),
+]
+STEPS = 3
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+
+
+def data():
+    gen = torch.Generator().manual_seed(session_seed(2468))
+    params = [torch.randn(shape, generator=gen) for shape, _ in LAYOUTS]
+    grads = [[torch.randn(shape, generator=gen) for shape, _ in LAYOUTS] for _ in range(STEPS)]
+    return params, grads
+
+
+def worker(rank, world, state_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data()
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [pl])) for t, (_, pl) in zip(full, LAYOUTS)]
+    opt = fuser.optim.Muon(params, state_dtype=state_dtype, **MUON)
+    collectives = []
+    for step_grads in grads:
+        for p, g, (_, pl) in zip(params, step_grads, LAYOUTS):
+            p.grad = distribute_tensor(g, mesh, [pl])
+        before = fuser.stats()["collectives"]
+        opt.step()
+        collectives.append(fuser.stats()["collectives"] - before)
+    return dict(
+        params=[p.to_local().clone() for p in params],
+        momentum=[opt.state[p]["momentum_buffer"].to_local().clone() for p in params],
+        collectives=collectives,
+    )
+
+
+def rows_of(t: torch.Tensor, pl, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``t`` under placement ``pl`` (torch.chunk's split)."""
+    if not isinstance(pl, Shard):
+        return t
+    chunks = t.chunk(world, dim=0)
+    return chunks[rank] if rank < len(chunks) else t[t.shape[0] :]
+
+
+@pytest.mark.parametrize("state_dtype", [None, "q8"])
+def test_muon_on_row_shards_follows_muon_on_whole_tensors(state_dtype):
+    ranks = run_ranks(worker, state_dtype)
+    full, grads = data()
+    params = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = fuser.optim.Muon(params, state_dtype=state_dtype, **MUON)
+    # One thread, as the ranks run (tests/distributed/ranks.py): the CPU's batched products
+    # then round alike, and the results must be equal.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    world = len(ranks)
+    for rank, got in enumerate(ranks):
+        # one all_reduce per step for each shape group of sharded matrices: (9, 33) twice,
+        # (33, 9), (5, 12) and (1, 12); the replicated one gathers nothing
+        assert got["collectives"] == [4] * STEPS, got["collectives"]
+        for i, ((shape, pl), p) in enumerate(zip(LAYOUTS, params)):
+            want = rows_of(p.detach(), pl, rank, world)
+            what = f"rank {rank}, parameter {i} {shape} {pl}"
+            if state_dtype == "q8" and isinstance(pl, Shard):
+                # 8-bit blocks are those of each rank's shard, not of the whole tensor: the
+                # momentum rounds differently, within its codes' resolution.
+                start = rows_of(full[i], pl, rank, world)
+                step, want_step = got["params"][i] - start, want - start
+                assert want_step.numel() == 0 or (step - want_step).norm() < 0.02 * want_step.norm(), what
+                continue
+            assert torch.equal(got["params"][i], want), what
+            if state_dtype is None:
+                buf = rows_of(opt.state[p]["momentum_buffer"], pl, rank, world)
+                assert torch.equal(got["momentum"][i], buf), f"rank {rank}, momentum {i} {shape}"
+
+
+def refused_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    messages = []
+    for shape, pl, opt_class in (
+        ((6, 8), Shard(1), fuser.optim.Muon),
+        ((6, 8), Shard(0), fuser.optim.Adafactor),
+    ):
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [pl]))
+        p.grad = distribute_tensor(torch.randn(shape), mesh, [pl])
+        before = p.to_local().clone()
+        try:
+            opt_class([p]).step()
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append((str(e), torch.equal(p.to_local(), before)))
+    return messages
+
+
+def test_layouts_a_shape_aware_step_cannot_take_are_refused_before_any_change():
+    for messages in run_ranks(refused_worker):
+        (columns, unchanged_muon), (tiled, unchanged_adafactor) = messages
+        assert "Shard(0)" in columns and "shard it by rows" in columns, columns
+        assert "rows and columns" in tiled and "DTensor" in tiled, tiled
+        assert unchanged_muon and unchanged_adafactor
