@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import batches, make_model, train
 from ranks import run_ranks
 
 import fuser
@@ -132,3 +133,42 @@ def test_layouts_a_shape_aware_step_cannot_take_are_refused_before_any_change():
         assert "Shard(0)" in columns and "shard it by rows" in columns, columns
         assert "rows and columns" in tiled and "DTensor" in tiled, tiled
         assert unchanged_muon and unchanged_adafactor
+
+
+def muon_groups(model):
+    """Muon for the weight matrices, its auxiliary AdamW for the biases."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [dict(params=weights, lr=0.05), dict(params=biases, use_muon=False, lr=0.01)]
+
+
+def fsdp_muon_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = fuser.optim.Muon(muon_groups(model))
+    train(model, opt, [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches(3)])
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_muon_under_fsdp2_follows_a_single_process_run():
+    model = make_model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(model, fuser.optim.Muon(muon_groups(model)), batches(3))
+    finally:
+        torch.set_num_threads(threads)
+    for got in run_ranks(fsdp_muon_worker):
+        for name, p in model.named_parameters():
+            # FSDP2 averages the two halves' gradients: the same gradient up to fp32
+            # rounding, which bf16 Newton-Schulz may round once more differently.
+            step, want = got[name] - start[name], p.detach() - start[name]
+            assert (step - want).norm() <= 1e-3 * want.norm(), name
