@@ -40,18 +40,16 @@ class ShapeGroup:
 
 @dataclass
 class Gather:
-    """Full matrices of row-sharded DTensors from the rows each rank wrote: the rest are
-    zeroed, then one ``all_reduce`` over the shard group sums them."""
+    """Full matrices of row-sharded DTensors from the rows each rank wrote: the others
+    are zeroed (one launch), then one ``all_reduce`` over the shard group sums them."""
 
     group: object  # torch.distributed.ProcessGroup
-    spans: list[tuple[int, int]]  # this rank's rows [first, end) of each matrix of the stack
+    others: torch.Tensor  # bool [n, rows, 1]: rows of the stack this rank did not write
 
     def __call__(self, x: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        for j, (first, end) in enumerate(self.spans):
-            x[j, :first].zero_()
-            x[j, end:].zero_()
+        x.masked_fill_(self.others, 0.0)
         dist.all_reduce(x, group=self.group)
         count("collectives", 1)
 
@@ -123,7 +121,10 @@ def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[
             result = sg.x if r.args[0] % 2 == 0 else sg.y
             spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]
             if group is not None:
-                sg.gather = Gather(group, spans)
+                others = torch.ones(len(members), rows, 1, dtype=torch.bool)
+                for j, (first, end) in enumerate(spans):
+                    others[j, first:end] = False
+                sg.gather = Gather(group, others.to(device))
             for j, (i, (first, end)) in enumerate(zip(members, spans)):
                 # this rank's rows (all of them for a whole tensor)
                 slots[i][matrix_slot(index, "in")] = sg.x[j, first:end]
