@@ -7,8 +7,8 @@ Layouts, as `state_bench.py` names their workloads (bf16 parameters and gradient
 `adamw_bf16p_fp32s_llama1b`), `bf16` (`state_dtype="param"`, `adamw_bf16_llama1b`); and
 `fp32`: fp32 parameters, gradients and states (`optim_bench.py`'s `adamw_fp32_llama1b`).
 The launch shape is rendered into the kernel from `FUSER_OPTIM_BLOCK`, `FUSER_OPTIM_SUB`
-and `FUSER_OPTIM_WARPS`; the in-process plan cache is cleared between settings, so each
-one compiles its own kernels. Per setting: median and minimum of CUDA events around one
+and `FUSER_OPTIM_WARPS` (part of the plan cache's key), so each setting compiles its own
+kernels. Per setting: median and minimum of CUDA events around one
 step (20 steps after 3).
 
     PYTHONPATH=. python benchmarks/sweep_step.py [--out DIR] [--tag _x]
@@ -37,7 +37,6 @@ from optim_bench import llama1b_shapes  # noqa: E402
 
 import fuser  # noqa: E402
 import fuser.optim  # noqa: E402
-import fuser.runtime.plans as plans  # noqa: E402
 
 LAYOUTS = {
     "q8": dict(state_dtype="q8"),
@@ -83,7 +82,6 @@ def run(layouts: list[str], settings: list[tuple[str, str, str]]) -> list[dict]:
             ps = params(torch.float32 if layout == "fp32" else torch.bfloat16)
             for block, sub, warps in settings:
                 os.environ.update(dict(zip(ENV, (block, sub, warps))))
-                plans.plan_and_sources.cache_clear()
                 row = dict(layout=layout, BLOCK=int(block), SUB=int(sub), warps=int(warps))
                 opt = fuser.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **LAYOUTS[layout])
                 row["ms"], row["min_ms"] = (round(t, 4) for t in time_step(opt))
@@ -99,7 +97,6 @@ def run(layouts: list[str], settings: list[tuple[str, str, str]]) -> list[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        plans.plan_and_sources.cache_clear()
     return rows
 
 

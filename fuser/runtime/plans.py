@@ -182,8 +182,7 @@ class StepLayout:
     tile: tuple[int, int] = (0, 0)  # (rows, cols) of a tile, when tiled
 
 
-# The tuning variables the renderer reads: part of a rendering's key. (This process's
-# cache of plans does not see them change: tuning runs clear it, or start a process.)
+# The tuning variables the renderer reads: part of a rendering's key, in memory and on disk.
 LAUNCH_VARIABLES = (
     "FUSER_OPTIM_BLOCK",
     "FUSER_OPTIM_SUB",
@@ -193,12 +192,21 @@ LAUNCH_VARIABLES = (
 )
 
 
-@functools.lru_cache(maxsize=256)
 def plan_and_sources(
     rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False
 ) -> tuple[StepLayout, list[KernelSource]]:
-    """The step's layout and kernels, from the on-disk memo when this rule was rendered
-    before with the same code (sympy costs ~0.1-0.2 s per rule), else lowered and rendered."""
+    """The step's layout and kernels, from this process's cache or the on-disk memo when
+    this rule was rendered before with the same code and tuning variables (sympy costs
+    ~0.1-0.2 s per rule), else lowered and rendered."""
+    return _plan_and_sources(
+        rule, dtypes, stochastic_rounding, tuple(os.environ.get(v) for v in LAUNCH_VARIABLES)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_and_sources(
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple
+) -> tuple[StepLayout, list[KernelSource]]:
     key = rendered.fingerprint(
         "optim",
         rule.name,
@@ -208,7 +216,7 @@ def plan_and_sources(
         [(n, sympy.srepr(e)) for n, e in rule.outputs],
         dtypes,
         stochastic_rounding,
-        [os.environ.get(v) for v in LAUNCH_VARIABLES],
+        list(launch),
         templates=template_dir(),
     )
     memo = rendered.load(key)
@@ -288,3 +296,4 @@ def kernel_sources(
     opts = parse_options(**options)
     plan = dtype_plan(rule, opts, dtype, grad_dtype)
     return list(plan_and_sources(rule, plan, opts.stochastic_rounding)[1])
+

@@ -9,7 +9,7 @@ from numerics import Tracked, amax, assert_fp32_close, mean, total
 from test_reductions import fresh, lamb_reference, set_grads
 
 import fuser
-import fuser.runtime.plans as plans
+from fuser.optim.factory import kernel_sources
 
 # Sizes around the pass and block edges of the shapes below, and 8-bit blocks cut short.
 SHAPES = [(1,), (127,), (128,), (129,), (700,), (33, 17), (2, 3, 41)]
@@ -18,14 +18,25 @@ LAUNCH_SHAPES = [(256, 128), (512, 256), (1024, 1024), None]  # None: the defaul
 
 @pytest.fixture
 def launch_shape(request, monkeypatch):
-    """Render kernels with (BLOCK, SUB) = request.param, then forget them."""
+    """Render kernels with (BLOCK, SUB) = request.param (the defaults for ``None``)."""
+    monkeypatch.delenv("FUSER_OPTIM_BLOCK", raising=False)
+    monkeypatch.delenv("FUSER_OPTIM_SUB", raising=False)
     if request.param is not None:
         block, sub = request.param
         monkeypatch.setenv("FUSER_OPTIM_BLOCK", str(block))
         monkeypatch.setenv("FUSER_OPTIM_SUB", str(sub))
-    plans.plan_and_sources.cache_clear()
-    yield request.param
-    plans.plan_and_sources.cache_clear()
+    return request.param
+
+
+def test_a_changed_launch_variable_renders_new_kernels_in_the_same_process(monkeypatch):
+    rule = fuser.optim.AdamW.rule
+    monkeypatch.setenv("FUSER_OPTIM_BLOCK", "512")
+    monkeypatch.setenv("FUSER_OPTIM_SUB", "128")
+    first = dict(kernel_sources(rule, "bf16")[0].constexprs)
+    monkeypatch.setenv("FUSER_OPTIM_SUB", "256")
+    second = dict(kernel_sources(rule, "bf16")[0].constexprs)
+    assert (first["BLOCK"], first["SUB"]) == (512, 128)
+    assert (second["BLOCK"], second["SUB"]) == (512, 256)
 
 
 @pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
@@ -91,9 +102,7 @@ def test_8bit_codes_and_scales_do_not_depend_on_the_launch_shape(device, monkeyp
         if shape is not None:
             monkeypatch.setenv("FUSER_OPTIM_BLOCK", str(shape[0]))
             monkeypatch.setenv("FUSER_OPTIM_SUB", str(shape[1]))
-        plans.plan_and_sources.cache_clear()
         runs[shape] = _q8_run(device, seed)
-    plans.plan_and_sources.cache_clear()
     for shape, run in runs.items():
         for i, (got, want) in enumerate(zip(run, runs[None])):
             for name, a, b in zip(
@@ -113,13 +122,9 @@ def test_8bit_codes_and_scales_do_not_depend_on_the_launch_shape(device, monkeyp
 def test_a_bad_launch_shape_is_refused_with_its_variable(device, monkeypatch, env, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    plans.plan_and_sources.cache_clear()
     p = torch.randn(5, device=device)
     p.grad = torch.randn(5, device=device)
     before = p.clone()
-    try:
-        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            fuser.optim.AdamW([p], lr=0.1).step()
-    finally:
-        plans.plan_and_sources.cache_clear()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fuser.optim.AdamW([p], lr=0.1).step()
     assert torch.equal(p, before)
