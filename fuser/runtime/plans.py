@@ -203,6 +203,11 @@ def plan_and_sources(
     )
 
 
+def forget_plans() -> None:
+    """Drop every rendering this process holds (the on-disk memo stays)."""
+    _plan_and_sources.cache_clear()
+
+
 @functools.lru_cache(maxsize=256)
 def _plan_and_sources(
     rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple
@@ -296,4 +301,3 @@ def kernel_sources(
     opts = parse_options(**options)
     plan = dtype_plan(rule, opts, dtype, grad_dtype)
     return list(plan_and_sources(rule, plan, opts.stochastic_rounding)[1])
-

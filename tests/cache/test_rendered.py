@@ -23,17 +23,17 @@ def test_memo_returns_what_rendering_gives_and_survives_damage(tmp_path, monkeyp
         state=dict(m=0.0),
     )
     dtypes = plans.dtype_plan(rule, plans.Options(), "bf16", "fp32")
-    plans.plan_and_sources.cache_clear()
+    plans.forget_plans()
     layout, first = plans.plan_and_sources(rule, dtypes)
     files = list((tmp_path / "cache").rglob("rendered/*/*.json"))
     assert len(files) == 1
-    plans.plan_and_sources.cache_clear()
+    plans.forget_plans()
     layout2, second = plans.plan_and_sources(rule, dtypes)  # from the memo
     assert [s.text for s in first] == [s.text for s in second] == fresh_sources(rule, dtypes)
     assert first == second and layout == layout2 and layout.n_reductions == 1
     # Damage: the entry is ignored, rendered again and rewritten.
     files[0].write_text(json.dumps({"payload": {"slots": []}, "checksum": "0" * 64}))
-    plans.plan_and_sources.cache_clear()
+    plans.forget_plans()
     _, third = plans.plan_and_sources(rule, dtypes)
     assert [s.text for s in third] == fresh_sources(rule, dtypes)
     assert rendered.load(files[0].stem) is not None
