@@ -5,8 +5,8 @@ whatever the pass, and tails of every length take the masked path."""
 
 import pytest
 import torch
-from numerics import Tracked, amax, assert_fp32_close, mean, total
-from test_reductions import fresh, lamb_reference, set_grads
+from numerics import assert_fp32_close
+from test_reductions import check_centered_step, fresh, lamb_reference, set_grads
 
 import fuser
 from fuser.optim.factory import kernel_sources
@@ -57,26 +57,11 @@ def test_lamb_matches_the_paper_for_every_launch_shape(device, launch_shape):
 
 @pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
 def test_sum_mean_and_amax_span_passes_and_blocks(device, launch_shape):
-    rule = fuser.rule(
-        """
-        centered = g - mean(g)
-        scale = amax(abs(g)) * numel / sum(abs(g))
-        p = p - lr * centered * scale
-    """,
-        name="centered_launch",
-        hyper=dict(lr=0.1),
-    )
     params = [torch.randn(s, device=device) for s in SHAPES]
-    start = [p.clone() for p in params]
     grads = [torch.randn(s, device=device) for s in SHAPES]
     # the largest magnitude in the middle of the last pass of the 700-element tensor
     grads[4][650] = 40.0
-    set_grads(params, grads)
-    fuser.compile(rule)(params).step()
-    for p, g, s in zip(params, grads, start):
-        g = Tracked.exact(g)
-        want = Tracked.exact(s) - 0.1 * (g - mean(g)) * (amax(abs(g)) * g.value.numel() / total(abs(g)))
-        assert_fp32_close(p, want, f"p of shape {tuple(s.shape)}")
+    check_centered_step(params, grads)
 
 
 Q8_KEYS = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")

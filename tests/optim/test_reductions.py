@@ -200,25 +200,31 @@ def test_global_norm_spans_every_launch_group(device):
         assert_fp32_close(x, want.round_to(x.dtype), f"{x.dtype} p")
 
 
-def test_sum_mean_amax_and_numel(device):
-    rule = fuser.rule(
-        """
-        centered = g - mean(g)
-        scale = amax(abs(g)) * numel / sum(abs(g))
-        p = p - lr * centered * scale
-    """,
-        name="centered",
-        hyper=dict(lr=0.1),
-    )
-    params = [torch.randn(s, device=device) for s in SHAPES]
+CENTERED = fuser.rule(
+    """
+    centered = g - mean(g)
+    scale = amax(abs(g)) * numel / sum(abs(g))
+    p = p - lr * centered * scale
+""",
+    name="centered",
+    hyper=dict(lr=0.1),
+)
+
+
+def check_centered_step(params, grads):
+    """One step of CENTERED (lr 0.1) on ``params`` against float64."""
     start = [p.clone() for p in params]
-    grads = [torch.randn(s, device=device) for s in SHAPES]
     set_grads(params, grads)
-    fuser.compile(rule)(params).step()
+    fuser.compile(CENTERED)(params).step()
     for p, g, s in zip(params, grads, start):
         g = Tracked.exact(g)
         want = Tracked.exact(s) - 0.1 * (g - mean(g)) * (amax(abs(g)) * g.value.numel() / total(abs(g)))
-        assert_fp32_close(p, want, "p")
+        assert_fp32_close(p, want, f"p of shape {tuple(s.shape)}")
+
+
+def test_sum_mean_amax_and_numel(device):
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    check_centered_step(params, [torch.randn(s, device=device) for s in SHAPES])
 
 
 def test_reductions_of_updated_state_and_nested_reductions(device):
