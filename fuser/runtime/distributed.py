@@ -205,7 +205,14 @@ def row_shard(p: torch.Tensor):
     rows, parts = p.shape[0], mesh.size(dim)
     chunk = -(-rows // parts)
     first = min(rows, mesh.get_local_rank(dim) * chunk)
-    return mesh.get_group(dim), (first, min(rows, first + chunk))
+    end = min(rows, first + chunk)
+    if p._local_tensor.shape[0] != end - first:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} holds {p._local_tensor.shape[0]} rows on this rank where "
+            f"Shard(0) over {parts} ranks gives {end - first} (torch.chunk's split): a matrix function "
+            "gathers shards of that split only"
+        )
+    return mesh.get_group(dim), (first, end)
 
 
 def shard_groups(p: torch.Tensor) -> list:
