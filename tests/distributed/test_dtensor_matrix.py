@@ -124,15 +124,30 @@ def refused_worker(rank, world):
             messages.append(None)
         except RuntimeError as e:
             messages.append((str(e), torch.equal(p.to_local(), before)))
+    # Shard(0) with rows split 2 + 4 instead of torch.chunk's 3 + 3
+    from torch.distributed.tensor import DTensor
+
+    rows = 2 if rank == 0 else 4
+    p = torch.nn.Parameter(
+        DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], shape=(6, 8), stride=(8, 1))
+    )
+    p.grad = DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], shape=(6, 8), stride=(8, 1))
+    before = p.to_local().clone()
+    try:
+        fuser.optim.Muon([p]).step()
+        messages.append(None)
+    except RuntimeError as e:
+        messages.append((str(e), torch.equal(p.to_local(), before)))
     return messages
 
 
 def test_layouts_a_shape_aware_step_cannot_take_are_refused_before_any_change():
     for messages in run_ranks(refused_worker):
-        (columns, unchanged_muon), (tiled, unchanged_adafactor) = messages
+        (columns, unchanged_muon), (tiled, unchanged_adafactor), (uneven, unchanged_uneven) = messages
         assert "Shard(0)" in columns and "shard it by rows" in columns, columns
         assert "rows and columns" in tiled and "DTensor" in tiled, tiled
-        assert unchanged_muon and unchanged_adafactor
+        assert "torch.chunk's split" in uneven, uneven
+        assert unchanged_muon and unchanged_adafactor and unchanged_uneven
 
 
 def muon_groups(model):
