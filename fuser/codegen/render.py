@@ -160,9 +160,8 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
     sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 512, block))
-    warps = int(
-        os.environ.get("FUSER_OPTIM_WARPS") or (4 if not (plan.tiled or wide) or _is_compressed(plan) else 8)
-    )
+    eight = wide or (plan.tiled and not _is_compressed(plan))
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (8 if eight else 4))
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
     if sub < 128 or sub & (sub - 1) or sub > block:

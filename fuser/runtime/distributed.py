@@ -117,14 +117,26 @@ def from_local_like(p: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local_value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
+def _sharded_dims(p: DTensor) -> list[int]:
+    """The mesh dimensions on which ``p`` is sharded."""
+    return [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+
+
+def _chunk(n: int, parts: int, c: int) -> tuple[int, int]:
+    """[first, end) of part ``c`` of ``n`` items split ``torch.chunk``'s way, which
+    ``Shard`` uses (trailing parts may be empty)."""
+    size = -(-n // parts)
+    first = min(n, c * size)
+    return first, min(n, first + size)
+
+
 def _shard_sizes(p: DTensor, dim: int) -> list[int]:
     """Elements of ``p`` held at each coordinate of mesh dimension ``dim`` (its only sharded
-    one), by ``torch.chunk``'s split, which ``Shard`` uses."""
+    one)."""
     tdim = p.placements[dim].dim
     n, parts = p.shape[tdim], p.device_mesh.size(dim)
-    chunk = -(-n // parts) if n else 0
     rest = p.numel() // n if n else 0
-    return [max(0, min(chunk, n - c * chunk)) * rest for c in range(parts)]
+    return [(end - first) * rest for first, end in (_chunk(n, parts, c) for c in range(parts))]
 
 
 def _scales_layout(p: torch.Tensor, block: int):
@@ -132,7 +144,7 @@ def _scales_layout(p: torch.Tensor, block: int):
     the scales stay as they are (a plain or replicated ``p``)."""
     if not isinstance(p, DTensor):
         return None
-    sharded = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    sharded = _sharded_dims(p)
     if not sharded:
         return None
     if len(sharded) > 1:
@@ -191,7 +203,7 @@ def row_shard(p: torch.Tensor):
     tensor. Raises for other layouts."""
     if not isinstance(p, DTensor):
         return None
-    sharded = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    sharded = _sharded_dims(p)
     if not sharded:
         return None
     if len(sharded) > 1 or not p.placements[sharded[0]].is_shard(0) or p.dim() < 2:
@@ -202,10 +214,8 @@ def row_shard(p: torch.Tensor):
         )
     dim = sharded[0]
     mesh = p.device_mesh
-    rows, parts = p.shape[0], mesh.size(dim)
-    chunk = -(-rows // parts)
-    first = min(rows, mesh.get_local_rank(dim) * chunk)
-    end = min(rows, first + chunk)
+    parts = mesh.size(dim)
+    first, end = _chunk(p.shape[0], parts, mesh.get_local_rank(dim))
     if p._local_tensor.shape[0] != end - first:
         raise RuntimeError(
             f"a parameter of shape {tuple(p.shape)} holds {p._local_tensor.shape[0]} rows on this rank where "
@@ -220,8 +230,7 @@ def shard_groups(p: torch.Tensor) -> list:
     or replicated)."""
     if not isinstance(p, DTensor):
         return []
-    mesh = p.device_mesh
-    return [mesh.get_group(dim) for dim, pl in enumerate(p.placements) if pl.is_shard()]
+    return [p.device_mesh.get_group(dim) for dim in _sharded_dims(p)]
 
 
 @dataclass
