@@ -177,6 +177,13 @@ def total(a: Tracked) -> Tracked:
     return Tracked(a.value.sum(), a.err.sum() + depth * U * a.value.abs().sum() + TINY)
 
 
+def cat(parts) -> Tracked:
+    """Every element of ``parts`` in one flat value, as a global reduction reads them."""
+    return Tracked(
+        torch.cat([x.value.reshape(-1) for x in parts]), torch.cat([x.err.reshape(-1) for x in parts])
+    )
+
+
 def mean(a: Tracked) -> Tracked:
     return total(a) / a.value.numel()
 
