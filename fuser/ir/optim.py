@@ -237,13 +237,14 @@ class _Found:
     args: tuple = ()  # a matrix function's keywords' values
 
 
-def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
+def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict, sharded: bool = False):
     """Replace every reduction call by a symbol ``r<i>``, innermost first.
 
     A reduction of per-element values runs in the phase after the last one its argument
     reads; a reduction of row or column values runs in the tail of the phase of the last
-    result its argument reads. Returns (outputs over the symbols, [_Found], kinds of the
-    symbols, with each result's).
+    result its argument reads, or, ``sharded``, in the phase after it: a DTensor shard's
+    results are partial until the collective between phases combines them. Returns
+    (outputs over the symbols, [_Found], kinds of the symbols, with each result's).
     """
     found: dict[tuple, _Found] = {}
     kinds = dict(kinds)
@@ -260,7 +261,7 @@ def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
             over = ELEMENT if over == SCALAR else over
             inner = [f.phase for f in found.values() if f.symbol in arg.free_symbols]
             axis = e.axis if isinstance(e, AxisReduction) else ""
-            if over == ELEMENT:
+            if over == ELEMENT or sharded:
                 phase = 1 + max(inner, default=-1)
             else:
                 phase = max(inner, default=0)
@@ -275,12 +276,18 @@ def _extract_reductions(outputs: dict[str, sympy.Expr], kinds: dict):
 
 
 def lower_optim(
-    rule: Rule, dtypes: dict[str, str] | None = None, *, stochastic_rounding: bool = False
+    rule: Rule,
+    dtypes: dict[str, str] | None = None,
+    *,
+    stochastic_rounding: bool = False,
+    sharded: bool = False,
 ) -> OptimPlan:
     """Lower an optimizer rule for one dtype plan.
 
     ``dtypes`` gives the storage dtype of ``p``, ``g`` and each state by name (missing
-    ones are fp32). Raises ``RuleError`` when the rule cannot run as a step.
+    ones are fp32). ``sharded``: some tensors are DTensor shards of whole rows, so no tail
+    reduces what its own phase accumulated (``_extract_reductions``). Raises ``RuleError``
+    when the rule cannot run as a step.
     """
     if rule.kind != "optim":
         raise TypeError(f"lower_optim takes an optimizer rule, not a {rule.kind} rule")
@@ -291,7 +298,7 @@ def lower_optim(
             raise ValueError(f"dtype {v!r} of {k!r} is not one of {allowed}")
     try:
         skinds = state_kinds(rule)
-        outputs, reds, kinds = _extract_reductions(dict(rule.outputs), symbol_kinds(rule))
+        outputs, reds, kinds = _extract_reductions(dict(rule.outputs), symbol_kinds(rule), sharded)
     except RuleError as e:
         raise e.with_rule(rule.name) from None
     check_compressed(rule, dtypes)

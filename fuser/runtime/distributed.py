@@ -10,7 +10,13 @@ plain tensors. What a shard cannot know alone is combined between phases:
   dimensions hold copies, so they are not reduced, and a replicated tensor counts once;
 - ``global_norm`` and ``global_sum`` are then re-totalled from the combined per-tensor rows: it spans every
   parameter of the optimizer over all its shards, as ``clip_grad_norm_`` does on DTensors;
-- ``numel`` (and so ``mean``) is the logical tensor's size, read from the tables.
+- ``numel`` (and so ``mean``) is the logical tensor's size, read from the tables;
+- rules of rows and columns walk the tiles of each shard, which holds whole rows of the
+  2-D view (``Shard(0)``; a 1-D tensor's one row is split instead). A row reduction of
+  a split row, a column reduction over split rows, and a per-tensor reduction over split
+  rows or columns are partial, and combine as above; those plans reduce row or column
+  values one phase later (``lower_optim(sharded=True)``), after the combine. A state of
+  one number per row (column) is sharded with a split axis, else replicated.
 
 Plain tensors, DDP's included, are this rank's own: nothing is exchanged for them. Every
 rank of a shard group must step the same parameters in the same order (as FSDP2 does),
@@ -196,21 +202,22 @@ def local_scales(p: torch.Tensor, value: torch.Tensor, block: int) -> torch.Tens
     return value._local_tensor.reshape(-1)[: n_blocks(local(p).numel(), block)]
 
 
-def row_shard(p: torch.Tensor):
-    """(process group, this rank's rows [first, end) of ``p``'s 2-D view) for a DTensor
-    sharded by those rows (``Shard(0)`` of a tensor of 2 or more dimensions, on one mesh
-    dimension), as a matrix function gathers it; ``None`` for a plain or replicated
-    tensor. Raises for other layouts."""
+def _dim0_shard(p: torch.Tensor, reader: str, min_dims: int):
+    """(mesh dimension, this rank's [first, end) of ``p``'s dim 0) for a DTensor sharded
+    by its dim 0 (``Shard(0)`` on one mesh dimension, ``torch.chunk``'s split, at least
+    ``min_dims`` dimensions); ``None`` for a plain or replicated tensor. Raises for other
+    layouts, naming ``reader``, what needs them."""
     if not isinstance(p, DTensor):
         return None
     sharded = _sharded_dims(p)
     if not sharded:
         return None
-    if len(sharded) > 1 or not p.placements[sharded[0]].is_shard(0) or p.dim() < 2:
+    if len(sharded) > 1 or not p.placements[sharded[0]].is_shard(0) or p.dim() < min_dims:
+        whole = "a tensor of 2 or more dimensions" if min_dims > 1 else "any tensor"
         raise RuntimeError(
-            f"a matrix function gathers a DTensor's matrix from shards of whole rows of its 2-D view "
-            f"(Shard(0) of a tensor of 2 or more dimensions, on one mesh dimension); a parameter of shape "
-            f"{tuple(p.shape)} is placed {p.placements}: shard it by rows, or replicate it"
+            f"{reader} reads a DTensor in shards of whole rows of its 2-D view (Shard(0) of {whole}, "
+            f"on one mesh dimension); a parameter of shape {tuple(p.shape)} is placed {p.placements}: "
+            "shard it by rows, or replicate it"
         )
     dim = sharded[0]
     mesh = p.device_mesh
@@ -219,10 +226,92 @@ def row_shard(p: torch.Tensor):
     if p._local_tensor.shape[0] != end - first:
         raise RuntimeError(
             f"a parameter of shape {tuple(p.shape)} holds {p._local_tensor.shape[0]} rows on this rank where "
-            f"Shard(0) over {parts} ranks gives {end - first} (torch.chunk's split): a matrix function "
-            "gathers shards of that split only"
+            f"Shard(0) over {parts} ranks gives {end - first} (torch.chunk's split): {reader} reads "
+            "shards of that split only"
         )
-    return mesh.get_group(dim), (first, end)
+    return dim, first, end
+
+
+def row_shard(p: torch.Tensor):
+    """(process group, this rank's rows [first, end) of ``p``'s 2-D view) for a DTensor
+    sharded by those rows (``Shard(0)`` of a tensor of 2 or more dimensions, on one mesh
+    dimension), as a matrix function gathers it; ``None`` for a plain or replicated
+    tensor. Raises for other layouts."""
+    found = _dim0_shard(p, "a matrix function", 2)
+    if found is None:
+        return None
+    dim, first, end = found
+    return p.device_mesh.get_group(dim), (first, end)
+
+
+def split_axis(p: torch.Tensor) -> str | None:
+    """Which axis of ``p``'s 2-D view its shards split, for rules that read rows and
+    columns: ``"row"`` (``Shard(0)`` of 2 or more dimensions: each rank holds whole rows),
+    ``"col"`` (``Shard(0)`` of a 1-D tensor: its one row is split), ``None`` when plain or
+    replicated. Raises for other layouts."""
+    if _dim0_shard(p, "a rule of rows and columns", 1) is None:
+        return None
+    return "row" if p.dim() >= 2 else "col"
+
+
+def _reduced_placements(p: DTensor, kind: str, shape) -> tuple:
+    """(placements, sharded dimension or None) of a state of one number per row
+    (``kind="row"``) or column of ``p``'s 2-D view, of ``shape``: sharded where ``p``
+    splits that axis, on the state's first dimension of that size (``torch.chunk`` splits
+    it as it splits ``p``), replicated where every rank holds the whole axis."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = [Replicate()] * p.device_mesh.ndim
+    if split_axis(p) != kind:
+        return tuple(placements), None
+    dim = list(shape).index(p.shape[0])
+    placements[_sharded_dims(p)[0]] = Shard(dim)
+    return tuple(placements), dim
+
+
+def new_reduced(p: torch.Tensor, kind: str, shape, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """A new row (column) state of ``shape`` filled with ``fill``, laid out for ``p``
+    (``_reduced_placements``): this rank's part of a DTensor, or a plain tensor."""
+    if not isinstance(p, DTensor):
+        return torch.full(shape, fill, dtype=dtype, device=p.device)
+    placements, dim = _reduced_placements(p, kind, shape)
+    here = list(shape)
+    if dim is not None:
+        here[dim] = p._local_tensor.shape[0]
+    value = torch.full(here, fill, dtype=dtype, device=p._local_tensor.device)
+    shape = torch.Size(shape)
+    return DTensor.from_local(value, p.device_mesh, placements, shape=shape, stride=_packed(shape))
+
+
+def reduced_like(p: torch.Tensor, kind: str, value: torch.Tensor) -> torch.Tensor:
+    """A whole row (column) state ``value`` laid out for ``p``: redistributed if a DTensor
+    on other placements; scattered from rank 0 if plain while ``p`` is a DTensor (every
+    rank calls this together then); gathered if a DTensor while ``p`` is plain."""
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    placements, _ = _reduced_placements(p, kind, value.shape)
+    if isinstance(value, DTensor):
+        if value._spec.placements != placements or not _same_mesh(value, p):
+            value = value.redistribute(p.device_mesh, placements)
+        return value
+    return distribute_tensor(value.detach().to(p._local_tensor.device), p.device_mesh, placements)
+
+
+def with_local(value: torch.Tensor, here: torch.Tensor) -> torch.Tensor:
+    """``value`` (a DTensor, or a plain tensor) with ``here`` as this rank's part."""
+    if not isinstance(value, DTensor):
+        return here
+    return DTensor.from_local(
+        here, value.device_mesh, value.placements, shape=value.shape, stride=_packed(value.shape)
+    )
+
+
+def _packed(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(list(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def shard_groups(p: torch.Tensor) -> list:
@@ -279,8 +368,9 @@ class ShardReduction:
 def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict) -> ShardReduction | None:
     """The exchanges a step over ``launches`` needs, or None when no tensor is sharded.
 
-    ``launches[i]`` has ``plan``, ``red`` [n_tensors, n_reductions], ``part`` and its
-    device's global table ``glob[device]``; ``params[i]`` are its parameters, in table rows.
+    ``launches[i]`` has ``plan``, ``red`` [n_tensors, n_reductions], ``part``, ``tables``,
+    ``axis`` and its device's global table ``glob[device]``; ``params[i]`` are its
+    parameters, in table rows.
     """
     if dist is None or not any(isinstance(p, DTensor) for ps in params for p in ps):
         return None
@@ -296,21 +386,19 @@ def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict
     plan = launches[0].plan
     exchanges: dict[int, list[_Exchange]] = {}
     retotals: dict[int, list[_Retotal]] = {}
-    # (per-tensor reductions only: matrix functions gather their own matrices, runtime.matrix)
-    per_tensor = [r for r in plan.reductions if r.column >= 0]
-    for phase in sorted({r.phase for r in per_tensor}):
-        reds = [r for r in per_tensor if r.phase == phase]
+    # (matrix functions gather their own matrices, runtime.matrix)
+    shared = [r for r in plan.reductions if r.column >= 0 or r.axis]
+    for phase in sorted({r.phase for r in shared}):
+        reds = [r for r in shared if r.phase == phase]
         for combine, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
-            columns = [r.column for r in reds if ACCUMULATE[r.op][1] == combine]
-            if not columns:
-                continue
-            for (group, device), by_launch in rows.items():
+            these = [r for r in reds if ACCUMULATE[r.op][1] == combine]
+            for (group, _), by_launch in rows.items():
                 segments = []
                 for li, launch_rows in by_launch.items():
-                    red = launches[li].red
-                    idx = torch.tensor(launch_rows)[:, None] * red.shape[1] + torch.tensor(columns)[None, :]
-                    segments.append((red, idx.reshape(-1).to(device)))
-                exchanges.setdefault(phase, []).append(_Exchange(group, op, segments))
+                    sharded = [(i, params[li][i]) for i in launch_rows]
+                    segments += _partial_segments(launches[li], sharded, these)
+                if segments:
+                    exchanges.setdefault(phase, []).append(_Exchange(group, op, segments))
         glob_reds = [r for r in reds if r.global_column >= 0]
         if glob_reds:
             for li in sorted({li for by_launch in rows.values() for li in by_launch}):
@@ -325,3 +413,40 @@ def shard_reduction(launches: list, params: list[list[torch.Tensor]], glob: dict
                     )
                 )
     return ShardReduction(exchanges, retotals)
+
+
+def _partial_segments(launch, sharded: list, reds: list) -> list:
+    """(buffer, flat indices) of what each shard of ``sharded`` ((table row, parameter)
+    pairs) holds only a part of among the results of ``reds``: per-tensor reductions over
+    elements, or over the rows (columns) that the shards split; axis reductions along the
+    split axis (a column's sum over rows split across ranks). What every rank holds whole
+    (a column's values when rows are split) is the same on each, so it is left alone."""
+    out = []
+    red = launch.red
+    per_tensor = [r for r in reds if r.column >= 0]
+    axis = [r for r in reds if r.axis]
+    idx = []
+    for row, p in sharded:
+        split = split_axis(p) if launch.plan.tiled else "row"
+        idx += [row * red.shape[1] + r.column for r in per_tensor if r.over in ("element", split)]
+    if idx:
+        out.append((red, torch.tensor(idx, dtype=torch.int64, device=red.device)))
+    if axis:
+        t = launch.tables
+        starts, sizes = t.axis_starts.cpu(), t.numels[4:6].cpu()
+        n_row = sum(r.axis == "row" for r in launch.plan.reductions)
+        idx = []
+        for row, p in sharded:
+            split = split_axis(p)
+            for r in axis:
+                if r.axis == split:  # one result per row (column) here: whole
+                    continue
+                if r.axis == "row":
+                    first = r.axis_column * t.total_rows + int(starts[0, row])
+                    idx += range(first, first + int(sizes[0, row]))
+                else:
+                    first = n_row * t.total_rows + r.axis_column * t.total_cols + int(starts[1, row])
+                    idx += range(first, first + int(sizes[1, row]))
+        if idx:
+            out.append((launch.axis, torch.tensor(idx, dtype=torch.int64, device=red.device)))
+    return out

@@ -25,7 +25,7 @@ import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0
 
 from fuser.cache import load_kernel
 from fuser.counters import count
-from fuser.ir.optim import MASTER_SLOT, scalar_state_names, scale_slot
+from fuser.ir.optim import MASTER_SLOT, is_tiled, scalar_state_names, scale_slot
 from fuser.log import logger
 from fuser.rules.signs import interval_hyper, nonneg_states
 from fuser.runtime import distributed
@@ -183,11 +183,14 @@ class StepEngine:
         before anything is modified, so a bad input leaves the optimizer as it was."""
         validate(opt, items)
         ensure_states(opt, items)
+        # Every group has the same phases (the program runs phase k of each before phase
+        # k + 1 of any): one sharded tensor of a rule of rows and columns lowers them all so.
+        sharded = is_tiled(opt.rule) and any(distributed.split_axis(p) for p, _, _ in items)
         groups, n_parts = [], {}
         for (device, dplan), indexed in partition(opt, items).items():
             part = n_parts.get(device, 0)
             n_parts[device] = part + 1
-            groups.append(build_group(opt, device, dplan, indexed, part))
+            groups.append(build_group(opt, device, dplan, indexed, part, sharded))
         logger.info(
             "%s: tables rebuilt for %d tensors in %d launch group(s)",
             type(opt).__name__,
@@ -346,10 +349,11 @@ def partition(opt, items) -> dict[tuple, list]:
     return parts
 
 
-def build_group(opt, device, dplan: tuple, indexed: list, part: int) -> LaunchGroup:
-    """The kernels, pointer tables, scalar table and reduction buffers of one launch group."""
+def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bool = False) -> LaunchGroup:
+    """The kernels, pointer tables, scalar table and reduction buffers of one launch group
+    (``sharded``: lowered for DTensor shards of a rule of rows and columns)."""
     members = [m[1:] for m in indexed]
-    plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding)
+    plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded)
     kernels = [load_kernel(src, device) for src in sources]
     keys = opt._state_keys
     scalar_names = scalar_state_names(opt.rule)

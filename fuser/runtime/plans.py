@@ -193,13 +193,14 @@ LAUNCH_VARIABLES = (
 
 
 def plan_and_sources(
-    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False, sharded: bool = False
 ) -> tuple[StepLayout, list[KernelSource]]:
     """The step's layout and kernels, from this process's cache or the on-disk memo when
     this rule was rendered before with the same code and tuning variables (sympy costs
-    ~0.1-0.2 s per rule), else lowered and rendered."""
+    ~0.1-0.2 s per rule), else lowered and rendered. ``sharded``: a rule of rows and
+    columns over DTensor shards (``lower_optim``)."""
     return _plan_and_sources(
-        rule, dtypes, stochastic_rounding, tuple(os.environ.get(v) for v in LAUNCH_VARIABLES)
+        rule, dtypes, stochastic_rounding, tuple(os.environ.get(v) for v in LAUNCH_VARIABLES), sharded
     )
 
 
@@ -210,7 +211,7 @@ def forget_plans() -> None:
 
 @functools.lru_cache(maxsize=256)
 def _plan_and_sources(
-    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple, sharded: bool
 ) -> tuple[StepLayout, list[KernelSource]]:
     key = rendered.fingerprint(
         "optim",
@@ -222,6 +223,7 @@ def _plan_and_sources(
         dtypes,
         stochastic_rounding,
         list(launch),
+        sharded,
         templates=template_dir(),
     )
     memo = rendered.load(key)
@@ -230,7 +232,7 @@ def _plan_and_sources(
             return _from_memo(memo)
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: render again
-    plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding)
+    plan = lower_optim(rule, dict(dtypes), stochastic_rounding=stochastic_rounding, sharded=sharded)
     layout = StepLayout(
         plan.slots,
         len(plan.reductions),

@@ -102,18 +102,17 @@ def _validate_compressed(opt, items) -> None:
 
 def _validate_shaped(opt, items) -> None:
     """A rule that reads rows, columns or whole matrices walks each tensor's 2-D view in
-    memory order; a matrix function gathers a DTensor's matrix from shards of whole rows."""
+    memory order; a DTensor's shards hold whole rows of it (or split a 1-D tensor's one
+    row), and a matrix function gathers a matrix from shards of whole rows."""
     name = type(opt).__name__
-    tiled = is_tiled(opt.rule)
+    tiled, matrix = is_tiled(opt.rule), has_matrix_functions(opt.rule)
     for p, g, _ in items:
         where = f"parameter of shape {tuple(p.shape)}"
-        if tiled and distributed.layout(p) is not None:
-            raise RuntimeError(
-                f"{name} reads rows and columns of its tensors, which a DTensor shard does not "
-                f"hold whole ({where}); give it full tensors (e.g. outside FSDP)"
-            )
-        distributed.row_shard(p)
-        if not (p.is_contiguous() and g.is_contiguous()):
+        if tiled:
+            distributed.split_axis(p)
+        if matrix:
+            distributed.row_shard(p)
+        if not (local(p).is_contiguous() and local(g).is_contiguous()):
             raise RuntimeError(
                 f"{name} reads rows and columns of its tensors, so a {where} and its "
                 f".{opt.options.grad_attr} must be contiguous (call .contiguous() on them)"
@@ -203,11 +202,13 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
 
 def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype) -> torch.Tensor:
     """A state of one number per row (column) of ``p``'s 2-D view: new, or checked and
-    moved to the state dtype. Its shape is the front end's ``_reduced_shape(p, kind)``."""
+    moved to the state dtype. Its shape is the front end's ``_reduced_shape(p, kind)``; a
+    DTensor parameter's is a DTensor, sharded like the axis it follows
+    (``distributed.reduced_like``)."""
     rows, cols = view_2d(p.shape)
     n = rows if kind == ROW else cols
     if value is None:
-        return torch.full(opt._reduced_shape(p, kind), float(init), dtype=dtype, device=p.device)
+        return distributed.new_reduced(p, kind, opt._reduced_shape(p, kind), float(init), dtype)
     if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
     if value.numel() != n:
@@ -215,8 +216,11 @@ def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torc
             f"state {key!r} of a parameter of shape {tuple(p.shape)} holds one number per {kind} "
             f"({n}), but has shape {tuple(value.shape)}"
         )
-    if value.dtype != dtype or value.device != p.device or not value.is_contiguous():
-        value = value.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    value = distributed.reduced_like(p, kind, value)
+    here, device = local(value), local(p).device
+    if here.dtype != dtype or here.device != device or not here.is_contiguous():
+        here = here.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        value = distributed.with_local(value, here)
     return value
 
 

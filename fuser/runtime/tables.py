@@ -21,8 +21,8 @@ class Tables:
     """Device tables for one launch: ``n_tensors`` rows, ``n_blocks`` programs."""
 
     ptrs: torch.Tensor  # int64 [n_tensors, n_slots]
-    # int64 [4, n_tensors]: elements here, elements of the logical tensor, then the rows and
-    # columns of its 2-D view
+    # int64 [6, n_tensors]: elements here, elements of the logical tensor, the rows and
+    # columns of its 2-D view, then those of the 2-D view here (a DTensor's shard)
     numels: torch.Tensor
     groups: torch.Tensor  # int32 [n_tensors]
     block_tensor: torch.Tensor  # int32 [n_blocks]
@@ -32,8 +32,8 @@ class Tables:
     counters: torch.Tensor  # int32 [n_tensors + 2]: zero between launches
     n_tensors: int
     n_blocks: int
-    # Tiled launches (shape-aware rules, whole tensors) only: where each tensor's rows and
-    # columns start in the axis buffer (int64 [2, n_tensors]), and their totals.
+    # Tiled launches (shape-aware rules) only: where each tensor's rows and columns here
+    # start in the axis buffer (int64 [2, n_tensors]), and their totals.
     axis_starts: torch.Tensor | None = None
     total_rows: int = 0
     total_cols: int = 0
@@ -65,16 +65,16 @@ def build_tables(
 
     ``logical_shapes`` give what a rule's ``numel`` (and ``mean``), ``rows`` and ``cols``
     read: the whole tensor's where a row holds one shard of it (DTensor parameters); the
-    rows' own by default.
+    rows' own by default. Kernels walk the tensors here, by their own sizes.
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
     empty tensor still gets one (masked-off) block, so that every tensor reports its
     reductions and the step advances.
 
-    With ``tile`` (rows, cols), a block is a tile of the tensor's 2-D view (``view_2d``;
-    the tensors are whole and contiguous) and ``block_start`` its index among the
-    tensor's tiles, row-major.
+    With ``tile`` (rows, cols), a block is a tile of the 2-D view (``view_2d``) of the
+    tensor here (contiguous; a shard of whole rows, or of a 1-D tensor's one row) and
+    ``block_start`` its index among the tensor's tiles, row-major.
     """
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
@@ -82,12 +82,13 @@ def build_tables(
     shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
     logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
     sizes = torch.tensor([view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
+    here = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
     starts = None
-    if tile is not None:  # whole tensors: the logical view is the local one
-        tiles = ((sizes[:, 0] + tile[0] - 1) // tile[0]) * ((sizes[:, 1] + tile[1] - 1) // tile[1])
+    if tile is not None:
+        tiles = ((here[:, 0] + tile[0] - 1) // tile[0]) * ((here[:, 1] + tile[1] - 1) // tile[1])
         counts = tiles.clamp_min(1)
-        starts = (torch.cumsum(sizes, 0) - sizes).T.contiguous()
+        starts = (torch.cumsum(here, 0) - here).T.contiguous()
     total = int(counts.sum())
     block_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), counts)
     first = torch.cumsum(counts, 0) - counts
@@ -97,7 +98,7 @@ def build_tables(
     count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
-        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1]]).to(device),
+        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1], here[:, 0], here[:, 1]]).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
@@ -107,8 +108,8 @@ def build_tables(
         n_tensors=n,
         n_blocks=total,
         axis_starts=None if starts is None else starts.to(device),
-        total_rows=int(sizes[:, 0].sum()) if tile is not None else 0,
-        total_cols=int(sizes[:, 1].sum()) if tile is not None else 0,
+        total_rows=int(here[:, 0].sum()) if tile is not None else 0,
+        total_cols=int(here[:, 1].sum()) if tile is not None else 0,
     )
 
 
