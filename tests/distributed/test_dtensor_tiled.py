@@ -154,14 +154,9 @@ def test_row_shards_follow_the_same_optimizer_on_whole_tensors(name):
 
 def fsdp_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = make_model()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(mesh)
     opt = fuser.optim.Adafactor(model.parameters(), lr=0.05)
     train(model, opt, [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches(3)])
     return {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -201,6 +196,7 @@ def resume(model, path: str, data, **load) -> dict:
 
 
 def sharded_model(mesh):
+    """The test model under FSDP2: each linear layer, then the whole."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
