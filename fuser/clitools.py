@@ -172,19 +172,14 @@ def variants(
     master_weights: str | None = None,
 ) -> list[Variant]:
     """Every variant of ``rule`` to compile: for an optimizer, each dtype plan with each
-    state dtype (but 8-bit ones for a rule that reads rows or columns, which refuses
-    them); for a loss, each plan's parameter dtype (its kernels include those of
+    state dtype; for a loss, each plan's parameter dtype (its kernels include those of
     calls with ``process_group=``, so ``vocab_parallel`` adds nothing)."""
     if rule.kind == "loss":
         return [Variant(d) for d in dict.fromkeys(param for param, _ in plans)]
-    from fuser.ir.optim import is_tiled
-
-    tiled = is_tiled(rule)
     return [
         Variant(param, grad, sd, stochastic_rounding, master_weights=master_weights)
         for param, grad in plans
         for sd in state_dtypes
-        if not (tiled and sd in (*QFORMATS, "q8"))
     ]
 
 

@@ -229,6 +229,11 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
     quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
+    if quant and plan.tiled and quant[0][1] > tile[1]:
+        raise ValueError(
+            f"8-bit states' blocks of {quant[0][1]} elements (FUSER_OPTIM_QBLOCK) must fit in a tile's "
+            f"{tile[1]} columns (FUSER_OPTIM_TILE) for rule {plan.name!r}, which reads rows and columns"
+        )
     constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant)
     text = _kernel_text(
         ctx,
@@ -465,12 +470,15 @@ def _tile_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
     if fast:
         lines += [f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)" for _, sl in ctx.used_slots]
     for _, sl in ctx.used_slots:
-        if sl.name in ctx.read:
-            idx, mask, shape = _TILE_INDEX[_SLOT_KIND[sl.role]]
-            scale = " * inv_scale" if sl.role == "grad" else ""
-            how = "" if fast else f", mask={mask}, other=0.0"
-            load = f"tl.load({sl.name}_ptr + {idx}{how})"
-            lines.append(f"x_{sl.name} = {load}.to(tl.float32){shape}{scale}")
+        if sl.name not in ctx.read:
+            continue
+        kind = _SLOT_KIND[sl.role]
+        if kind == "element":  # (decoded from 8 bits, joined with a split master's low part)
+            lines.append(f"x_{sl.name} = {_element_load(ctx, sl, fast)}")
+            continue
+        idx, mask, shape = _TILE_INDEX[kind]
+        how = "" if fast else f", mask={mask}, other=0.0"
+        lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + {idx}{how}).to(tl.float32){shape}")
     used = {
         s
         for _, e in (
@@ -625,6 +633,8 @@ def _compressed_store(plan: OptimPlan, name: str, value: str, fast: bool) -> lis
         ]
     lines = [f"v_{name} = {value}" if fast else f"v_{name} = tl.where(mask, {value}, 0.0)"]
     fmt = QFORMAT_CODE[_slot(plan, name).dtype]
+    if plan.tiled:
+        return lines + _tile_q8_store(name, fmt, mask)
     lines.append(f"q_{name}, s_{name} = _q8_encode(v_{name}, {fmt}, SUB, QB, INTERPRETED)")
     lines.append(f"tl.store({name}_ptr + offs, q_{name}{mask})")
     where = f"{scale_slot(name)}_ptr + base // QB + tl.arange(0, SUB // QB)"
@@ -634,6 +644,19 @@ def _compressed_store(plan: OptimPlan, name: str, value: str, fast: bool) -> lis
         qmask = "base + tl.arange(0, SUB // QB) * QB < tl.where(keep, n, 0)"
         lines.append(f"tl.store({where}, s_{name}, mask={qmask})")
     return lines
+
+
+def _tile_q8_store(name: str, fmt: int, mask: str) -> list[str]:
+    """A tile's new 8-bit codes of state ``name`` and the scale of each QB of them, which
+    lie within one row of the tile (QB divides BC and every 8-bit tensor's row length)."""
+    qmask = "" if not mask else ", mask=rm[:, None] & (qc < tl.where(keep, cols_t, 0))[None, :]"
+    return [
+        f"q_{name}, s_{name} = _q8_encode(tl.reshape(v_{name}, (BR * BC,)), {fmt}, BR * BC, QB, INTERPRETED)",
+        f"tl.store({name}_ptr + offs, tl.reshape(q_{name}, (BR, BC)){mask})",
+        "qc = (start - tile_row * tile_cols) * BC + tl.arange(0, BC // QB) * QB",
+        f"tl.store({scale_slot(name)}_ptr + (ri[:, None] * cols_t + qc[None, :]) // QB, "
+        f"tl.reshape(s_{name}, (BR, BC // QB)){qmask})",
+    ]
 
 
 def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:

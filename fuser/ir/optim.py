@@ -319,9 +319,8 @@ def lower_optim(
 
 
 def check_compressed(rule: Rule, dtypes: dict[str, str]) -> None:
-    """8-bit formats are for element states of rules whose kernels walk flat blocks (not
-    tiles: rules with axis reductions or row and column states), and split master
-    weights for bf16 parameters."""
+    """8-bit formats are for element states, and split master weights for bf16
+    parameters."""
     skinds = state_kinds(rule)
     quantized = [s for s in skinds if dtypes.get(s) in QFORMATS]
     for s in quantized:
@@ -330,11 +329,6 @@ def check_compressed(rule: Rule, dtypes: dict[str, str]) -> None:
                 f"state {s!r} of rule {rule.name!r} holds one number per {skinds[s]}; 8-bit formats "
                 "are for states of one value per element (store it as fp32 or bf16)"
             )
-    if quantized and is_tiled(rule):
-        raise ValueError(
-            f"rule {rule.name!r} reads rows or columns; its states cannot be stored in 8-bit "
-            f"formats ({', '.join(quantized)}): use fp32, bf16 or fp16 states"
-        )
     if MASTER_SLOT in dtypes and dtypes.get("p") != "bf16":
         raise ValueError(f"split master weights need bf16 parameters, not {dtypes.get('p')}")
 

@@ -67,11 +67,12 @@ def _quantized_states(opt) -> list[str]:
 
 
 def _validate_compressed(opt, items) -> None:
-    """8-bit states follow their parameter's memory order in blocks; fp8e4m3 needs a GPU
-    that converts to it; split masters sit beside bf16 parameters (fp32 ones are their
-    own masters)."""
+    """8-bit states follow their parameter's memory order in blocks (within rows, for a
+    rule that reads rows and columns); fp8e4m3 needs a GPU that converts to it; split
+    masters sit beside bf16 parameters (fp32 ones are their own masters)."""
     name = type(opt).__name__
     quantized = _quantized_states(opt)
+    tiled, block = is_tiled(opt.rule), quant_block()
     e4m3 = [
         s
         for s in quantized
@@ -89,6 +90,12 @@ def _validate_compressed(opt, items) -> None:
             raise RuntimeError(
                 f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
                 f"so a {where} must be contiguous (call .contiguous() on it)"
+            )
+        if quantized and tiled and view_2d(local(p).shape)[1] % block:
+            raise RuntimeError(
+                f"{name} reads rows and columns, so it stores {', '.join(quantized)} in 8-bit blocks of "
+                f"{block} elements within rows; a {where} has rows of {view_2d(local(p).shape)[1]} "
+                "elements here, not a multiple of that: store those states as fp32 or bf16 (state_dtype)"
             )
         device = local(p).device
         if e4m3 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
