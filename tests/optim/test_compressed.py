@@ -482,8 +482,7 @@ def test_8bit_states_of_a_rule_of_rows_follow_float64_each_step(device, gen):
     # 128, a 1-D tensor (one row) and a 3-D one viewed as [3, 32].
     shapes = [(64,), (5, 96), (3, 4, 8), (33, 32), (2, 160)]
     params = [randn(s, gen, device) for s in shapes]
-    opt = fuser.compile(ROWS_ADAMW, state_dtype="q8")(params)
-    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    opt = fuser.compile(ROWS_ADAMW, state_dtype="q8")(params)  # its defaults are ADAMW_KW
     prev = {}
     for t in range(1, 4):
         before = clones(params)
@@ -499,7 +498,7 @@ def test_8bit_states_of_a_rule_of_rows_follow_float64_each_step(device, gen):
             assert st["r"].dtype == torch.float32 and torch.equal(st["r"].cpu(), want_r), f"r {i}"
             moments = dict(exp_avg=plain[i]["m"], exp_avg_sq=plain[i]["v"])
             after = dict(moments, codes=dict(exp_avg=packed[i]["m"], exp_avg_sq=packed[i]["v"]))
-            check_adamw_q8_step(i, before[i], prev.get(i), grads[i], t, p, after, kw)
+            check_adamw_q8_step(i, before[i], prev.get(i), grads[i], t, p, after, ADAMW_KW)
             prev[i] = moments
 
 
