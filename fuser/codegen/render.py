@@ -196,6 +196,22 @@ def render_optim(plan: OptimPlan) -> list[KernelSource]:
     return [render_phase(plan, ph) for ph in plan.phases]
 
 
+def _launch_constexprs(plan: OptimPlan) -> tuple[tuple, int]:
+    """A step kernel's launch shape as its constexprs (BLOCK and SUB, or a tile's BR x BC;
+    QB with 8-bit states), and its warps."""
+    block, sub, warps = optim_launch_config(plan)
+    tile = optim_tile()
+    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else (("SUB", sub),)
+    block = tile[0] * tile[1] if plan.tiled else block
+    quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
+    if quant and plan.tiled and quant[0][1] > tile[1]:
+        raise ValueError(
+            f"8-bit states' blocks of {quant[0][1]} elements (FUSER_OPTIM_QBLOCK) must fit in a tile's "
+            f"{tile[1]} columns (FUSER_OPTIM_TILE) for rule {plan.name!r}, which reads rows and columns"
+        )
+    return (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant), warps
+
+
 def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     """One phase's kernel: per-tensor scalars, the element work (an aligned unmasked path
     and a masked one), then the last phase's stores and scalar updates, or an earlier
@@ -224,17 +240,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     fast_lines, masked_lines = fast_lines or ["pass"], masked_lines or ["pass"]
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
-    block, sub, warps = optim_launch_config(plan)
-    tile = optim_tile()
-    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else (("SUB", sub),)
-    block = tile[0] * tile[1] if plan.tiled else block
-    quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
-    if quant and plan.tiled and quant[0][1] > tile[1]:
-        raise ValueError(
-            f"8-bit states' blocks of {quant[0][1]} elements (FUSER_OPTIM_QBLOCK) must fit in a tile's "
-            f"{tile[1]} columns (FUSER_OPTIM_TILE) for rule {plan.name!r}, which reads rows and columns"
-        )
-    constexprs = (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant)
+    constexprs, warps = _launch_constexprs(plan)
     text = _kernel_text(
         ctx,
         entry,

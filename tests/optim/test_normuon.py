@@ -82,9 +82,11 @@ def test_normuon_follows_pytorch_optimizer(config, device):
             bound = 2 * worst[i]
             got, want = p.detach().double().cpu() - before[i], q.detach() - ref_before[i]
             assert rel(got, want) < bound, (where, rel(got, want), worst[i])
+            # The second moment is a row mean of squares of those updates: squaring doubles
+            # their relative error, so the two sides are within 4e of each other.
             sm, ref_sm = opt.state[p]["second_momentum_buffer"], ref.state[q]["second_momentum_buffer"]
             assert sm.shape == ref_sm.shape == (p.shape[0], 1), where
-            assert rel(sm, ref_sm) < bound, (where, rel(sm, ref_sm), worst[i])
+            assert rel(sm, ref_sm) < 2 * bound, (where, rel(sm, ref_sm), worst[i])
         for p, q in zip(mine[len(MATRICES) :], theirs[len(MATRICES) :]):
             assert rel(p, q) < 1e-6, (config, tuple(p.shape), step)
             for key in ("exp_avg", "exp_avg_sq"):
