@@ -1,9 +1,12 @@
-"""Tile shape and warps of the shape-aware (tiled) step kernels: fuser's Adafactor and
-CAME on TinyLlama-1.1B's shapes (fp32) for each (TILE, num_warps), each in a fresh process
-(the values are rendered into the kernels): median of device events around one step, and
-the time of each phase's launch alone.
+"""Tile shape, warps and strip of the shape-aware (tiled) step kernels: fuser's Adafactor
+and CAME on TinyLlama-1.1B's shapes (fp32) for each (TILE, num_warps, tiles per program),
+each in a fresh process (the values are rendered into the kernels): median of device events
+around one step, and the time of each phase's launch alone.
 
-    python benchmarks/sweep_tiles.py [--out DIR] [--configs 8x256:8,16x256:8]
+    python benchmarks/sweep_tiles.py [--out DIR] [--tag _v2] [--configs 32x128:8:4,16x128:4:8]
+
+A config is TILE:WARPS[:STRIP] (FUSER_OPTIM_TILE, FUSER_OPTIM_WARPS, FUSER_OPTIM_STRIP;
+the strip defaults to fuser's own).
 """
 
 import argparse
@@ -38,17 +41,22 @@ print(json.dumps(rows))
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--configs", default="8x256:8,16x256:8,32x128:8,16x128:4,32x256:8")
+    ap.add_argument("--configs", default="32x128:8:1,32x128:8:2,32x128:8:4,16x128:4:4,16x128:4:8")
+    ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     configs = []
     for cfg in args.configs.split(","):
-        tile, warps = cfg.split(":")
-        configs.append(
-            ({"FUSER_OPTIM_TILE": tile, "FUSER_OPTIM_WARPS": warps}, dict(tile=tile, warps=int(warps)))
-        )
+        tile, warps, *strip = cfg.split(":")
+        env = {"FUSER_OPTIM_TILE": tile, "FUSER_OPTIM_WARPS": warps}
+        label = dict(tile=tile, warps=int(warps))
+        if strip:
+            env["FUSER_OPTIM_STRIP"] = strip[0]
+            label["strip"] = int(strip[0])
+        configs.append((env, label))
     results = sweep(CHILD, configs)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"sweep_tiles_{datetime.date.today().isoformat()}.json"), "w") as f:
+    name = f"sweep_tiles_{datetime.date.today().isoformat()}{args.tag}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -85,6 +85,8 @@ REDUCE_BLOCK = 128
 # the fastest of five shapes for Adafactor and CAME on TinyLlama's tensors on an H100
 # (benchmarks/results/sweep_tiles_2026-11-25.json).
 TILE_ROWS, TILE_COLS = 32, 128
+# Tiles a tiled phase's program walks down the rows (its strip).
+TILE_STRIP = 4
 
 
 def optim_tile() -> tuple[int, int]:
@@ -107,6 +109,17 @@ def optim_tile() -> tuple[int, int]:
 # at import, while the interpreter recognises these combiners and sums with numpy. The
 # same kernel module then serves the interpreter (CPU tensors) and the compiler.
 SUM, SUM_COMBINE, MAX_COMBINE = "tl.reduce", "tl.standard._sum_combine", "tl.standard._elementwise_max"
+
+
+def optim_strip() -> int:
+    """Tiles each program of a tiled phase walks, down the rows. ``FUSER_OPTIM_STRIP``
+    overrides it (for tuning runs; the value is part of the kernel's cache key)."""
+    text = os.environ.get("FUSER_OPTIM_STRIP")
+    if not text:
+        return TILE_STRIP
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"FUSER_OPTIM_STRIP must be a whole number of tiles (1 or more), not {text!r}")
+    return int(text)
 
 
 def template_dir() -> Path:
@@ -201,7 +214,7 @@ def _launch_constexprs(plan: OptimPlan) -> tuple[tuple, int]:
     QB with 8-bit states), and its warps."""
     block, sub, warps = optim_launch_config(plan)
     tile = optim_tile()
-    tiles = (("BR", tile[0]), ("BC", tile[1])) if plan.tiled else (("SUB", sub),)
+    tiles = (("BR", tile[0]), ("BC", tile[1]), ("TK", optim_strip())) if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
     quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
     if quant and plan.tiled and quant[0][1] > tile[1]:
@@ -223,14 +236,17 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     pointers = _pointer_lines(ctx)
     aligned = " | ".join(f"{sl.name}_raw" for _, sl in ctx.used_slots) or "0"
     fast_lines, masked_lines = _element_lines(ctx, True), _element_lines(ctx, False)
-    sections = {name: [] for name in (*_UPDATE_SECTIONS, *_COMBINE_SECTIONS)}
+    sections = {name: [] for name in (*_UPDATE_SECTIONS, *_COMBINE_SECTIONS, "strip_lines")}
     if ctx.last:
         _add_stores(ctx, fast_lines, masked_lines, pointers)
         sections.update(_scalar_update_lines(ctx))
     else:
         sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
-        fast_lines += _axis_partial_lines(ctx)
-        masked_lines += _axis_partial_lines(ctx)
+        tile, before, after = _axis_partial_lines(ctx)
+        fast_lines += tile
+        masked_lines += tile
+        sections["partial_init"] += before
+        sections["strip_lines"] = after
         for i, e in phase.matrix_stores:  # a matrix function's argument, in bf16
             value = store_cast(ctx.p32.doprint_expr(e), "bf16")
             fast_lines.append(f"tl.store({matrix_slot(i, 'in')}_ptr + offs, {value})")
@@ -519,21 +535,30 @@ def _axis_result(ctx: _PhaseContext, r, idx: str, mask: str) -> str:
     return _finalize(r.op, raw, f"{other}.to(tl.float32)").replace("tl.sqrt(", "tl.sqrt_rn(")
 
 
-def _axis_partial_lines(ctx: _PhaseContext) -> list[str]:
-    """Each tile's partial of the phase's axis reductions, added into the axis buffer."""
-    lines = []
-    for index, e in ctx.phase.axis_reduce:
+def _axis_partial_lines(ctx: _PhaseContext) -> tuple[list[str], list[str], list[str]]:
+    """Each tile's partial of the phase's axis reductions, added into the axis buffer: a
+    row's at once (each tile of the strip holds other rows), a column's summed over the
+    strip's tiles in registers and added after the last. Returns the lines of each tile,
+    those before the strip's loop and those after it."""
+    tile, before, after = [], [], []
+    for j, (index, e) in enumerate(ctx.phase.axis_reduce):
         r = ctx.plan.reductions[index]
         value = ctx.p32.doprint_expr(e)
-        dim, idx, mask = (1, "ri", "rm") if r.axis == ROW else (0, "ci", "cm")
         if ACCUMULATE[r.op][1] == "sum":
-            part = f"{SUM}(tl.where(mask, {value}, 0.0), {dim}, {SUM_COMBINE})"
-            op = "tl.atomic_add"
+            neutral, comb, op = "0.0", SUM_COMBINE, "tl.atomic_add"
         else:
-            part = f"{SUM}(tl.where(mask, {value}, float('-inf')), {dim}, {MAX_COMBINE})"
-            op = "tl.atomic_max"
-        lines.append(f'{op}(axis + {_axis_base(ctx, r)} + {idx}, {part}, mask={mask}, sem="relaxed")')
-    return lines
+            neutral, comb, op = "float('-inf')", MAX_COMBINE, "tl.atomic_max"
+        dim = 1 if r.axis == ROW else 0
+        part = f"{SUM}(tl.where(mask, {value}, {neutral}), {dim}, {comb})"
+        if r.axis == ROW:
+            tile.append(f'{op}(axis + {_axis_base(ctx, r)} + ri, {part}, mask=rm, sem="relaxed")')
+            continue
+        acc, where = f"cpart{j}", f"axis + {_axis_base(ctx, r)} + ctile * BC + tl.arange(0, BC)"
+        before.append(f"{acc} = tl.full([BC], {neutral}, tl.float32)")
+        summed = op == "tl.atomic_add"
+        tile.append(f"{acc} = {acc} + {part}" if summed else f"{acc} = tl.maximum({acc}, {part})")
+        after.append(f'{op}({where}, {acc}, mask=cm, sem="relaxed")')
+    return tile, before, after
 
 
 def _tail_lines(ctx: _PhaseContext) -> list[str]:
@@ -659,7 +684,7 @@ def _tile_q8_store(name: str, fmt: int, mask: str) -> list[str]:
     return [
         f"q_{name}, s_{name} = _q8_encode(tl.reshape(v_{name}, (BR * BC,)), {fmt}, BR * BC, QB, INTERPRETED)",
         f"tl.store({name}_ptr + offs, tl.reshape(q_{name}, (BR, BC)){mask})",
-        "qc = (start - tile_row * tile_cols) * BC + tl.arange(0, BC // QB) * QB",
+        "qc = ctile * BC + tl.arange(0, BC // QB) * QB",
         f"tl.store({scale_slot(name)}_ptr + (ri[:, None] * cols_t + qc[None, :]) // QB, "
         f"tl.reshape(s_{name}, (BR, BC // QB)){qmask})",
     ]
@@ -718,23 +743,20 @@ def _reduction_lines(
         value = ctx.p32.doprint_expr(e)
         comb, neutral = (SUM_COMBINE, "0.0") if combine == "sum" else (MAX_COMBINE, "float('-inf')")
         masked = f"tl.where(mask, {value}, {neutral})"
+        # The block's partial accumulates over the program's passes (or tiles); stored
+        # after the last. A scalar-only value, sum(1) say, still counts once per element.
         if plan.tiled:  # a tile: across its columns, then its rows
-            masked = f"{SUM}({masked}, 1, {comb})"
-            fast_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
-            masked_lines.append(f"tl.store(partials + pid * {nred} + {col}, {SUM}({masked}, 0, {comb}))")
+            fast = masked = f"{SUM}({SUM}({masked}, 1, {comb}), 0, {comb})"
         else:
-            # The block's partial accumulates over the program's passes (a scalar-only
-            # value, sum(1) say, still counts once per element); stored after the last.
-            acc = f"part{col}"
-            for out, part in (
-                (fast_lines, f"{SUM}(tl.full([SUB], 0.0, tl.float32) + ({value}), 0, {comb})"),
-                (masked_lines, f"{SUM}({masked}, 0, {comb})"),
-            ):
-                out.append(
-                    f"{acc} = {acc} + {part}" if combine == "sum" else f"{acc} = tl.maximum({acc}, {part})"
-                )
-            lines["partial_init"].append(f"part{col} = tl.full([], {neutral}, tl.float32)")
-            lines["partial_store"].append(f"tl.store(partials + pid * {nred} + {col}, part{col})")
+            fast = f"{SUM}(tl.full([SUB], 0.0, tl.float32) + ({value}), 0, {comb})"
+            masked = f"{SUM}({masked}, 0, {comb})"
+        acc = f"part{col}"
+        for out, part in ((fast_lines, fast), (masked_lines, masked)):
+            out.append(
+                f"{acc} = {acc} + {part}" if combine == "sum" else f"{acc} = tl.maximum({acc}, {part})"
+            )
+        lines["partial_init"].append(f"part{col} = tl.full([], {neutral}, tl.float32)")
+        lines["partial_store"].append(f"tl.store(partials + pid * {nred} + {col}, part{col})")
         if combine == "sum":
             lines["combine_init"].append(f"acc{col} = tl.full([RBLOCK], 0.0, tl.float32)")
             lines["combine_step"].append(

@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from fuser.cache import rendered
-from fuser.codegen.render import optim_tile, render_optim, template_dir
+from fuser.codegen.render import optim_strip, optim_tile, render_optim, template_dir
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import (
     DTYPES,
@@ -179,7 +179,7 @@ class StepLayout:
     n_global: int
     reductions: tuple[ReductionPlan, ...]  # symbols left out
     tiled: bool = False  # phases walk tiles of each tensor's 2-D view
-    tile: tuple[int, int] = (0, 0)  # (rows, cols) of a tile, when tiled
+    tile: tuple[int, int] = (0, 0)  # (rows, cols) of a program's strip of tiles, when tiled
 
 
 # The tuning variables the renderer reads: part of a rendering's key, in memory and on disk.
@@ -188,6 +188,7 @@ LAUNCH_VARIABLES = (
     "FUSER_OPTIM_SUB",
     "FUSER_OPTIM_WARPS",
     "FUSER_OPTIM_TILE",
+    "FUSER_OPTIM_STRIP",
     "FUSER_OPTIM_QBLOCK",
 )
 
@@ -239,11 +240,17 @@ def _plan_and_sources(
         plan.n_global,
         tuple(dataclasses.replace(r, symbol=None) for r in plan.reductions),
         plan.tiled,
-        optim_tile() if plan.tiled else (0, 0),
+        _strip_shape() if plan.tiled else (0, 0),
     )
     sources = render_optim(plan)
     rendered.store(key, _to_memo(layout, sources))
     return layout, sources
+
+
+def _strip_shape() -> tuple[int, int]:
+    """(rows, cols) of what one program of a tiled phase walks: its strip of tiles."""
+    rows, cols = optim_tile()
+    return rows * optim_strip(), cols
 
 
 _SOURCE_FIELDS = ("text", "entry", "signature", "constexprs", "num_warps", "num_stages", "meta")

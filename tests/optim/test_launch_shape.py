@@ -1,9 +1,12 @@
-"""The flat step kernels' launch shape: each program walks BLOCK elements of one tensor
-SUB at a time (FUSER_OPTIM_BLOCK / FUSER_OPTIM_SUB). Results must not depend on it:
-reductions accumulate over passes and blocks, 8-bit states re-encode per 32 elements
-whatever the pass, and tails of every length take the masked path."""
+"""The step kernels' launch shape: each program of a flat phase walks BLOCK elements of one
+tensor SUB at a time (FUSER_OPTIM_BLOCK / FUSER_OPTIM_SUB); each program of a tiled phase
+(rules of rows and columns) walks a strip of FUSER_OPTIM_STRIP tiles of BR x BC
+(FUSER_OPTIM_TILE) down a tensor's rows. Results must not depend on it: reductions
+accumulate over passes, tiles and blocks, 8-bit states re-encode per 32 elements whatever
+the pass, and tails of every length take the masked path."""
 
 import pytest
+import test_shaped as shaped
 import torch
 from numerics import assert_fp32_close
 from test_reductions import check_centered_step, fresh, lamb_reference, set_grads
@@ -112,4 +115,55 @@ def test_a_bad_launch_shape_is_refused_with_its_variable(device, monkeypatch, en
     before = p.clone()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         fuser.optim.AdamW([p], lr=0.1).step()
+    assert torch.equal(p, before)
+
+
+# (tile, tiles per strip): strips of several tiles over many strips of (300, 17) and (17, 528),
+# one tile per program, and the defaults (None).
+STRIPS = [("8x16", 3), ("4x32", 5), ("16x16", 1), None]
+
+
+@pytest.fixture
+def strip_shape(request, monkeypatch):
+    """Render tiled kernels with (FUSER_OPTIM_TILE, FUSER_OPTIM_STRIP) = request.param."""
+    monkeypatch.delenv("FUSER_OPTIM_TILE", raising=False)
+    monkeypatch.delenv("FUSER_OPTIM_STRIP", raising=False)
+    if request.param is not None:
+        monkeypatch.setenv("FUSER_OPTIM_TILE", request.param[0])
+        monkeypatch.setenv("FUSER_OPTIM_STRIP", str(request.param[1]))
+    return request.param
+
+
+TILED_SHAPES = [(7, 13), (29,), (3, 5, 4), (300, 17), (2, 600), (9, 257), (17, 528), (1,)]
+
+
+@pytest.mark.parametrize("strip_shape", STRIPS, indirect=True)
+def test_axis_reductions_span_the_tiles_of_a_strip(device, strip_shape):
+    params, grads = shaped.params_and_grads(TILED_SHAPES, 2, device=device)
+    mine, _ = shaped.run(fuser.compile(shaped.AXES), params, grads, lr=0.1)
+    for p, start, g0, g1 in zip(mine, params, grads[0], grads[1]):
+        want = shaped.axes_reference(shaped.axes_reference(start, g0, 0.1), g1, 0.1)
+        assert shaped.rel_err(p, want, start) < 2e-6, (p.shape, strip_shape)
+
+
+@pytest.mark.parametrize("strip_shape", STRIPS, indirect=True)
+def test_row_column_and_tensor_states_span_the_tiles_of_a_strip(device, strip_shape):
+    params, grads = shaped.params_and_grads(TILED_SHAPES, 3, device=device)
+    mine, opt = shaped.run(fuser.compile(shaped.FACTORED), params, grads)
+    err = shaped.rel_err
+    for p, (want, r, c, s) in zip(mine, shaped.factored_reference(params, grads)):
+        st = opt.state[p]
+        assert shaped.view(p).shape == (r.numel(), c.numel())
+        assert err(p, want) < 2e-6, (p.shape, strip_shape)
+        assert err(st["r"], r) < 2e-6 and err(st["c"], c) < 2e-6 and err(st["s"], s) < 2e-6
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two"])
+def test_a_bad_strip_is_refused_with_its_variable(device, monkeypatch, text):
+    monkeypatch.setenv("FUSER_OPTIM_STRIP", text)
+    p = torch.randn(3, 5, device=device)
+    p.grad = torch.randn_like(p)
+    before = p.clone()
+    with pytest.raises(ValueError, match="FUSER_OPTIM_STRIP must be a whole number of tiles"):
+        fuser.optim.Adafactor([p], lr=0.1).step()
     assert torch.equal(p, before)
