@@ -81,12 +81,12 @@ TILED_SIGNATURE = (
     ("total_cols", "i64"),
 )
 REDUCE_BLOCK = 128
-# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view;
-# the fastest of five shapes for Adafactor and CAME on TinyLlama's tensors on an H100
-# (benchmarks/results/sweep_tiles_2026-11-25.json).
-TILE_ROWS, TILE_COLS = 32, 128
-# Tiles a tiled phase's program walks down the rows (its strip).
-TILE_STRIP = 4
+# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view,
+# over TILE_WARPS warps; each program walks TILE_STRIP tiles down the rows (its strip). The
+# fastest of 28 (tile, warps, strip) for Adafactor and CAME on TinyLlama's tensors on an
+# H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
+# 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
+TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
 
 
 def optim_tile() -> tuple[int, int]:
@@ -167,14 +167,13 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     H100 this took AdamW with 8-bit states from 9.2 to 5.0 ms, with bf16 parameters and
     fp32 states from 10.7 to 9.0 ms, all-bf16 from 5.8 to 5.6 ms; all-fp32 AdamW was 5%
     slower than with one pass of 2048 values over 8 warps (8 per thread), which it keeps
-    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Tiles (shape-aware rules)
-    keep 8 warps.
+    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Tiled phases (shape-aware
+    rules) take TILE_WARPS.
     """
     wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
     sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 512, block))
-    eight = wide or (plan.tiled and not _is_compressed(plan))
-    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (8 if eight else 4))
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (TILE_WARPS if plan.tiled else 8 if wide else 4))
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
     if sub < 128 or sub & (sub - 1) or sub > block:
