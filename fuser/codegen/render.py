@@ -6,6 +6,7 @@ pure function of the plan: the same inputs give byte-identical text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -317,6 +318,7 @@ class _PhaseContext:
     used_slots: list
     p64: TritonPrinter
     p32: TritonPrinter
+    guards: dict = dataclasses.field(default_factory=dict)  # slot name -> fp32 scalar (_zero_guards)
 
 
 def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
@@ -370,7 +372,35 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
         used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in touched],
         p64=TritonPrinter(scalar_names, fp64=True),
         p32=TritonPrinter(body_names),
+        guards={n: body_names[c] for n, c in _zero_guards(plan, phase, scalars_in_body, read).items()},
     )
+
+
+def _zero_guards(plan: OptimPlan, phase: Phase, scalars: list, read: set) -> dict[str, sympy.Symbol]:
+    """Element slots a phase before the last reads only through terms that one per-step
+    scalar zeroes (CAME's ``(1 - weight_decouple) * weight_decay * p``): the kernel loads
+    such a slot only where that scalar is not zero, as the references skip the term (a
+    NaN there is not read either). Slot name -> the scalar. The last phase, which stores,
+    keeps its loads."""
+    if phase.index == len(plan.phases) - 1:
+        return {}
+    values = {}
+    for sym, e in phase.body:
+        values[sym] = e.xreplace(values)
+    results = [e.xreplace(values) for _, e in (*phase.reduce, *phase.axis_reduce, *phase.matrix_stores)]
+    guards = {}
+    for sl in plan.slots:
+        x = symbol(sl.name)
+        if sl.name not in read or _SLOT_KIND[sl.role] != "element" or sl.role == "matrix":
+            continue
+        for c in scalars:
+            zeroed = [e.xreplace({c: sympy.Integer(0)}) for e in results]
+            if all(
+                not z.has(x) and z.is_finite is not False and not z.has(sympy.nan, sympy.zoo) for z in zeroed
+            ):
+                guards[sl.name] = c
+                break
+    return guards
 
 
 def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: str = "") -> list[str]:
@@ -443,9 +473,21 @@ def _element_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
             lines.append(f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)")
     for _, sl in ctx.used_slots:
         if sl.name in ctx.read:
-            lines.append(f"x_{sl.name} = {_element_load(ctx, sl, fast)}")
+            lines += _guarded(ctx, sl.name, _element_load(ctx, sl, fast), "[SUB]")
     lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
     return lines
+
+
+def _guarded(ctx: _PhaseContext, name: str, load: str, shape: str) -> list[str]:
+    """``x_<name> = load``, or zeros without a load where the slot's guard is zero."""
+    if name not in ctx.guards:
+        return [f"x_{name} = {load}"]
+    return [
+        f"if {ctx.guards[name]} != 0.0:  # (else every term that reads it is zero)",
+        f"    x_{name} = {load}",
+        "else:",
+        f"    x_{name} = tl.full({shape}, 0.0, tl.float32)",
+    ]
 
 
 def _element_load(ctx: _PhaseContext, sl, fast: bool) -> str:
@@ -495,7 +537,7 @@ def _tile_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
             continue
         kind = _SLOT_KIND[sl.role]
         if kind == "element":  # (decoded from 8 bits, joined with a split master's low part)
-            lines.append(f"x_{sl.name} = {_element_load(ctx, sl, fast)}")
+            lines += _guarded(ctx, sl.name, _element_load(ctx, sl, fast), "[BR, BC]")
             continue
         idx, mask, shape = _TILE_INDEX[kind]
         how = "" if fast else f", mask={mask}, other=0.0"

@@ -305,3 +305,63 @@ def test_means_of_elements_and_of_rows_feed_scalar_states(device):
             ref = ref - 0.1 * (s + q) * view(gs[i].double().cpu())
         assert rel_err(p, ref) < 1e-6 and rel_err(opt.state[p]["s"], s) < 1e-6
         assert rel_err(opt.state[p]["q"], q) < 1e-6
+
+
+# A state read before the last phase only through a term a hyperparameter scales: the
+# kernels skip the load when it is zero (as references skip a zero weight decay's term),
+# so a NaN there changes nothing; otherwise the term counts.
+ZEROED = {
+    "rows": fuser.rule(
+        """
+        r = rowmean(g**2 + c * s**2)
+        s = 0.5 * s + g
+        p = p - lr * g / sqrt(r + 1e-3)
+        """,
+        name="zeroed_rows",
+        hyper=dict(lr=0.1, c=0.0),
+        state=dict(s=0.0),
+    ),
+    "flat": fuser.rule(
+        """
+        n = norm(g + c * s)
+        s = 0.5 * s + g
+        p = p - lr * g / (n + 1e-3)
+        """,
+        name="zeroed_flat",
+        hyper=dict(lr=0.1, c=0.0),
+        state=dict(s=0.0),
+    ),
+}
+
+
+def zeroed_reference(kind, p, s, g, c, lr=0.1):
+    p2, s2, g2 = (view(t.double().cpu()) for t in (p, s, g))
+    extra = c * s2 if c else 0.0  # (a zero c drops the term, NaN or not)
+    if kind == "rows":
+        den = ((g2**2 + (extra * s2 if c else 0.0)).mean(1, keepdim=True) + 1e-3).sqrt()
+    else:
+        den = (g2 + extra).norm() + 1e-3
+    return (p2 - lr * g2 / den).reshape(p.shape), (0.5 * s2 + g2).reshape(s.shape)
+
+
+@pytest.mark.parametrize("kind", ["rows", "flat"])
+@pytest.mark.parametrize("c", [0.0, 0.3])
+def test_a_term_a_zero_hyperparameter_scales_is_not_read(device, kind, c):
+    params, grads = params_and_grads([(7, 13), (29,), (300, 17)], 2, device=device)
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = fuser.compile(ZEROED[kind])(mine, lr=0.1, c=c)
+    for p, g in zip(mine, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    for p in mine:
+        if c == 0.0:
+            opt.state[p]["s"].fill_(float("nan"))
+    before = [(p.detach().clone(), opt.state[p]["s"].clone()) for p in mine]
+    for p, g in zip(mine, grads[1]):
+        p.grad = g.clone()
+    opt.step()
+    for p, (p0, s0), g in zip(mine, before, grads[1]):
+        want_p, want_s = zeroed_reference(kind, p0, s0, g, c)
+        assert rel_err(p, want_p) < 2e-6, (p.shape, kind, c)
+        if c:
+            assert rel_err(opt.state[p]["s"], want_s) < 2e-6
