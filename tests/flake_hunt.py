@@ -42,6 +42,16 @@ NUMERIC = [
     "tests/losses/test_loss_values.py",
     "tests/losses/test_loss_schedules.py",
     "tests/integrations/test_transformers_loss.py",
+    "tests/optim/test_shaped.py",
+    "tests/optim/test_factored.py",
+    "tests/optim/test_launch_shape.py",
+    "tests/optim/test_muon.py",
+    "tests/optim/test_normuon.py",
+    "tests/optim/test_multi_rule.py",
+    "tests/optim/test_zoo.py",
+    "tests/optim/test_schedule_free.py",
+    "tests/optim/test_compressed.py",
+    # (the distributed suites start process groups per test: hunt them by name)
     # Ten seconds a run or more through the interpreter (hundreds of tensors), or no numbers:
     "-k",
     "not global_norm_clipping and not 500_tensors and not renders",
