@@ -168,13 +168,20 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     H100 this took AdamW with 8-bit states from 9.2 to 5.0 ms, with bf16 parameters and
     fp32 states from 10.7 to 9.0 ms, all-bf16 from 5.8 to 5.6 ms; all-fp32 AdamW was 5%
     slower than with one pass of 2048 values over 8 warps (8 per thread), which it keeps
-    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Tiled phases (shape-aware
-    rules) take TILE_WARPS.
+    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Kernels with 8-bit states
+    and no split master walk 256 at a time over 2 warps: 8-bit AdamW took 4.54-4.57 ms
+    against 4.76-4.98 ms with 512 over 4 (three rounds in one H100 call; with a split
+    master the two were even, benchmarks/NOTES.md). Tiled phases (shape-aware rules) take
+    TILE_WARPS.
     """
     wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
+    narrow = not plan.tiled and _is_compressed(plan) and not _master_bits(plan)
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
-    sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 512, block))
-    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or (TILE_WARPS if plan.tiled else 8 if wide else 4))
+    sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 256 if narrow else 512, block))
+    warps = int(
+        os.environ.get("FUSER_OPTIM_WARPS")
+        or (TILE_WARPS if plan.tiled else 8 if wide else 2 if narrow else 4)
+    )
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
     if sub < 128 or sub & (sub - 1) or sub > block:
@@ -221,6 +228,11 @@ def _launch_constexprs(plan: OptimPlan) -> tuple[tuple, int]:
         raise ValueError(
             f"8-bit states' blocks of {quant[0][1]} elements (FUSER_OPTIM_QBLOCK) must fit in a tile's "
             f"{tile[1]} columns (FUSER_OPTIM_TILE) for rule {plan.name!r}, which reads rows and columns"
+        )
+    if quant and not plan.tiled and quant[0][1] > sub:
+        raise ValueError(
+            f"8-bit states' blocks of {quant[0][1]} elements (FUSER_OPTIM_QBLOCK) must fit in a pass of "
+            f"{sub} (FUSER_OPTIM_SUB) for rule {plan.name!r}"
         )
     return (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant), warps
 

@@ -167,3 +167,16 @@ def test_a_bad_strip_is_refused_with_its_variable(device, monkeypatch, text):
     with pytest.raises(ValueError, match="FUSER_OPTIM_STRIP must be a whole number of tiles"):
         fuser.optim.Adafactor([p], lr=0.1).step()
     assert torch.equal(p, before)
+
+
+def test_8bit_blocks_longer_than_a_pass_are_refused(device, monkeypatch):
+    monkeypatch.setenv("FUSER_OPTIM_QBLOCK", "512")
+    monkeypatch.setenv("FUSER_OPTIM_SUB", "256")
+    p = torch.randn(700, device=device)
+    p.grad = torch.randn_like(p)
+    before = p.clone()
+    with pytest.raises(
+        ValueError, match=r"blocks of 512 elements \(FUSER_OPTIM_QBLOCK\) must fit in a pass of 256"
+    ):
+        fuser.optim.AdamW([p], lr=0.1, state_dtype="q8").step()
+    assert torch.equal(p, before)
