@@ -260,7 +260,9 @@ def test_view_sizes_alone_keep_the_elementwise_kernel(device):
     for p, start, g in zip(mine, params, grads[0]):
         rows, cols = view(start).shape
         want = start.double() - 0.1 * g.double() * max(1, rows / cols) ** 0.5 + 0.1 * 1e-3
-        assert rel_err(p, want) < 1e-6, p.shape
+        # Over the start's size too: a 1-element update may all but cancel its parameter
+        # (CI seed 1870646491: the 0-d one went to -0.0009, 3.3e-6 of itself off).
+        assert rel_err(p, want, start) < 1e-6, p.shape
 
 
 def test_per_tensor_reductions_beside_axis_reductions_keep_their_own_combine(device):
