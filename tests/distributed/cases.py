@@ -60,3 +60,17 @@ def train(model, opt, data) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+def step_local_pieces(make_optimizer, got: dict):
+    """The same optimizer over one rank's local pieces (``got["init"]``, stepped with
+    ``got["grads"]``) as plain tensors in one process: (optimizer, its parameters, the
+    index of each among the rank's parameters). Empty pieces are left out."""
+    kept = [i for i, t in enumerate(got["init"]) if t.numel()]
+    params = [got["init"][i].detach().clone().requires_grad_() for i in kept]
+    opt = make_optimizer(params)
+    for step_grads in got["grads"]:
+        for p, i in zip(params, kept):
+            p.grad = step_grads[i].clone()
+        opt.step()
+    return opt, params, kept

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from cases import batches, make_model, train
+from cases import batches, make_model, step_local_pieces, train
 from ranks import run_ranks
 
 import fuser
@@ -88,14 +88,7 @@ def ranks():
 
 def test_each_rank_steps_its_shards_as_local_tensors(ranks):
     for rank, got in enumerate(ranks):
-        # the same optimizer on this rank's local pieces, as plain tensors in one process
-        params = [t.detach().clone().requires_grad_() for t in got["init"] if t.numel()]
-        kept = [i for i, t in enumerate(got["init"]) if t.numel()]
-        opt = make_optimizer(params)
-        for step_grads in got["grads"]:
-            for p, i in zip(params, kept):
-                p.grad = step_grads[i].clone()
-            opt.step()
+        opt, params, kept = step_local_pieces(make_optimizer, got)
         for p, i in zip(params, kept):
             assert torch.equal(p.detach(), got["params"][i]), f"rank {rank}, parameter {i} {LAYOUTS[i][0]}"
             want = opt.state[p]

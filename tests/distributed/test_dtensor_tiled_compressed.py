@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import step_local_pieces
 from ranks import run_ranks
 
 import fuser
@@ -86,13 +87,7 @@ def test_each_rank_quantizes_its_rows_as_local_tensors():
     ranks = run_ranks(worker)
     full, grads = data()
     for rank, got in enumerate(ranks):
-        kept = [i for i, t in enumerate(got["init"]) if t.numel()]
-        params = [got["init"][i].detach().clone().requires_grad_() for i in kept]
-        opt = make_optimizer(params)
-        for step_grads in got["grads"]:
-            for p, i in zip(params, kept):
-                p.grad = step_grads[i].clone()
-            opt.step()
+        opt, params, kept = step_local_pieces(make_optimizer, got)
         for p, i in zip(params, kept):
             what = f"rank {rank}, parameter {i} {LAYOUTS[i]}"
             assert torch.equal(p.detach(), got["params"][i]), what
