@@ -6,10 +6,9 @@ pure function of the plan: the same inputs give byte-identical text.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -330,7 +329,7 @@ class _PhaseContext:
     used_slots: list
     p64: TritonPrinter
     p32: TritonPrinter
-    guards: dict = dataclasses.field(default_factory=dict)  # slot name -> fp32 scalar (_zero_guards)
+    guards: dict = field(default_factory=dict)  # slot name -> fp32 scalar (_zero_guards)
 
 
 def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
