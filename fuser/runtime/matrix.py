@@ -2,6 +2,10 @@
 by the phase that computes it, transformed by batched products, one launch per shape
 group per product, then read by the later phases.
 
+Each Newton–Schulz iteration is three launches per shape group: fuser's kernels for the
+two symmetric products (``fuser.codegen.matrix``: ``A = X X^T``, then ``a I + b A + c A A``,
+which also normalises on the first iteration), and ``torch.bmm`` for the general one.
+
 Tensors of one 2-D shape share a stacked buffer ``[n, rows, cols]``; the pointer table's
 ``in`` slot of each tensor points at its matrix there, the ``out`` slot at its matrix in
 the buffer that holds the result.
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fuser.cache import load_kernel
+from fuser.codegen.matrix import GPU_MATRIX_TILES, INTERPRETER_MATRIX_TILES, render_gram, render_poly
 from fuser.counters import count
 from fuser.ir.optim import matrix_slot
 from fuser.runtime.tables import view_2d
@@ -35,6 +41,7 @@ class ShapeGroup:
     a: torch.Tensor  # bf16 [n, k, k], k = min(rows, cols)
     b: torch.Tensor  # bf16 [n, k, k]
     tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
+    kernels: tuple = ()  # (gram, poly of the first iteration, poly of the others)
     gather: Gather | None = None  # DTensor shards: complete the matrices before the products
 
 
@@ -74,23 +81,39 @@ class MatrixWork:
 def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps: float) -> None:
     """Muon's quintic iteration on every matrix of ``sg`` at once: ``X /= ||X||_F + eps``,
     then ``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` (``X^T X`` and
-    ``X B`` for tall matrices, the same iteration on the transpose). The result is in
-    ``sg.x`` for an even number of steps, else in ``sg.y``."""
+    ``X B`` for tall matrices, the same iteration on the transpose). ``a X`` is folded into
+    ``B``, and the normalisation into the first ``B`` (``||X||_F^2`` is the trace of ``A``).
+    The result is in ``sg.x`` for an even number of steps, else in ``sg.y``."""
     x, y = sg.x, sg.y
-    norm = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
-    x.div_(norm.add_(eps))
-    for _ in range(steps):
+    n, m = sg.a.shape[0], sg.a.shape[1]
+    if n == 0 or x.numel() == 0:
+        return
+    gram, poly_first, poly = sg.kernels
+    bm = dict(gram.source.constexprs)["BM"]
+    t = -(-m // bm)
+    grid = (t * (t + 1) // 2, n)
+    k = x.shape[1] if sg.tall else x.shape[2]
+    for step in range(steps):
+        gram(grid, x, sg.a, m, k)
+        (poly_first if step == 0 else poly)(grid, sg.a, sg.b, m, a, b, c, eps)
         if sg.tall:
-            torch.bmm(x.mT, x, out=sg.a)
+            torch.bmm(x, sg.b, out=y)
         else:
-            torch.bmm(x, x.mT, out=sg.a)
-        torch.baddbmm(sg.a, sg.a, sg.a, beta=b, alpha=c, out=sg.b)
-        if sg.tall:
-            torch.baddbmm(x, x, sg.b, beta=a, alpha=1.0, out=y)
-        else:
-            torch.baddbmm(x, sg.b, x, beta=a, alpha=1.0, out=y)
+            torch.bmm(sg.b, x, out=y)
         x, y = y, x
-    count("launches", 3 + 3 * steps)
+    count("launches", steps)  # the kernels count their own
+
+
+def matrix_kernels(device, rows: int, cols: int) -> tuple:
+    """(gram, first poly, poly) kernels for ``[rows, cols]`` matrices on ``device``."""
+    tiles = GPU_MATRIX_TILES if torch.device(device).type == "cuda" else INTERPRETER_MATRIX_TILES
+    m, k = min(rows, cols), max(rows, cols)
+    even = tiles.even(m, k)
+    return (
+        load_kernel(render_gram(tiles, tall=rows > cols, even=even), device),
+        load_kernel(render_poly(tiles, first=True, even=even), device),
+        load_kernel(render_poly(tiles, first=False, even=even), device),
+    )
 
 
 def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[MatrixWork], list[dict]]:
@@ -117,6 +140,7 @@ def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[
                 torch.empty(len(members), k, k, **kw),
                 torch.empty(len(members), k, k, **kw),
                 rows > cols,
+                matrix_kernels(device, rows, cols),
             )
             result = sg.x if r.args[0] % 2 == 0 else sg.y
             spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]

@@ -17,6 +17,7 @@ import sympy
 import torch
 
 from fuser.cache import rendered
+from fuser.codegen.matrix import matrix_kernel_sources
 from fuser.codegen.render import optim_strip, optim_tile, render_optim, template_dir
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import (
@@ -302,11 +303,15 @@ def kernel_sources(
     keywords) launches when parameters are stored in ``dtype`` and gradients in
     ``grad_dtype`` (default ``dtype``; ``"fp32"`` for Megatron's ``main_grad`` beside bf16
     parameters). Of the options, ``state_dtype`` and ``stochastic_rounding`` change the
-    kernels; ``grad_attr``, ``state_keys`` and ``seed`` do not."""
+    kernels; ``grad_attr``, ``state_keys`` and ``seed`` do not. A rule with a matrix
+    function adds every variant of the matrix kernels (``fuser.codegen.matrix``) with the
+    GPU's tiles."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
     for what, value in (("dtype", dtype), ("grad_dtype", grad_dtype)):
         if value not in DTYPES:
             raise ValueError(f"{what} must be one of {DTYPES}, not {value!r}")
     opts = parse_options(**options)
     plan = dtype_plan(rule, opts, dtype, grad_dtype)
-    return list(plan_and_sources(rule, plan, opts.stochastic_rounding)[1])
+    layout, sources = plan_and_sources(rule, plan, opts.stochastic_rounding)
+    matrices = matrix_kernel_sources() if any(r.matrix for r in layout.reductions) else []
+    return [*sources, *matrices]

@@ -6,6 +6,7 @@ import pytest
 
 import fuser
 from fuser.cache import precompile
+from fuser.codegen.matrix import matrix_kernel_sources
 from fuser.codegen.render import render_optim
 from fuser.ir import lower_optim
 
@@ -96,5 +97,15 @@ RULES["muon"] = fuser.rule(
 )
 def test_kernel_compiles_ahead_of_time(rule, capability, dtypes, sr):
     for source in render_optim(lower_optim(RULES[rule], dtypes, stochastic_rounding=sr)):
+        cubin = compile_for(source, capability)
+        assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_matrix_kernels_compile_ahead_of_time(capability):
+    # Every variant (tall or wide, first iteration or not, with or without masks).
+    sources = matrix_kernel_sources()
+    assert len({s.digest for s in sources}) == 8
+    for source in sources:
         cubin = compile_for(source, capability)
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

@@ -58,8 +58,8 @@ def test_groups_choose_their_rule_and_match_each_rule_alone(device):
     assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[1]["beta2"] == 0.95
     before = fuser.stats()["launches"]
     step_all(mine, opt, grads)
-    # Per step: Muon's two phases and two shapes of Newton-Schulz, AdamW's one launch.
-    assert fuser.stats()["launches"] - before == 3 * (2 + 2 * 18 + 1)
+    # Per step: Muon's two phases and two shapes of Newton-Schulz (15 launches each), AdamW's one launch.
+    assert fuser.stats()["launches"] - before == 3 * (2 + 2 * 15 + 1)
     alone_m = [torch.nn.Parameter(p.clone()) for p in start[:2]]
     alone_a = [torch.nn.Parameter(p.clone()) for p in start[2:]]
     step_all(alone_m, fuser.compile(MUON)(alone_m, wd=0.01), [gs[:2] for gs in grads])

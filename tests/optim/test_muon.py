@@ -30,6 +30,15 @@ def newton_schulz(m: torch.Tensor, steps: int = 5, coeffs=QUINTIC, dtype=torch.f
     return (x.T if tall else x).double()
 
 
+def bf16_resolution(m: torch.Tensor) -> float:
+    """How far bf16 Newton–Schulz of ``m`` can land from the float64 iteration: the largest
+    error over ``m`` scaled by eight factors in [1, 2), which the exact iteration ignores (it
+    normalises) and bf16's rounding does not. One draw alone can be several times below
+    the next, and implementations that round at different points draw differently."""
+    exact = newton_schulz(m)
+    return max(rel(newton_schulz(m * (1 + k / 8), dtype=torch.bfloat16), exact) for k in range(8))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).norm() / b.norm()).item()
@@ -57,13 +66,13 @@ def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow(device):
         p.grad = g.clone()
     before = fuser.stats()["launches"]
     opt.step()
-    # 2 phases; per shape (4 of them): norm, add, divide, then 3 products per iteration.
-    assert fuser.stats()["launches"] - before == 2 + 4 * (3 + 3 * 5)
+    # 2 phases; per shape (4 of them): 3 products per iteration, the normalisation folded in.
+    assert fuser.stats()["launches"] - before == 2 + 4 * 3 * 5
     for p, start, g in zip(mine, params, grads):
         m = g.double() + 0.1 * start.double()
         exact = newton_schulz(m)
         got = view(start.double() - p.detach().double()) / 0.1
-        bf16_error = rel(newton_schulz(m, dtype=torch.bfloat16), exact)
+        bf16_error = bf16_resolution(m)
         assert rel(got, exact) < max(1.5 * bf16_error, 0.01), (p.shape, rel(got, exact), bf16_error)
 
 
@@ -136,8 +145,8 @@ def test_muon_with_auxiliary_adamw_groups_in_one_step(device):
         before = fuser.stats()["launches"]
         opt.step()
         torch_adamw.step()
-        # Muon: 2 phases and 3 shapes of NS; AdamW: 1 launch.
-        assert fuser.stats()["launches"] - before == 2 + 3 * 18 + 1
+        # Muon: 2 phases and 3 shapes of NS (3 launches an iteration); AdamW: 1 launch.
+        assert fuser.stats()["launches"] - before == 2 + 3 * 15 + 1
     for i, p in enumerate(mine[:4]):
         want, buf = muon_reference(params[i], [gs[i] for gs in grads], 0.02, 0.95, 0.01)
         step = want - params[i].double().cpu()
