@@ -706,15 +706,21 @@ def test_torch_argument_checks(device):
 
 
 def test_every_builtin_rule_renders(device):
+    from fuser.codegen.matrix import matrix_kernel_sources
     from fuser.optim import builtins
     from fuser.optim.factory import kernel_sources
 
     rules = [v for v in vars(builtins).values() if isinstance(v, fuser.Rule)]
     assert len(rules) == 31
+    matrix = [s.digest for s in matrix_kernel_sources()]
     for rule in rules:
         for dtype in ("fp32", "bf16"):
             sources = kernel_sources(rule, dtype)
             assert [s.text for s in sources] == [s.text for s in kernel_sources(rule, dtype)]
+            # a rule with a matrix function adds every variant of the matrix kernels
+            want = matrix if "orthogonalize(" in rule.text else []
+            assert [s.digest for s in sources if dict(s.meta)["kind"] == "matrix"] == want
+            sources = [s for s in sources if dict(s.meta)["kind"] != "matrix"]
             if len(sources) == 1:
                 assert f"def {rule.name}_step(" in sources[0].text
             else:  # rules with reductions: one kernel per phase
