@@ -17,6 +17,7 @@ import fuser
 import fuser.optim
 from fuser import cli, clitools
 from fuser.cache import stored_binary
+from fuser.codegen.matrix import matrix_kernel_sources
 from fuser.optim import builtins
 from fuser.runtime import engine, plans
 
@@ -134,4 +135,10 @@ def test_builtins_cover_every_variant_with_its_defaults(cache_root, name):
         plan = plans.dtype_plan(opt.rule, opt.options, "bf16", "bf16")
         launched = plans.plan_and_sources(opt.rule, plan, opt.options.stochastic_rounding)[1]
         compiled = clitools.kernel_sources(opt.rule, clitools.Variant("bf16"))
-        assert [s.digest for s in launched] == [s.digest for s in compiled]
+        # the step's phases, then (a matrix function) every variant of the matrix kernels
+        steps = [s for s in compiled if dict(s.meta)["kind"] != "matrix"]
+        assert [s.digest for s in launched] == [s.digest for s in steps]
+        matrices = [s.digest for s in compiled if dict(s.meta)["kind"] == "matrix"]
+        assert matrices == (
+            [s.digest for s in matrix_kernel_sources()] if "orthogonalize(" in opt.rule.text else []
+        )
