@@ -4,9 +4,10 @@ The template (``templates/matrix.py.jinja``) holds two kernels over a stack of m
 of one shape, one program per tile on or above the diagonal of each result (which stores
 the tile and its mirror):
 
-- ``ns_gram``: ``A = X X^T`` (``X^T X`` for a tall matrix);
+- ``ns_gram``: ``A = X X^T`` (``X^T X`` for a tall matrix), and the trace of each
+  diagonal tile of ``A`` in fp32;
 - ``ns_poly``: ``B = a I + b A + c A A``, with the first iteration's normalisation by the
-  Frobenius norm folded in (``||X||_F^2`` is the trace of ``A``).
+  Frobenius norm folded in (``||X||_F^2`` is the trace of ``A``: the sum of the tiles').
 
 The iteration's third product, ``B X``, is a general one: the runtime runs it as a batched
 ``torch.bmm``. Each kernel has a variant per shape-independent option (``TALL``, ``FIRST``,
@@ -72,7 +73,7 @@ def _source(entry: str, signature: tuple, options: tuple, tiles: MatrixTiles, wh
 
 def render_gram(tiles: MatrixTiles, *, tall: bool, even: bool) -> KernelSource:
     """``A = X X^T`` (``X^T X`` with ``tall``) of each bf16 matrix of a stack."""
-    signature = (("x", "*bf16"), ("out", "*bf16"), ("m", "i32"), ("k", "i32"))
+    signature = (("x", "*bf16"), ("out", "*bf16"), ("trace", "*fp32"), ("m", "i32"), ("k", "i32"))
     what = "bf16" + (" tall" if tall else "") + ("" if even else " masked")
     return _source("ns_gram", signature, (("TALL", tall), ("EVEN", even)), tiles, what)
 
@@ -80,8 +81,8 @@ def render_gram(tiles: MatrixTiles, *, tall: bool, even: bool) -> KernelSource:
 def render_poly(tiles: MatrixTiles, *, first: bool, even: bool) -> KernelSource:
     """``a I + b A + c A A`` of each symmetric bf16 matrix of a stack (``first``: of the
     unnormalised matrix's ``A``, scaled as the normalised one's would be)."""
-    signature = (("a_mat", "*bf16"), ("out", "*bf16"), ("m", "i32"), ("ca", "fp32"), ("cb", "fp32"),
-                 ("cc", "fp32"), ("eps", "fp32"))  # fmt: skip
+    signature = (("a_mat", "*bf16"), ("out", "*bf16"), ("trace", "*fp32"), ("m", "i32"), ("ca", "fp32"),
+                 ("cb", "fp32"), ("cc", "fp32"), ("eps", "fp32"))  # fmt: skip
     what = "bf16" + (" first" if first else "") + ("" if even else " masked")
     return _source("ns_poly", signature, (("FIRST", first), ("EVEN", even)), tiles, what)
 

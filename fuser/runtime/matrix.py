@@ -42,6 +42,7 @@ class ShapeGroup:
     b: torch.Tensor  # bf16 [n, k, k]
     tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
     kernels: tuple = ()  # (gram, poly of the first iteration, poly of the others)
+    trace: torch.Tensor | None = None  # fp32 [n, ceil(k / BM)]: traces of A's diagonal tiles
     gather: Gather | None = None  # DTensor shards: complete the matrices before the products
 
 
@@ -82,20 +83,20 @@ def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps:
     """Muon's quintic iteration on every matrix of ``sg`` at once: ``X /= ||X||_F + eps``,
     then ``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` (``X^T X`` and
     ``X B`` for tall matrices, the same iteration on the transpose). ``a X`` is folded into
-    ``B``, and the normalisation into the first ``B`` (``||X||_F^2`` is the trace of ``A``).
+    ``B``, and the normalisation into the first ``B`` (``||X||_F^2`` is the trace of ``A``,
+    which the first kernel sums in fp32 per diagonal tile).
     The result is in ``sg.x`` for an even number of steps, else in ``sg.y``."""
     x, y = sg.x, sg.y
     n, m = sg.a.shape[0], sg.a.shape[1]
     if n == 0 or x.numel() == 0:
         return
     gram, poly_first, poly = sg.kernels
-    bm = dict(gram.source.constexprs)["BM"]
-    t = -(-m // bm)
+    t = sg.trace.shape[1]
     grid = (t * (t + 1) // 2, n)
     k = x.shape[1] if sg.tall else x.shape[2]
     for step in range(steps):
-        gram(grid, x, sg.a, m, k)
-        (poly_first if step == 0 else poly)(grid, sg.a, sg.b, m, a, b, c, eps)
+        gram(grid, x, sg.a, sg.trace, m, k)
+        (poly_first if step == 0 else poly)(grid, sg.a, sg.b, sg.trace, m, a, b, c, eps)
         if sg.tall:
             torch.bmm(x, sg.b, out=y)
         else:
@@ -134,13 +135,16 @@ def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[
         for ((rows, cols), group), members in by_shape.items():
             k = min(rows, cols)
             kw = dict(dtype=torch.bfloat16, device=device)
+            kernels = matrix_kernels(device, rows, cols)
+            bm = dict(kernels[0].source.constexprs)["BM"]
             sg = ShapeGroup(
                 torch.zeros(len(members), rows, cols, **kw),
                 torch.zeros(len(members), rows, cols, **kw),
                 torch.empty(len(members), k, k, **kw),
                 torch.empty(len(members), k, k, **kw),
                 rows > cols,
-                matrix_kernels(device, rows, cols),
+                kernels,
+                torch.empty(len(members), -(-k // bm), dtype=torch.float32, device=device),
             )
             result = sg.x if r.args[0] % 2 == 0 else sg.y
             spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]
