@@ -12,10 +12,11 @@ the buffer that holds the result.
 
 A DTensor sharded by rows of its 2-D view (``Shard(0)`` on one mesh dimension) has its
 own shape group per shard group, of full matrices: each rank's kernel writes its rows in
-place, the other rows are zeroed, and one ``all_reduce`` over the shard group completes
-every matrix of the group (each row comes from one rank, so the sum is exact); every
-rank then runs the products on the full matrices and its later phases read their own
-rows of the result.
+place and the other rows are zeroed. The products are divided between the group's ranks
+(``Split``): one ``reduce_scatter`` gives each rank the whole matrices of its share (each
+row comes from one rank, so the sum is exact), each rank runs the products on its share
+alone, and one ``all_gather`` brings every result to every rank, whose later phases read
+their own rows of it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from fuser.runtime.tables import view_2d
 @dataclass
 class ShapeGroup:
     """The matrices of one 2-D shape: ``x`` holds them stacked, ``y``, ``a``, ``b`` are
-    the iteration's other operands."""
+    the iteration's other operands (with ``split``, ``y`` receives the results, and the
+    products run on the split's own stacks)."""
 
     x: torch.Tensor  # bf16 [n, rows, cols]
     y: torch.Tensor  # bf16 [n, rows, cols]
@@ -43,23 +45,31 @@ class ShapeGroup:
     tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
     kernels: tuple = ()  # (gram, poly of the first iteration, poly of the others)
     trace: torch.Tensor | None = None  # fp32 [n, ceil(k / BM)]: traces of A's diagonal tiles
-    gather: Gather | None = None  # DTensor shards: complete the matrices before the products
+    split: Split | None = None  # DTensor shards: the products divided between the ranks
 
 
 @dataclass
-class Gather:
-    """Full matrices of row-sharded DTensors from the rows each rank wrote: the others
-    are zeroed (one launch), then one ``all_reduce`` over the shard group sums them."""
+class Split:
+    """The products of row-sharded DTensors' matrices, divided between the ranks of their
+    shard group. The stack holds a multiple of the group's size (padded with zero
+    matrices); each rank zeroes the rows it did not write (one launch), ``reduce_scatter``
+    sums the stacks so that this rank holds the whole matrices of its share (``mine``),
+    the products run on them, and ``all_gather`` brings every share's results into the
+    stack's ``y`` on every rank."""
 
     group: object  # torch.distributed.ProcessGroup
     others: torch.Tensor  # bool [n, rows, 1]: rows of the stack this rank did not write
+    mine: ShapeGroup  # this rank's share, n / world matrices
 
-    def __call__(self, x: torch.Tensor) -> None:
+    def __call__(self, sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps: float) -> None:
         import torch.distributed as dist
 
-        x.masked_fill_(self.others, 0.0)
-        dist.all_reduce(x, group=self.group)
-        count("collectives", 1)
+        sg.x.masked_fill_(self.others, 0.0)
+        dist.reduce_scatter_tensor(self.mine.x, sg.x, group=self.group)
+        newton_schulz(self.mine, steps, a, b, c, eps)
+        result = self.mine.x if steps % 2 == 0 else self.mine.y
+        dist.all_gather_into_tensor(sg.y, result, group=self.group)
+        count("collectives", 2)
 
 
 @dataclass
@@ -72,11 +82,11 @@ class MatrixWork:
     args: tuple  # orthogonalize: steps, a, b, c, eps
 
     def __call__(self) -> None:
-        steps, a, b, c, eps = self.args
         for sg in self.groups:
-            if sg.gather is not None:
-                sg.gather(sg.x)
-            newton_schulz(sg, steps, a, b, c, eps)
+            if sg.split is not None:
+                sg.split(sg, *self.args)
+            else:
+                newton_schulz(sg, *self.args)
 
 
 def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps: float) -> None:
@@ -117,6 +127,38 @@ def matrix_kernels(device, rows: int, cols: int) -> tuple:
     )
 
 
+def stack(n: int, rows: int, cols: int, device, kernels: tuple, work: bool = True) -> ShapeGroup:
+    """Buffers of ``n`` matrices ``[rows, cols]``; ``work=False``: without the products'
+    own operands (a stack whose products run on a ``Split``'s)."""
+    k, m = min(rows, cols), n if work else 0
+    kw = dict(dtype=torch.bfloat16, device=device)
+    bm = dict(kernels[0].source.constexprs)["BM"]
+    return ShapeGroup(
+        torch.zeros(n, rows, cols, **kw),
+        torch.zeros(n, rows, cols, **kw),
+        torch.empty(m, k, k, **kw),
+        torch.empty(m, k, k, **kw),
+        rows > cols,
+        kernels,
+        torch.empty(m, -(-k // bm), dtype=torch.float32, device=device),
+    )
+
+
+def split_stack(group, spans: list[tuple[int, int]], rows: int, cols: int, device, kernels) -> ShapeGroup:
+    """The stack of row-sharded matrices whose rows ``spans`` this rank holds, padded to a
+    multiple of the shard group's size, with its ``Split``."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    n = -(-len(spans) // world) * world
+    sg = stack(n, rows, cols, device, kernels, work=False)
+    others = torch.ones(n, rows, 1, dtype=torch.bool)
+    for j, (first, end) in enumerate(spans):
+        others[j, first:end] = False
+    sg.split = Split(group, others.to(device), stack(n // world, rows, cols, device, kernels))
+    return sg
+
+
 def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[MatrixWork], list[dict]]:
     """Buffers for each matrix function of a launch group whose tensors have ``shapes``
     (of the whole tensors); ``shards[i]``, for a row-sharded DTensor, is (shard process
@@ -133,26 +175,14 @@ def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[
             by_shape.setdefault((view_2d(shape), group), []).append(i)
         groups = []
         for ((rows, cols), group), members in by_shape.items():
-            k = min(rows, cols)
-            kw = dict(dtype=torch.bfloat16, device=device)
             kernels = matrix_kernels(device, rows, cols)
-            bm = dict(kernels[0].source.constexprs)["BM"]
-            sg = ShapeGroup(
-                torch.zeros(len(members), rows, cols, **kw),
-                torch.zeros(len(members), rows, cols, **kw),
-                torch.empty(len(members), k, k, **kw),
-                torch.empty(len(members), k, k, **kw),
-                rows > cols,
-                kernels,
-                torch.empty(len(members), -(-k // bm), dtype=torch.float32, device=device),
-            )
-            result = sg.x if r.args[0] % 2 == 0 else sg.y
             spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]
-            if group is not None:
-                others = torch.ones(len(members), rows, 1, dtype=torch.bool)
-                for j, (first, end) in enumerate(spans):
-                    others[j, first:end] = False
-                sg.gather = Gather(group, others.to(device))
+            if group is None:
+                sg = stack(len(members), rows, cols, device, kernels)
+                result = sg.x if r.args[0] % 2 == 0 else sg.y
+            else:
+                sg = split_stack(group, spans, rows, cols, device, kernels)
+                result = sg.y
             for j, (i, (first, end)) in enumerate(zip(members, spans)):
                 # this rank's rows (all of them for a whole tensor)
                 slots[i][matrix_slot(index, "in")] = sg.x[j, first:end]
