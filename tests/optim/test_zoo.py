@@ -3,8 +3,8 @@
 fuser runs the rule on fp32 parameters; the reference runs on float64 copies of the same
 starting point. Both see the same fresh, nonzero random gradients for several steps, and
 the parameters (and the states both keep) must agree to a relative error of 1e-6, or the
-entry's ``rtol`` where bf16 Newton–Schulz sets it (its states from a Newton–Schulz
-result to ``NS_RTOL``)."""
+entry's ``rtol`` where fuser's bf16 Newton–Schulz sets it, against the references'
+iteration run in float64 (its states from a Newton–Schulz result to ``NS_RTOL``)."""
 
 import sys
 from pathlib import Path
@@ -22,10 +22,28 @@ import fuser  # noqa: E402
 SHAPES = [(7, 13), (29,), (3, 5, 4)]
 STEPS = 5
 RTOL = 1e-6
-# bf16 Newton–Schulz is within e <= 2.5% of the float64 iteration on these shapes
-# (tests/optim/test_normuon.py measures it); each side's result is, so states computed
-# from it agree to 2e.
-NS_RTOL = 0.05
+# The references' Newton–Schulz runs in float64 here (exact_newton_schulz). fuser's bf16
+# iteration is within e <= 5% of it on the zoo's matrices (the smallest, 5 x 12 and
+# 7 x 13, reach that; 1-2% on the others), and states of its squares within 2e.
+NS_RTOL = 0.1
+
+
+def exact_newton_schulz(monkeypatch) -> None:
+    """The references' Newton–Schulz in float64 (they iterate in bf16 by default): the
+    exact iteration, from which fuser's bf16 products differ by their own rounding alone.
+    (Against the references' bf16 iteration the two roundings add, and one draw of theirs
+    can be several times another: tests/optim/test_muon.py's bf16_resolution.)"""
+    import pytorch_optimizer.optimizer.muon.adamuon as adamuon
+    import pytorch_optimizer.optimizer.muon.base as base
+    import pytorch_optimizer.optimizer.muon.normuon as normuon
+
+    original = base.zero_power_via_newton_schulz_5
+
+    def exact(g, *args, **kwargs):
+        return original(g, *args, **{**kwargs, "dtype": torch.float64})
+
+    for module in (base, adamuon, normuon):
+        monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", exact)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -43,8 +61,10 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", _cases())
-def test_rule_follows_its_pytorch_optimizer_reference(name, device):
+def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch):
     entry = ZOO[name]
+    if "orthogonalize(" in entry.rule.text:
+        exact_newton_schulz(monkeypatch)
     shapes = entry.shapes or SHAPES
     start = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(STEPS)]
