@@ -128,6 +128,17 @@ def test_main_grad_is_read_instead_of_grad(device):
     assert torch.allclose(q, before - q.main_grad)
 
 
+def captured_step(opt) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``opt.step()``, captured on a side stream as torch's docs do."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replays_equal_eager_steps_and_see_lr_changes():
     device = torch.device("cuda")
@@ -146,12 +157,7 @@ def test_cuda_graph_replays_equal_eager_steps_and_see_lr_changes():
     opt_g = make(graphed)
     opt_g.step()  # warm-up: builds tables and compiles outside the capture
     opt_e.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        opt_g.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = captured_step(opt_g)
     for k in range(5):
         if k == 3:
             lr.fill_(1e-3)  # a scheduler's in-place update, seen by the next replay
@@ -188,12 +194,7 @@ def test_cuda_graph_replays_shape_aware_steps(name):
     opt_e.step()
     opt_g.step()  # warm-up: builds tables and compiles outside the capture
     before = [p.clone() for p in graphed]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        opt_g.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = captured_step(opt_g)
     torch.cuda.synchronize()
     for x, b in zip(graphed, before):  # capturing ran nothing
         assert torch.equal(x, b)
