@@ -95,9 +95,10 @@ class MatrixFunction(Reduction):
 
 class Orthogonalize(MatrixFunction):
     """The orthogonal factor of the matrix, by Newton–Schulz's quintic iteration as Muon
-    runs it (Jordan et al. 2024): ``X = M / (||M||_F + eps)`` in bf16 (the transpose when
-    rows > cols), then ``steps`` times ``A = X X^T; B = b A + c A^2; X = a X + B X``, bf16
-    products with fp32 accumulation."""
+    runs it (Jordan et al. 2024): ``X = M / (||M||_F + eps)`` (the transpose when rows >
+    cols), then ``steps`` times ``A = X X^T; B = b A + c A^2; X = a X + B X``, bf16
+    products with fp32 accumulation (``fuser.runtime.matrix``: the division is folded into
+    the first iteration, ``a X`` into ``B``)."""
 
     op = "orthogonalize"
     nargs = 6
