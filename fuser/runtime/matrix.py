@@ -119,28 +119,29 @@ def matrix_kernels(device, rows: int, cols: int) -> tuple:
     """(gram, first poly, poly) kernels for ``[rows, cols]`` matrices on ``device``."""
     tiles = GPU_MATRIX_TILES if torch.device(device).type == "cuda" else INTERPRETER_MATRIX_TILES
     m, k = min(rows, cols), max(rows, cols)
-    even = tiles.even(m, k)
+    # the products of A = X X^T are [m, m] by [m, m]: only m need fit the tiles
+    even, even_square = tiles.even(m, k), tiles.even(m, m)
     return (
         load_kernel(render_gram(tiles, tall=rows > cols, even=even), device),
-        load_kernel(render_poly(tiles, first=True, even=even), device),
-        load_kernel(render_poly(tiles, first=False, even=even), device),
+        load_kernel(render_poly(tiles, first=True, even=even_square), device),
+        load_kernel(render_poly(tiles, first=False, even=even_square), device),
     )
 
 
 def stack(n: int, rows: int, cols: int, device, kernels: tuple, work: bool = True) -> ShapeGroup:
     """Buffers of ``n`` matrices ``[rows, cols]``; ``work=False``: without the products'
     own operands (a stack whose products run on a ``Split``'s)."""
-    k, m = min(rows, cols), n if work else 0
+    k, n_work = min(rows, cols), n if work else 0
     kw = dict(dtype=torch.bfloat16, device=device)
     bm = dict(kernels[0].source.constexprs)["BM"]
     return ShapeGroup(
         torch.zeros(n, rows, cols, **kw),
         torch.zeros(n, rows, cols, **kw),
-        torch.empty(m, k, k, **kw),
-        torch.empty(m, k, k, **kw),
+        torch.empty(n_work, k, k, **kw),
+        torch.empty(n_work, k, k, **kw),
         rows > cols,
         kernels,
-        torch.empty(m, -(-k // bm), dtype=torch.float32, device=device),
+        torch.empty(n_work, -(-k // bm), dtype=torch.float32, device=device),
     )
 
 

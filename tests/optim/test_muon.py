@@ -53,8 +53,9 @@ ORTHO = fuser.rule(
 )
 
 # Wide, tall, square, three of one shape (one batched launch each), a 4-D tensor viewed
-# as [shape[0], prod(rest)], odd sizes.
-SHAPES = [(9, 33), (33, 9), (9, 33), (9, 33), (5, 3, 2, 2), (17, 17)]
+# as [shape[0], prod(rest)], odd sizes, and one whose [m, m] products fit the
+# interpreter's 32 x 32 tiles while its 40 columns do not.
+SHAPES = [(9, 33), (33, 9), (9, 33), (9, 33), (5, 3, 2, 2), (17, 17), (32, 40)]
 
 
 def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow(device):
@@ -66,8 +67,8 @@ def test_orthogonalize_is_as_close_to_float64_as_bf16_products_allow(device):
         p.grad = g.clone()
     before = fuser.stats()["launches"]
     opt.step()
-    # 2 phases; per shape (4 of them): 3 products per iteration, the normalisation folded in.
-    assert fuser.stats()["launches"] - before == 2 + 4 * 3 * 5
+    # 2 phases; per shape (5 of them): 3 products per iteration, the normalisation folded in.
+    assert fuser.stats()["launches"] - before == 2 + 5 * 3 * 5
     for p, start, g in zip(mine, params, grads):
         m = g.double() + 0.1 * start.double()
         exact = newton_schulz(m)
