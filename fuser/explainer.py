@@ -190,9 +190,16 @@ def _phases(plan) -> list[str]:
             f"   {r.symbol} = {r.axis}{r.op}(...) {scope}: {where} ({how}), read from phase {r.phase + 1}"
         )
     many = len(plan.phases) > 1
+    early = [f"{name} in phase {ph.index}" for ph in plan.phases[:-1] for name, _ in ph.stores]
     return (out or ["   reductions: none"]) + [
         f"   phases: {len(plan.phases)} launch{'es' * many} per step over every tensor; the last "
-        "phase stores, and its last program advances step"
+        "phase stores"
+        + (
+            f" (states known earlier are stored by the phase that computes them: {', '.join(early)})"
+            if early
+            else ""
+        )
+        + ", and its last program advances step"
         + (" and the scalar states" if plan.scalar_states else "")
     ]
 

@@ -253,6 +253,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         sections.update(_scalar_update_lines(ctx))
     else:
         sections.update(_reduction_lines(ctx, fast_lines, masked_lines))
+        if phase.stores:  # states stored before the last phase (fuser.ir.stores)
+            _add_stores(ctx, fast_lines, masked_lines, pointers)
         tile, before, after = _axis_partial_lines(ctx)
         fast_lines += tile
         masked_lines += tile
@@ -343,7 +345,7 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
     scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis and not r.matrix})
     scalar_names.update({s: s.name for s, _ in phase.prologue})
 
-    results = phase.stores if last else phase.reduce
+    results = (*phase.stores, *phase.reduce)
     body_free = set()
     for _, e in (*phase.body, *results, *phase.axis_reduce, *phase.matrix_stores):
         body_free |= e.free_symbols
@@ -398,7 +400,10 @@ def _zero_guards(plan: OptimPlan, phase: Phase, scalars: list, read: set) -> dic
     values = {}
     for sym, e in phase.body:
         values[sym] = e.xreplace(values)
-    results = [e.xreplace(values) for _, e in (*phase.reduce, *phase.axis_reduce, *phase.matrix_stores)]
+    results = [
+        e.xreplace(values)
+        for _, e in (*phase.stores, *phase.reduce, *phase.axis_reduce, *phase.matrix_stores)
+    ]
     guards = {}
     for sl in plan.slots:
         x = symbol(sl.name)
@@ -678,7 +683,7 @@ def _one_tail(ctx: _PhaseContext, j: int, tail: Tail) -> list[str]:
 def _add_stores(
     ctx: _PhaseContext, fast_lines: list[str], masked_lines: list[str], pointers: list[str]
 ) -> None:
-    """Append the last phase's stores to both element paths, each value cast for its slot."""
+    """Append the phase's stores to both element paths, each value cast for its slot."""
     plan, phase = ctx.plan, ctx.phase
     sr_lines = []
     sr = plan.stochastic_rounding and any(_slot(plan, n).dtype != "fp32" for n, _ in phase.stores)
@@ -846,6 +851,7 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             phase=phase.index + 1,
             n_phases=len(plan.phases),
             last=ctx.last,
+            stores=ctx.last or bool(phase.stores),
             tiled=plan.tiled,
             quantized=_is_compressed(plan),
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),

@@ -3,8 +3,10 @@
 A step is one or more *phases*, each one launch over every tensor. Rules without
 reductions have one phase. A reduction (``norm``, ``sum``, ``mean``, ``amax``,
 ``global_norm``) splits the rule: the phase before it accumulates per-tensor partials in
-fp32 (re-reading what it needs, writing nothing but the partials), the next phase reads
-the results as per-tensor scalars. Within a phase the work is separated by how often it
+fp32 (re-reading what it needs), the next phase reads the results as per-tensor scalars.
+The last phase stores the new parameter and states, except the fp32 states an earlier
+phase can compute, where storing them there saves the later phases loads
+(``fuser.ir.stores``: CAME's momentum, LAMB's moments). Within a phase the work is separated by how often it
 must run:
 
 - *per-step scalars* (``prologue``): every maximal subexpression that depends only on
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import sympy
 
 from fuser.errors import RuleError
+from fuser.ir.stores import plan_early_stores
 from fuser.rules.functions import AxisReduction, MatrixFunction, Reduction
 from fuser.rules.parse import symbol
 from fuser.rules.rule import Rule
@@ -122,13 +125,14 @@ class Tail:
 
 @dataclass(frozen=True)
 class Phase:
-    """One launch: scalars, per-element temporaries, then either reductions or stores."""
+    """One launch: scalars, per-element temporaries, then the last phase's stores, or an
+    earlier phase's reductions and the states it stores early (``fuser.ir.stores``)."""
 
     index: int
     prologue: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # fp64 per-step scalars, in order
     body: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # fp32 per-element temporaries
     reduce: tuple[tuple[int, sympy.Expr], ...]  # (reduction column, per-element value accumulated)
-    stores: tuple[tuple[str, sympy.Expr], ...]  # slot name -> value stored (last phase only)
+    stores: tuple[tuple[str, sympy.Expr], ...]  # slot name -> value stored (``ir.stores``)
     scalar_updates: tuple[tuple[str, sympy.Expr], ...]  # new scalar-state values (last phase only)
     axis_reduce: tuple[tuple[int, sympy.Expr], ...] = ()  # (reduction index, per-element value)
     tails: tuple[Tail, ...] = ()
@@ -303,8 +307,9 @@ def lower_optim(
         raise e.with_rule(rule.name) from None
     check_compressed(rule, dtypes)
     scalar_states = tuple(s for s, _ in rule.state if skinds[s] == SCALAR)
-    reductions = _reduction_plans(reds)
-    phases = _lower_phases(rule, outputs, reds, reductions, skinds, kinds)
+    early = plan_early_stores(outputs, reds, skinds, dtypes, 2 + max((f.phase for f in reds), default=-1))
+    reductions = _reduction_plans(early.reds)
+    phases = _lower_phases(rule, early, reductions, skinds, kinds)
     return OptimPlan(
         name=rule.name,
         rule_text=rule.text,
@@ -352,9 +357,11 @@ def _reduction_plans(reds: list[_Found]) -> tuple[ReductionPlan, ...]:
     return tuple(reductions)
 
 
-def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, kinds) -> list[Phase]:
+def _lower_phases(rule: Rule, early, plans, skinds, kinds) -> list[Phase]:
     """A phase per level of reductions (each computes those whose arguments read only the
-    earlier ones' results), then the last: the stores and the scalar states' updates."""
+    earlier ones' results, and stores the states ``early`` moved to it), then the last:
+    the other stores and the scalar states' updates."""
+    outputs, reds = early.outputs, early.reds
     by_symbol = {r.symbol: r for r in plans}
     scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS}
     scalar |= {symbol(s) for s, k in skinds.items() if k == SCALAR}
@@ -397,9 +404,12 @@ def _lower_phases(rule: Rule, outputs: dict, reds: list[_Found], plans, skinds, 
                 if f.over != ELEMENT
             ]
             updates = []
+        stored = [(s, e) for s, (j, e) in early.stores.items() if j == k]
         tails = [t for t in tails if t.reduce or t.stores]
-        _check_known(rule, k, unknown, targets, updates, tails, axis + matrix, reds)
-        phases.append(_lower_phase(k, targets, updates, (axis, matrix), tails, scalar - unknown, last))
+        _check_known(rule, k, unknown, targets + stored, updates, tails, axis + matrix, reds)
+        phases.append(
+            _lower_phase(k, targets, updates, (axis, matrix, stored), tails, scalar - unknown, last)
+        )
     return phases
 
 
@@ -445,7 +455,7 @@ def _slots(
             exprs += [*t.body, *t.reduce, *t.stores]
         for _, e in exprs:
             used |= {s.name for s in e.free_symbols}
-    written = {n for n, _ in phases[-1].stores}
+    written = {n for ph in phases for n, _ in ph.stores}
     written |= {n for t in phases[-1].tails for n, _ in t.stores}
     slots = [
         Slot("p", "param", dtypes.get("p", "fp32"), True),
@@ -475,12 +485,14 @@ def matrix_slot(index: int, which: str) -> str:
 
 
 def _lower_phase(index, targets, updates, stores, tails, scalar, last) -> Phase:
-    """One phase: ``stores`` are (axis partials, matrix elements) of non-last phases."""
-    axis, matrix = stores
+    """One phase: ``stores`` are (axis partials, matrix elements, early state stores) of
+    non-last phases."""
+    axis, matrix, early = stores
     hoist = _Hoister(scalar, "__h")
     hoisted_targets = [(n, hoist(e)) for n, e in targets]
     hoisted_axis = [(n, hoist(e)) for n, e in axis]
     hoisted_matrix = [(n, hoist(e)) for n, e in matrix]
+    hoisted_early = [(n, hoist(e)) for n, e in early]
     hoisted_tails = [
         (t, [(n, hoist(e)) for n, e in t.reduce], [(n, hoist(e)) for n, e in t.stores]) for t in tails
     ]
@@ -496,14 +508,15 @@ def _lower_phase(index, targets, updates, stores, tails, scalar, last) -> Phase:
         prologue.append((sym, e))
     scalar_updates = list(zip([n for n, _ in updates], pro_reduced[len(hoisted_items) :]))
 
-    elementwise = hoisted_targets + hoisted_axis + hoisted_matrix
+    elementwise = hoisted_targets + hoisted_axis + hoisted_matrix + hoisted_early
     body_repl, body_reduced = sympy.cse(
         [e for _, e in elementwise], symbols=sympy.numbered_symbols("__t"), optimizations="basic"
     )
-    n_t, n_a = len(hoisted_targets), len(hoisted_axis)
+    n_t, n_a, n_m = len(hoisted_targets), len(hoisted_axis), len(hoisted_matrix)
     results = list(zip([n for n, _ in hoisted_targets], body_reduced))
     axis_results = list(zip([n for n, _ in hoisted_axis], body_reduced[n_t : n_t + n_a]))
-    matrix_results = list(zip([n for n, _ in hoisted_matrix], body_reduced[n_t + n_a :]))
+    matrix_results = list(zip([n for n, _ in hoisted_matrix], body_reduced[n_t + n_a : n_t + n_a + n_m]))
+    early_results = list(zip([n for n, _ in hoisted_early], body_reduced[n_t + n_a + n_m :]))
 
     # Readable names: s0, s1 ... for scalars, t0, t1 ... for per-element temporaries.
     mapping = {sym: sympy.Symbol(f"s{i}", real=True) for i, (sym, _) in enumerate(prologue)}
@@ -518,7 +531,7 @@ def _lower_phase(index, targets, updates, stores, tails, scalar, last) -> Phase:
         prologue=tuple((mapping[s], sub(e)) for s, e in prologue),
         body=tuple((mapping[s], sub(e)) for s, e in body_repl),
         reduce=() if last else results,
-        stores=results if last else (),
+        stores=results if last else tuple((n, sub(e)) for n, e in early_results),
         scalar_updates=tuple((n, sub(e)) for n, e in scalar_updates) if last else (),
         axis_reduce=tuple((n, sub(e)) for n, e in axis_results),
         matrix_stores=tuple((n, sub(e)) for n, e in matrix_results),
