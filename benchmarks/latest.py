@@ -38,7 +38,8 @@ def optim_rows(doc: dict, source: str) -> list[dict]:
             row.update(ms=r["wall_ms"], event_ms=r["ms"])
         else:
             row.update(ms=r["ms"], wall_ms=r["wall_ms"])
-        row.update({k: r[k] for k in ("pct_of_floor", "floor_ms", "state_bytes_per_param") if k in r})
+        keys = ("pct_of_floor", "floor_ms", "pass_floor_ms", "pct_of_pass_floor", "state_bytes_per_param")
+        row.update({k: r[k] for k in keys if k in r})
         out.append(row)
     return out
 
