@@ -87,6 +87,13 @@ REDUCE_BLOCK = 128
 # H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
 # 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
 TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
+# Phases without a per-tensor reduction of elements (row and column sums, stores) walk
+# the same strips in tiles of SLIM_ROWS rows over one warp (none of their reductions then
+# crosses warps: each tile of two warps synchronised them five times), of 2 rows where
+# the phase moves one element tensor (CAME's sums of g**2). On an H100, TinyLlama-1.1B's
+# tensors: CAME's phases 2.49, 5.95, 4.77 ms -> 1.90 (2 rows), 5.59 (4 rows), 4.75
+# (benchmarks/NOTES.md).
+SLIM_ROWS, SLIM_WARPS = 4, 1
 
 
 def optim_tile() -> tuple[int, int]:
@@ -215,12 +222,20 @@ def render_optim(plan: OptimPlan) -> list[KernelSource]:
     return [render_phase(plan, ph) for ph in plan.phases]
 
 
-def _launch_constexprs(plan: OptimPlan) -> tuple[tuple, int]:
+def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     """A step kernel's launch shape as its constexprs (BLOCK and SUB, or a tile's BR x BC;
     QB with 8-bit states), and its warps."""
+    plan, phase = ctx.plan, ctx.phase
     block, sub, warps = optim_launch_config(plan)
-    tile = optim_tile()
-    tiles = (("BR", tile[0]), ("BC", tile[1]), ("TK", optim_strip())) if plan.tiled else (("SUB", sub),)
+    tile, strip = optim_tile(), optim_strip()
+    tuned = any(os.environ.get(f"FUSER_OPTIM_{k}") for k in ("TILE", "STRIP", "WARPS"))
+    if plan.tiled and not phase.reduce and not tuned:
+        # (the same strips, so the same block table: SLIM_ROWS * TK rows a program)
+        elements = {sl.name for _, sl in ctx.used_slots if _SLOT_KIND.get(sl.role) == "element"}
+        moved = len((elements & ctx.read) - set(ctx.guards)) + len({n for n, _ in phase.stores})
+        rows = SLIM_ROWS // 2 if moved <= 1 else SLIM_ROWS
+        tile, strip, warps = (rows, tile[1]), strip * tile[0] // rows, SLIM_WARPS
+    tiles = (("BR", tile[0]), ("BC", tile[1]), ("TK", strip)) if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
     quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
     if quant and plan.tiled and quant[0][1] > tile[1]:
@@ -269,7 +284,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     fast_lines, masked_lines = fast_lines or ["pass"], masked_lines or ["pass"]
 
     entry = f"{plan.name}_step" if len(plan.phases) == 1 else f"{plan.name}_phase{phase.index}"
-    constexprs, warps = _launch_constexprs(plan)
+    constexprs, warps = _launch_constexprs(ctx)
     text = _kernel_text(
         ctx,
         entry,
