@@ -32,6 +32,7 @@ from fuser.ir.optim import (
     matrix_slot,
     scale_slot,
 )
+from fuser.ir.stores import DTYPE_BYTES
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
@@ -87,12 +88,12 @@ REDUCE_BLOCK = 128
 # H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
 # 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
 TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
-# Phases without a per-tensor reduction of elements (row and column sums, stores) walk
-# the same strips in tiles of SLIM_ROWS rows over one warp (none of their reductions then
-# crosses warps: each tile of two warps synchronised them five times), of 2 rows where
-# the phase moves one element tensor (CAME's sums of g**2). On an H100, TinyLlama-1.1B's
-# tensors: CAME's phases 2.49, 5.95, 4.77 ms -> 1.90 (2 rows), 5.59 (4 rows), 4.75
-# (benchmarks/NOTES.md).
+# Phases of row and column sums (axis reductions and no per-tensor reduction of
+# elements) walk the same strips in tiles of SLIM_ROWS rows over one warp, so that none
+# of their reductions crosses warps (a tile over two warps synchronised them five times);
+# where such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's sums of
+# g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's phases 2.42 and
+# 5.90 ms -> 1.95 and 5.60 (benchmarks/NOTES.md).
 SLIM_ROWS, SLIM_WARPS = 4, 1
 
 
@@ -229,11 +230,14 @@ def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     block, sub, warps = optim_launch_config(plan)
     tile, strip = optim_tile(), optim_strip()
     tuned = any(os.environ.get(f"FUSER_OPTIM_{k}") for k in ("TILE", "STRIP", "WARPS"))
-    if plan.tiled and not phase.reduce and not tuned:
+    if plan.tiled and phase.axis_reduce and not phase.reduce and not tuned:
         # (the same strips, so the same block table: SLIM_ROWS * TK rows a program)
-        elements = {sl.name for _, sl in ctx.used_slots if _SLOT_KIND.get(sl.role) == "element"}
-        moved = len((elements & ctx.read) - set(ctx.guards)) + len({n for n, _ in phase.stores})
-        rows = SLIM_ROWS // 2 if moved <= 1 else SLIM_ROWS
+        elements = [sl for _, sl in ctx.used_slots if _SLOT_KIND.get(sl.role) == "element"]
+        moved = [sl for sl in elements if sl.name in ctx.read and sl.name not in ctx.guards]
+        moved += [sl for sl in elements if sl.name in {n for n, _ in phase.stores}]
+        rows = SLIM_ROWS
+        if len(moved) == 1:
+            rows = min(SLIM_ROWS, max(1, 1024 // (tile[1] * DTYPE_BYTES.get(moved[0].dtype, 1))))
         tile, strip, warps = (rows, tile[1]), strip * tile[0] // rows, SLIM_WARPS
     tiles = (("BR", tile[0]), ("BC", tile[1]), ("TK", strip)) if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
