@@ -88,12 +88,13 @@ REDUCE_BLOCK = 128
 # H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
 # 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
 TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
-# Phases of row and column sums (axis reductions and no per-tensor reduction of
-# elements) walk the same strips in tiles of SLIM_ROWS rows over one warp, so that none
-# of their reductions crosses warps (a tile over two warps synchronised them five times);
-# where such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's sums of
-# g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's phases 2.42 and
-# 5.90 ms -> 1.95 and 5.60 (benchmarks/NOTES.md).
+# Phases of column sums (and no per-tensor reduction of elements) walk the same strips in
+# tiles of SLIM_ROWS rows over one warp: a column's sum over a tile's rows then stays in
+# its warp (over two warps, split by rows, the tile synchronised them five times); where
+# such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's sums of
+# g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's phases 2.41 and
+# 5.90 ms -> 1.91 and 5.61; a phase of row sums alone (NorMuon's second) was 13% slower
+# so (benchmarks/NOTES.md).
 SLIM_ROWS, SLIM_WARPS = 4, 1
 
 
@@ -230,7 +231,8 @@ def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     block, sub, warps = optim_launch_config(plan)
     tile, strip = optim_tile(), optim_strip()
     tuned = any(os.environ.get(f"FUSER_OPTIM_{k}") for k in ("TILE", "STRIP", "WARPS"))
-    if plan.tiled and phase.axis_reduce and not phase.reduce and not tuned:
+    columns = any(plan.reductions[i].axis == COL for i, _ in phase.axis_reduce)
+    if plan.tiled and columns and not phase.reduce and not tuned:
         # (the same strips, so the same block table: SLIM_ROWS * TK rows a program)
         elements = [sl for _, sl in ctx.used_slots if _SLOT_KIND.get(sl.role) == "element"]
         moved = [sl for sl in elements if sl.name in ctx.read and sl.name not in ctx.guards]
