@@ -170,7 +170,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         """torch's state dict. States stored in 8 bits are given as fp32 tensors (which
         torch's optimizers and checkpoints load) unless ``compressed``: then as stored,
         codes under their key and fp32 scales under ``key + "_absmax"``, which
-        ``load_state_dict`` restores exactly. A split master's low part is ``master_lo``."""
+        ``load_state_dict`` restores exactly (one row of scales per row of the
+        parameter's 2-D view where its rows are whole blocks, so that checkpoints reshard
+        them: ``distributed.scales_like``). A split master's low part is ``master_lo``."""
         # Plain dicts: torch.load(weights_only=True) takes nothing else.
         sd = super().state_dict()
         sd["state"] = {k: dict(v) if isinstance(v, ParamState) else v for k, v in sd["state"].items()}

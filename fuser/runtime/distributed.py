@@ -164,14 +164,48 @@ def _scales_layout(p: torch.Tensor, block: int):
     return dim, (p.device_mesh.size(dim), width)
 
 
+def _row_scales_shape(p: torch.Tensor, block: int) -> tuple[int, int] | None:
+    """``[rows, blocks a row]`` of ``p``'s 2-D view ``[shape[0], prod(rest)]`` where its
+    8-bit blocks tile whole rows (a row's length is a multiple of ``block``) and ``p`` is
+    plain, replicated, or sharded by rows (``Shard(0)`` on one mesh dimension): then each
+    block's place in the whole tensor, and its scale's, do not depend on the sharding.
+    ``None`` otherwise."""
+    if p.dim() < 2 or p.shape[0] == 0:
+        return None
+    rest = p.numel() // p.shape[0]
+    if rest == 0 or rest % block:
+        return None
+    if isinstance(p, DTensor):
+        sharded = _sharded_dims(p)
+        if len(sharded) > 1 or (sharded and not p.placements[sharded[0]].is_shard(0)):
+            return None
+    return p.shape[0], rest // block
+
+
 def scales_like(p: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """This rank's block scales of an 8-bit state of ``p``, laid out so that
-    torch.distributed.checkpoint saves every rank's: for ``p`` sharded on one mesh
-    dimension of size S, a DTensor of shape ``[S, L]`` whose row c (zero-padded to L, the
-    most blocks any shard has) holds the scales of the shard at coordinate c, replicated
-    over the other mesh dimensions. (A plain tensor under one key would be saved from one
-    rank only.) The scales themselves for a plain or replicated ``p``. ``local_scales``
-    inverts it."""
+    torch.distributed.checkpoint saves every rank's and can load them into another
+    sharding where that is exact:
+
+    - where ``p``'s blocks tile whole rows (``_row_scales_shape``): a ``[rows, blocks a
+      row]`` tensor, a DTensor placed like ``p`` when ``p`` is sharded by rows, so that a
+      checkpoint reshards the scales with the rows they scale, and the codes with ``p``;
+    - else, for ``p`` sharded on one mesh dimension of size S, a DTensor of shape
+      ``[S, L]`` whose row c (zero-padded to L, the most blocks any shard has) holds the
+      scales of the shard at coordinate c, replicated over the other mesh dimensions (a
+      plain tensor under one key would be saved from one rank only): it loads into the
+      same sharding only;
+    - else (a plain or replicated ``p``) the scales themselves.
+
+    ``local_scales`` inverts it."""
+    rows = _row_scales_shape(p, block)
+    if rows is not None:
+        # (an empty shard keeps one unused scale: n_blocks)
+        here = local(p).shape[0]
+        scales = scales[: here * rows[1]].view(here, rows[1])
+        if isinstance(p, DTensor) and _sharded_dims(p):
+            return DTensor.from_local(scales, p.device_mesh, p.placements, shape=rows, stride=(rows[1], 1))
+        return scales
     layout = _scales_layout(p, block)
     if layout is None:
         return scales
@@ -186,9 +220,26 @@ def scales_like(p: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tens
 
 
 def local_scales(p: torch.Tensor, value: torch.Tensor, block: int) -> torch.Tensor:
-    """This rank's block scales from a saved ``value``: ``scales_like``'s layout, or the
-    plain scales of a plain or replicated ``p``. Raises for scales laid out for another
-    sharding."""
+    """This rank's block scales from a saved ``value``: ``scales_like``'s layout (the
+    rows of a ``[rows, blocks a row]`` value this rank holds, a DTensor's or, for ``p``
+    sharded by rows, this rank's rows of a whole plain one), or the plain scales of a
+    plain or replicated ``p``. Raises for scales laid out for another sharding."""
+    rows = _row_scales_shape(p, block)
+    if rows is not None and tuple(value.shape) == rows:
+        if isinstance(value, DTensor) and (
+            not isinstance(p, DTensor)
+            or (value.device_mesh, value.placements) != (p.device_mesh, p.placements)
+        ):
+            value = value.full_tensor()  # (placed unlike p: another optimizer's state dict)
+        if isinstance(value, DTensor):
+            value = value._local_tensor
+        else:
+            shard = _dim0_shard(p, "8-bit block scales", 2)
+            if shard is not None:  # (a whole plain value: this rank's rows)
+                value = value[shard[1] : shard[2]]
+        flat = value.reshape(-1)
+        missing = n_blocks(local(p).numel(), block) - flat.numel()  # (an empty shard's one scale)
+        return torch.cat([flat, flat.new_zeros(missing)]) if missing > 0 else flat
     if not isinstance(value, DTensor):
         return value
     layout = _scales_layout(p, block)
@@ -196,8 +247,9 @@ def local_scales(p: torch.Tensor, value: torch.Tensor, block: int) -> torch.Tens
     if not (same and value.placements[layout[0]].is_shard(0)):
         raise RuntimeError(
             f"the saved scales of a parameter of shape {tuple(p.shape)} were laid out for another sharding "
-            f"({tuple(value.shape)} on {value.placements}); a compressed state dict loads into the sharding "
-            "it was saved from: save the default state dict (fp32 states) to reshard"
+            f"({tuple(value.shape)} on {value.placements}); where a row of its 2-D view is not a whole "
+            f"number of 8-bit blocks ({block} elements) a compressed state dict loads into the sharding it "
+            "was saved from: save the default state dict (fp32 states) to reshard"
         )
     return value._local_tensor.reshape(-1)[: n_blocks(local(p).numel(), block)]
 

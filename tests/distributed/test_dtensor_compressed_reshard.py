@@ -1,0 +1,219 @@
+"""Compressed state dicts (8-bit codes and their block scales, split masters) resharded by
+torch.distributed.checkpoint: where every row of a parameter's 2-D view is a whole number
+of blocks and the parameter is sharded by rows (or replicated), no block straddles two
+shards, so a checkpoint saved on 2 gloo ranks loads into one process, and one saved in one
+process loads on 2 ranks, with codes and scales exactly as they were and the next step
+equal, bit for bit, to the step the saving optimizer takes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from fuser.runtime import quant
+
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch was built without gloo", allow_module_level=True)
+
+from ranks import run_ranks  # noqa: E402
+from seeds import session_seed  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+BLOCK = 32  # the default FUSER_OPTIM_QBLOCK
+# Rows of whole blocks: odd row counts (a shard of rank 1 shorter, one empty), a 3-D
+# tensor, a replicated one, and bf16 parameters with split masters.
+LAYOUTS = [
+    ((37, 64), Shard(0), torch.float32),
+    ((1, 32), Shard(0), torch.float32),
+    ((5, 2, 16), Shard(0), torch.bfloat16),
+    ((6, 96), Replicate(), torch.float32),
+]
+STEPS = 3
+
+
+def make_optimizer(params):
+    return fuser.optim.AdamW(params, lr=0.01, weight_decay=0.1, state_dtype="q8", master_weights="bf16+int16")
+
+
+def data():
+    gen = torch.Generator().manual_seed(session_seed(2468))
+    params = [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS]
+    grads = [
+        [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS] for _ in range(STEPS)
+    ]
+    return params, grads
+
+
+def _local(v):
+    return (v.to_local() if isinstance(v, DTensor) else v).clone() if torch.is_tensor(v) else v
+
+
+def _states(opt, params):
+    return [{k: _local(v) for k, v in opt.state[p].items()} for p in params]
+
+
+def _with_state(params):
+    """A new optimizer whose states exist (one step at lr 0 from zero gradients): a
+    template for torch.distributed.checkpoint to load into."""
+    opt = make_optimizer(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    return opt
+
+
+def _distributed(mesh, tensors):
+    return [distribute_tensor(t, mesh, [pl]) for t, (_, pl, _) in zip(tensors, LAYOUTS)]
+
+
+def save_on_ranks(rank, world, path):
+    """Two steps on DTensor shards, a DCP checkpoint of state_dict(compressed=True), a
+    third step; returns each rank's states at the checkpoint and its parameters before and
+    after the third step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data()
+    params = [torch.nn.Parameter(t) for t in _distributed(mesh, full)]
+    opt = make_optimizer(params)
+    for step_grads in grads[:2]:
+        for p, g in zip(params, _distributed(mesh, step_grads)):
+            p.grad = g
+        opt.step()
+    sd = opt.state_dict(compressed=True)
+    kinds = [type(sd["state"][i]["exp_avg_absmax"]).__name__ for i in range(len(params))]
+    dcp.save({"optim": sd}, checkpoint_id=path)
+    saved, before = _states(opt, params), [_local(p.detach()) for p in params]
+    for p, g in zip(params, _distributed(mesh, grads[2])):
+        p.grad = g
+    opt.step()
+    return dict(saved=saved, before=before, after=[_local(p.detach()) for p in params], kinds=kinds)
+
+
+def _whole(pieces, i):
+    """Parameter ``i``'s value from every rank's piece: its rows in rank order, or rank 0's
+    where it is replicated."""
+    if isinstance(LAYOUTS[i][1], Replicate):
+        return pieces[0]
+    return torch.cat(pieces)
+
+
+def _scales(pieces, rows, i):
+    """Parameter ``i``'s block scales from every rank's (each holding ``rows`` rows; an
+    empty shard keeps one unused scale)."""
+    shape = LAYOUTS[i][0]
+    per_row = torch.Size(shape).numel() // shape[0] // BLOCK
+    return _whole([s[: n * per_row] for s, n in zip(pieces, rows)], i)
+
+
+def _value(pieces, rows, i, key):
+    if key == "step":
+        return pieces[0]
+    return _scales(pieces, rows, i) if key.endswith("_absmax") else _whole(pieces, i)
+
+
+def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    got = run_ranks(save_on_ranks, path)
+    # sharded parameters' scales are DTensors placed like them, replicated ones plain
+    assert got[0]["kinds"] == ["DTensor", "DTensor", "DTensor", "Tensor"], got[0]["kinds"]
+    params = [torch.nn.Parameter(_whole([g["before"][i] for g in got], i)) for i in range(len(LAYOUTS))]
+    opt = _with_state(params)
+    template = opt.state_dict(compressed=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
+    opt.load_state_dict(template)
+    for i, p in enumerate(params):
+        rows = [g["before"][i].shape[0] for g in got]
+        for key, value in opt.state[p].items():
+            want = _value([g["saved"][i][key] for g in got], rows, i, key)
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(want)), (i, key)
+        assert opt.state[p]["exp_avg"].dtype == torch.int8, i
+    _, grads = data()
+    for p, g in zip(params, grads[2]):
+        p.grad = g.clone()
+    opt.step()
+    for i, p in enumerate(params):
+        want = _whole([g["after"][i] for g in got], i)
+        assert torch.equal(p.detach(), want), f"parameter {i} {LAYOUTS[i][0]}: the step after loading differs"
+
+
+def load_on_ranks(rank, world, path, before):
+    """This rank's shards of ``before``, a new optimizer loaded from the compressed
+    checkpoint at ``path``, its states, and its parameters after the third step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    # (the ranks' ``before`` share memory, and a replicated DTensor keeps the tensor given)
+    params = [torch.nn.Parameter(t) for t in _distributed(mesh, [b.clone() for b in before])]
+    opt = _with_state(params)
+    template = opt.state_dict(compressed=True)
+    dcp.load({"optim": template}, checkpoint_id=path)
+    opt.load_state_dict(template)
+    loaded = _states(opt, params)
+    _, grads = data()
+    for p, g in zip(params, _distributed(mesh, grads[2])):
+        p.grad = g
+    opt.step()
+    return dict(
+        loaded=loaded,
+        after=[_local(p.detach()) for p in params],
+        rows=[p.to_local().shape[0] for p in params],
+    )
+
+
+def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    full, grads = data()
+    params = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = make_optimizer(params)
+    for step_grads in grads[:2]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    sd = opt.state_dict(compressed=True)
+    assert [tuple(sd["state"][i]["exp_avg_absmax"].shape) for i in range(len(params))] == [
+        (shape[0], torch.Size(shape).numel() // shape[0] // BLOCK) for shape, _, _ in LAYOUTS
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"optim": sd}, checkpoint_id=path, no_dist=True)
+    saved, before = _states(opt, params), [p.detach().clone() for p in params]
+    for p, g in zip(params, grads[2]):
+        p.grad = g.clone()
+    opt.step()
+    got = run_ranks(load_on_ranks, path, before)
+    for i, p in enumerate(params):
+        rows = [g["rows"][i] for g in got]
+        for key, want in saved[i].items():
+            value = _value([g["loaded"][i][key] for g in got], rows, i, key)
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(want)), (i, key)
+        assert torch.equal(_whole([g["after"][i] for g in got], i), p.detach()), (
+            f"parameter {i} after the step"
+        )
+
+
+def test_scales_follow_the_rows_they_scale():
+    # The [rows, blocks a row] layout holds each row's scales in its row: a block's scale
+    # is the absmax of the block it names, for any split of the rows.
+    x = torch.randn(7, 3 * BLOCK)
+    codes, scales = quant.encode(x, "int8", BLOCK)
+    by_row = scales.view(7, 3)
+    assert torch.equal(by_row, x.abs().view(7, 3, BLOCK).amax(-1))
+    top, bottom = quant.encode(x[:3], "int8", BLOCK)[1], quant.encode(x[3:], "int8", BLOCK)[1]
+    assert torch.equal(torch.cat([top, bottom]), scales)
