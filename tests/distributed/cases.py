@@ -74,3 +74,46 @@ def step_local_pieces(make_optimizer, got: dict):
             p.grad = step_grads[i].clone()
         opt.step()
     return opt, params, kept
+
+
+def make_compressed_optimizer(params):
+    """AdamW with 8-bit states, and split masters for bf16 parameters."""
+    return fuser.optim.AdamW(params, lr=0.01, weight_decay=0.1, state_dtype="q8", master_weights="bf16+int16")
+
+
+def with_state(params):
+    """A new ``make_compressed_optimizer`` whose states exist (one step at lr 0 from zero
+    gradients): a template for torch.distributed.checkpoint to load into."""
+    opt = make_compressed_optimizer(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    return opt
+
+
+def local_copy(v):
+    """A copy of this rank's part of ``v`` (a DTensor's local tensor), or ``v`` itself
+    where it is not a tensor."""
+    if not torch.is_tensor(v):
+        return v
+    return (v.to_local() if hasattr(v, "to_local") else v).clone()
+
+
+def states_of(opt, params) -> list[dict]:
+    """Each parameter's optimizer state, this rank's parts copied."""
+    return [{k: local_copy(v) for k, v in opt.state[p].items()} for p in params]
+
+
+def layout_data(layouts, steps: int, salt: int):
+    """Fresh parameters and ``steps`` lists of gradients for ``layouts`` ((shape,
+    placement, dtype) each), the same in every process of a run."""
+    gen = torch.Generator().manual_seed(session_seed(salt))
+    params = [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in layouts]
+    grads = [
+        [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in layouts] for _ in range(steps)
+    ]
+    return params, grads

@@ -9,7 +9,16 @@ import warnings
 
 import pytest
 import torch
-from cases import batches, make_model, step_local_pieces, train
+from cases import (
+    batches,
+    layout_data,
+    make_compressed_optimizer,
+    make_model,
+    states_of,
+    step_local_pieces,
+    train,
+    with_state,
+)
 from ranks import run_ranks
 
 import fuser
@@ -19,7 +28,6 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch was built without gloo", allow_module_level=True)
 
-from seeds import session_seed  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 # Odd sizes, a shard left empty on rank 1, a Shard(1) tensor, a replicated one, and bf16
@@ -34,17 +42,11 @@ LAYOUTS = [
 STEPS = 3
 
 
-def make_optimizer(params):
-    return fuser.optim.AdamW(params, lr=0.01, weight_decay=0.1, state_dtype="q8", master_weights="bf16+int16")
+make_optimizer = make_compressed_optimizer
 
 
 def data():
-    gen = torch.Generator().manual_seed(session_seed(4321))
-    params = [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS]
-    grads = [
-        [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS] for _ in range(STEPS)
-    ]
-    return params, grads
+    return layout_data(LAYOUTS, STEPS, 4321)
 
 
 def worker(rank, world):
@@ -161,32 +163,10 @@ def test_dcp_saves_8bit_states_on_two_ranks_and_loads_them_in_one_process(tmp_pa
         assert opt.state[p]["step"].item() == st["step"].item() == 2
 
 
-def _local(v):
-    return (v.to_local() if isinstance(v, DTensor) else v).clone() if torch.is_tensor(v) else v
-
-
-def _state_of(opt, params):
-    return [{k: _local(v) for k, v in opt.state[p].items()} for p in params]
-
-
 def _step(opt, params, mesh, step_grads):
     for p, g, (_, pl, _) in zip(params, step_grads, LAYOUTS):
         p.grad = distribute_tensor(g, mesh, [pl])
     opt.step()
-
-
-def _with_state(params):
-    """A new optimizer whose states exist (one step at lr 0 from zero gradients): a
-    template for torch.distributed.checkpoint to load into."""
-    opt = make_optimizer(params)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-    opt.step()
-    for group in opt.param_groups:
-        group["lr"] = 0.01
-    return opt
 
 
 def compressed_dcp_worker(rank, world, path):
@@ -205,18 +185,18 @@ def compressed_dcp_worker(rank, world, path):
     sd = opt.state_dict(compressed=True)
     scale_kinds = sorted({type(st["exp_avg_absmax"]).__name__ for st in sd["state"].values()})
     dcp.save({"optim": sd}, checkpoint_id=path)
-    saved, at_checkpoint = _state_of(opt, params), [p.to_local().clone() for p in params]
+    saved, at_checkpoint = states_of(opt, params), [p.to_local().clone() for p in params]
     _step(opt, params, mesh, grads[2])
     continued = [p.to_local().clone() for p in params]
 
     with torch.no_grad():
         for p, value in zip(params, at_checkpoint):
             p.to_local().copy_(value)
-    again = _with_state(params)
+    again = with_state(params)
     template = again.state_dict(compressed=True)
     dcp.load({"optim": template}, checkpoint_id=path)
     again.load_state_dict(template)
-    loaded = _state_of(again, params)
+    loaded = states_of(again, params)
     _step(again, params, mesh, grads[2])
     return dict(
         saved=saved,
@@ -249,8 +229,8 @@ def test_compressed_checkpoint_of_two_ranks_is_refused_by_one_process(tmp_path):
     run_ranks(compressed_dcp_worker, path)
     full, _ = data()
     params = [torch.nn.Parameter(t.clone()) for t in full]
-    opt = _with_state(params)
-    before = _state_of(opt, params)
+    opt = with_state(params)
+    before = states_of(opt, params)
     template = opt.state_dict(compressed=True)
     # Each rank's scales are a row of a [2, L] tensor: torch.distributed.checkpoint
     # refuses them before it reads anything (a compressed state dict loads into the
@@ -258,6 +238,6 @@ def test_compressed_checkpoint_of_two_ranks_is_refused_by_one_process(tmp_path):
     with warnings.catch_warnings(), pytest.raises(CheckpointException, match="Size mismatch"):
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
-    for got, want in zip(_state_of(opt, params), before):
+    for got, want in zip(states_of(opt, params), before):
         for key in want:
             assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key

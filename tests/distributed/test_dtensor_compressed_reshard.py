@@ -12,16 +12,15 @@ import warnings
 import pytest
 import torch
 
-import fuser
 from fuser.runtime import quant
 
 dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch was built without gloo", allow_module_level=True)
 
+from cases import layout_data, local_copy, make_compressed_optimizer, states_of, with_state  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from seeds import session_seed  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
 BLOCK = 32  # the default FUSER_OPTIM_QBLOCK
 # Rows of whole blocks: odd row counts (a shard of rank 1 shorter, one empty), a 3-D
@@ -35,39 +34,11 @@ LAYOUTS = [
 STEPS = 3
 
 
-def make_optimizer(params):
-    return fuser.optim.AdamW(params, lr=0.01, weight_decay=0.1, state_dtype="q8", master_weights="bf16+int16")
+make_optimizer = make_compressed_optimizer
 
 
 def data():
-    gen = torch.Generator().manual_seed(session_seed(2468))
-    params = [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS]
-    grads = [
-        [torch.randn(shape, generator=gen).to(dtype) for shape, _, dtype in LAYOUTS] for _ in range(STEPS)
-    ]
-    return params, grads
-
-
-def _local(v):
-    return (v.to_local() if isinstance(v, DTensor) else v).clone() if torch.is_tensor(v) else v
-
-
-def _states(opt, params):
-    return [{k: _local(v) for k, v in opt.state[p].items()} for p in params]
-
-
-def _with_state(params):
-    """A new optimizer whose states exist (one step at lr 0 from zero gradients): a
-    template for torch.distributed.checkpoint to load into."""
-    opt = make_optimizer(params)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-    opt.step()
-    for group in opt.param_groups:
-        group["lr"] = 0.01
-    return opt
+    return layout_data(LAYOUTS, STEPS, 2468)
 
 
 def _distributed(mesh, tensors):
@@ -92,11 +63,11 @@ def save_on_ranks(rank, world, path):
     sd = opt.state_dict(compressed=True)
     kinds = [type(sd["state"][i]["exp_avg_absmax"]).__name__ for i in range(len(params))]
     dcp.save({"optim": sd}, checkpoint_id=path)
-    saved, before = _states(opt, params), [_local(p.detach()) for p in params]
+    saved, before = states_of(opt, params), [local_copy(p.detach()) for p in params]
     for p, g in zip(params, _distributed(mesh, grads[2])):
         p.grad = g
     opt.step()
-    return dict(saved=saved, before=before, after=[_local(p.detach()) for p in params], kinds=kinds)
+    return dict(saved=saved, before=before, after=[local_copy(p.detach()) for p in params], kinds=kinds)
 
 
 def _whole(pieces, i):
@@ -129,7 +100,7 @@ def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path):
     # sharded parameters' scales are DTensors placed like them, replicated ones plain
     assert got[0]["kinds"] == ["DTensor", "DTensor", "DTensor", "Tensor"], got[0]["kinds"]
     params = [torch.nn.Parameter(_whole([g["before"][i] for g in got], i)) for i in range(len(LAYOUTS))]
-    opt = _with_state(params)
+    opt = with_state(params)
     template = opt.state_dict(compressed=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -159,18 +130,18 @@ def load_on_ranks(rank, world, path, before):
     mesh = init_device_mesh("cpu", (world,))
     # (the ranks' ``before`` share memory, and a replicated DTensor keeps the tensor given)
     params = [torch.nn.Parameter(t) for t in _distributed(mesh, [b.clone() for b in before])]
-    opt = _with_state(params)
+    opt = with_state(params)
     template = opt.state_dict(compressed=True)
     dcp.load({"optim": template}, checkpoint_id=path)
     opt.load_state_dict(template)
-    loaded = _states(opt, params)
+    loaded = states_of(opt, params)
     _, grads = data()
     for p, g in zip(params, _distributed(mesh, grads[2])):
         p.grad = g
     opt.step()
     return dict(
         loaded=loaded,
-        after=[_local(p.detach()) for p in params],
+        after=[local_copy(p.detach()) for p in params],
         rows=[p.to_local().shape[0] for p in params],
     )
 
@@ -193,7 +164,7 @@ def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.save({"optim": sd}, checkpoint_id=path, no_dist=True)
-    saved, before = _states(opt, params), [p.detach().clone() for p in params]
+    saved, before = states_of(opt, params), [p.detach().clone() for p in params]
     for p, g in zip(params, grads[2]):
         p.grad = g.clone()
     opt.step()
