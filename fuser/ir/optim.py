@@ -6,8 +6,8 @@ reductions have one phase. A reduction (``norm``, ``sum``, ``mean``, ``amax``,
 fp32 (re-reading what it needs), the next phase reads the results as per-tensor scalars.
 The last phase stores the new parameter and states, except the fp32 states an earlier
 phase can compute, where storing them there saves the later phases loads
-(``fuser.ir.stores``: CAME's momentum, LAMB's moments). Within a phase the work is separated by how often it
-must run:
+(``fuser.ir.stores``: CAME's momentum, LAMB's moments). Within a phase the work is
+separated by how often it must run:
 
 - *per-step scalars* (``prologue``): every maximal subexpression that depends only on
   hyperparameters, ``step``, ``numel``, reduction results and per-tensor scalar states

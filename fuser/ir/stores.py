@@ -43,24 +43,25 @@ class EarlyStores:
 
 def plan_early_stores(outputs: dict, reds: list, skinds: dict, dtypes: dict, n_phases: int) -> EarlyStores:
     """Move fp32 element states' stores to the first phase that can compute each, where
-    that is before the last phase, every later phase then reads only the new value, and
-    the step moves fewer bytes: the set of moves (of every subset of the candidates, the
-    smallest of those that move fewest bytes) that moves fewest. ``outputs`` and ``reds``
-    are ``_extract_reductions``'."""
+    that is before the last phase and every later phase then reads only the new value.
+    Of every subset of those moves, the smallest that moves fewest bytes is taken (none
+    where nothing moves fewer than the last phase storing everything). ``outputs`` and
+    ``reds`` are ``_extract_reductions``'."""
     first = {}
     for s, kind in skinds.items():
         if kind != ELEMENT or s not in outputs or dtypes.get(s, "fp32") != "fp32":
             continue
         k = 1 + max((f.phase for f in reds if f.symbol in outputs[s].free_symbols), default=-1)
-        if k < n_phases - 1:
+        if k < n_phases - 1:  # (known before the last phase)
             first[s] = k
-    best = _apply(outputs, reds, {})
+    last = n_phases - 1
+    best = _apply(outputs, reds, {}, last)
     best_cost = _traffic(best, skinds, dtypes, n_phases)
     # (a rule has a handful of element states; LAMB's last phase skips the gradient only
     # when both its moments move, so single moves are not enough)
     for size in range(1, min(len(first), MAX_CANDIDATES) + 1):
         for subset in combinations(list(first)[:MAX_CANDIDATES], size):
-            trial = _apply(outputs, reds, {s: first[s] for s in subset})
+            trial = _apply(outputs, reds, {s: first[s] for s in subset}, last)
             if trial is None:
                 continue
             cost = _traffic(trial, skinds, dtypes, n_phases)
@@ -69,12 +70,12 @@ def plan_early_stores(outputs: dict, reds: list, skinds: dict, dtypes: dict, n_p
     return best
 
 
-def _apply(outputs: dict, reds: list, moved: dict[str, int]) -> EarlyStores | None:
+def _apply(outputs: dict, reds: list, moved: dict[str, int], last: int) -> EarlyStores | None:
     """The values each phase computes when the states of ``moved`` (state -> phase) are
-    stored early, or None where some phase after a state's store would read its old
-    value. Each value of phase ``j`` reads the new value of every state stored before
-    ``j``: its expression (a subtree of the rule's, over old values) becomes the state's
-    symbol, which then names what the slot holds."""
+    stored early (``last``: the last phase's index), or None where some phase after a
+    state's store would read its old value. Each value of phase ``j`` reads the new value
+    of every state stored before ``j``: its expression (a subtree of the rule's, over old
+    values) becomes the state's symbol, which then names what the slot holds."""
     holders = {s: sympy.Symbol(f"{s}__stored", real=True) for s in moved}
 
     def at(e, j):
@@ -86,7 +87,6 @@ def _apply(outputs: dict, reds: list, moved: dict[str, int]) -> EarlyStores | No
             return None
         return e.xreplace({holders[s]: symbol(s) for s in before})
 
-    last = 1 + max((f.phase for f in reds), default=-1)
     new_outputs = {}
     for n, e in outputs.items():
         if n in moved:
