@@ -106,7 +106,12 @@ def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if not isinstance(value, DTensor):
             if value.shape != p.shape:
                 return value
-            return distribute_tensor(value.detach().to(p._local_tensor.device), p.device_mesh, p.placements)
+            value = value.detach().to(p._local_tensor.device)
+            if value.dtype != torch.int16:
+                return distribute_tensor(value, p.device_mesh, p.placements)
+            # (collectives carry no int16, a split master's low part: its bytes travel as fp16)
+            moved = distribute_tensor(value.view(torch.float16), p.device_mesh, p.placements)
+            return from_local_like(p, moved.to_local().view(torch.int16))
         if value._spec.placements != p._spec.placements or not _same_mesh(value, p):
             return value.redistribute(p.device_mesh, p.placements)
         return value

@@ -121,9 +121,11 @@ def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path):
         assert torch.equal(p.detach(), want), f"parameter {i} {LAYOUTS[i][0]}: the step after loading differs"
 
 
-def load_on_ranks(rank, world, path, before):
-    """This rank's shards of ``before``, a new optimizer loaded from the compressed
-    checkpoint at ``path``, its states, and its parameters after the third step."""
+def load_on_ranks(rank, world, saved, before):
+    """This rank's shards of ``before``, a new optimizer loaded from ``saved`` (the path
+    of a compressed checkpoint, or a compressed state dict of whole tensors, which each
+    rank's ``load_state_dict`` scatters like the parameters), its states, and its
+    parameters after the third step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -131,9 +133,11 @@ def load_on_ranks(rank, world, path, before):
     # (the ranks' ``before`` share memory, and a replicated DTensor keeps the tensor given)
     params = [torch.nn.Parameter(t) for t in _distributed(mesh, [b.clone() for b in before])]
     opt = with_state(params)
-    template = opt.state_dict(compressed=True)
-    dcp.load({"optim": template}, checkpoint_id=path)
-    opt.load_state_dict(template)
+    if isinstance(saved, str):
+        template = opt.state_dict(compressed=True)
+        dcp.load({"optim": template}, checkpoint_id=saved)
+        saved = template
+    opt.load_state_dict(saved)
     loaded = states_of(opt, params)
     _, grads = data()
     for p, g in zip(params, _distributed(mesh, grads[2])):
@@ -146,7 +150,8 @@ def load_on_ranks(rank, world, path, before):
     )
 
 
-def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("through", ["dcp", "state_dict"])
+def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path, through):
     import torch.distributed.checkpoint as dcp
 
     path = str(tmp_path / "dcp")
@@ -165,10 +170,13 @@ def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path):
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.save({"optim": sd}, checkpoint_id=path, no_dist=True)
     saved, before = states_of(opt, params), [p.detach().clone() for p in params]
+    # (a state dict holds the live states, as torch's does: a copy before the next step)
+    whole = {"state": {i: {k: local_copy(v) for k, v in st.items()} for i, st in sd["state"].items()}}
+    whole["param_groups"] = sd["param_groups"]
     for p, g in zip(params, grads[2]):
         p.grad = g.clone()
     opt.step()
-    got = run_ranks(load_on_ranks, path, before)
+    got = run_ranks(load_on_ranks, path if through == "dcp" else whole, before)
     for i, p in enumerate(params):
         rows = [g["rows"][i] for g in got]
         for key, want in saved[i].items():
