@@ -88,14 +88,20 @@ REDUCE_BLOCK = 128
 # H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
 # 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
 TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
-# Phases of column sums (and no per-tensor reduction of elements) walk the same strips in
-# tiles of SLIM_ROWS rows over one warp: a column's sum over a tile's rows then stays in
-# its warp (over two warps, split by rows, the tile synchronised them five times); where
-# such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's sums of
-# g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's phases 2.41 and
-# 5.90 ms -> 1.91 and 5.61; a phase of row sums alone (NorMuon's second) was 13% slower
-# so (benchmarks/NOTES.md).
+# Phases of column sums (and no per-tensor reduction of elements), and phases of
+# per-tensor sums before the last, walk the same strips in tiles of SLIM_ROWS rows over one
+# warp: a column's sum over a tile's rows, or a tile's share of a per-tensor sum, then
+# stays in its warp (over two warps, split by rows, a tile synchronised them three to five
+# times); where such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's
+# sums of g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's first three
+# phases 2.41, 1.75-1.79 and 5.90 ms -> 1.91, 1.52-1.55 and 5.61; a phase of row sums
+# alone (NorMuon's second) was 13% slower so (benchmarks/NOTES.md).
 SLIM_ROWS, SLIM_WARPS = 4, 1
+# Rows a tiled phase's masked path takes at a time (a strip's short last tile, or rows whose
+# columns do not align). A masked tile's loads are not vectorised (an address per value):
+# with whole tiles masked, CAME's phase of residual sums needed 224 registers, with one row
+# 159, and took 4.72 ms against 5.64 on an H100 (benchmarks/NOTES.md).
+MASKED_ROWS = 1
 
 
 def optim_tile() -> tuple[int, int]:
@@ -232,7 +238,7 @@ def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     tile, strip = optim_tile(), optim_strip()
     tuned = any(os.environ.get(f"FUSER_OPTIM_{k}") for k in ("TILE", "STRIP", "WARPS"))
     columns = any(plan.reductions[i].axis == COL for i, _ in phase.axis_reduce)
-    if plan.tiled and columns and not phase.reduce and not tuned:
+    if plan.tiled and (columns and not phase.reduce or phase.reduce and not ctx.last) and not tuned:
         # (the same strips, so the same block table: SLIM_ROWS * TK rows a program)
         elements = [sl for _, sl in ctx.used_slots if _SLOT_KIND.get(sl.role) == "element"]
         moved = [sl for sl in elements if sl.name in ctx.read and sl.name not in ctx.guards]
@@ -241,7 +247,8 @@ def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
         if len(moved) == 1:
             rows = min(SLIM_ROWS, max(1, 1024 // (tile[1] * DTYPE_BYTES.get(moved[0].dtype, 1))))
         tile, strip, warps = (rows, tile[1]), strip * tile[0] // rows, SLIM_WARPS
-    tiles = (("BR", tile[0]), ("BC", tile[1]), ("TK", strip)) if plan.tiled else (("SUB", sub),)
+    tiled = (("BR", tile[0]), ("BC", tile[1]), ("TK", strip), ("MR", MASKED_ROWS))
+    tiles = tiled if plan.tiled else (("SUB", sub),)
     block = tile[0] * tile[1] if plan.tiled else block
     quant = (("QB", quant_block()),) if _is_compressed(plan) else ()
     if quant and plan.tiled and quant[0][1] > tile[1]:
@@ -548,13 +555,6 @@ def _element_load(ctx: _PhaseContext, sl, fast: bool) -> str:
     return value
 
 
-# How a tile reads a value of each kind: per element at ``offs``, per row at ``ri`` as a
-# column vector, per column at ``ci`` as a row vector.
-_TILE_INDEX = {
-    "element": ("offs", "mask", ""),
-    ROW: ("ri", "rm", "[:, None]"),
-    COL: ("ci", "cm", "[None, :]"),
-}
 _SLOT_KIND = {
     "param": "element",
     "grad": "element",
@@ -566,21 +566,43 @@ _SLOT_KIND = {
 
 
 def _tile_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
-    """A tiled phase's loads (elements, row and column states, finished axis reductions)
-    and its temporaries; ``fast``: of a whole tile of aligned rows, unmasked."""
+    """A tiled phase's loads (elements, row states, finished row reductions) and its
+    temporaries; ``fast``: of a whole tile of aligned rows, unmasked, else of MR rows,
+    masked. (Column values are loaded once per strip: ``_column_lines``.)"""
     lines = []
     if fast:
         lines += [f"{sl.name}_ptr = tl.multiple_of({sl.name}_ptr, 16)" for _, sl in ctx.used_slots]
+    rows = "BR" if fast else "MR"
     for _, sl in ctx.used_slots:
         if sl.name not in ctx.read:
             continue
         kind = _SLOT_KIND[sl.role]
         if kind == "element":  # (decoded from 8 bits, joined with a split master's low part)
-            lines += _guarded(ctx, sl.name, _element_load(ctx, sl, fast), "[BR, BC]")
-            continue
-        idx, mask, shape = _TILE_INDEX[kind]
-        how = "" if fast else f", mask={mask}, other=0.0"
-        lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + {idx}{how}).to(tl.float32){shape}")
+            lines += _guarded(ctx, sl.name, _element_load(ctx, sl, fast), f"[{rows}, BC]")
+        elif kind == ROW:
+            how = "" if fast else ", mask=rm, other=0.0"
+            lines.append(f"x_{sl.name} = tl.load({sl.name}_ptr + ri{how}).to(tl.float32)[:, None]")
+    for r in _known_axis_results(ctx, ROW):
+        lines.append(f"a_{r.symbol.name} = ({_axis_result(ctx, r, 'ri', 'rm')})[:, None]")
+    lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
+    return lines
+
+
+def _column_lines(ctx: _PhaseContext) -> list[str]:
+    """A tiled phase's column states and finished column reductions at the strip's
+    columns ``ci``, loaded once before its loop over the rows."""
+    lines = [
+        f"x_{sl.name} = tl.load({sl.name}_ptr + ci, mask=cm, other=0.0).to(tl.float32)[None, :]"
+        for _, sl in ctx.used_slots
+        if sl.name in ctx.read and _SLOT_KIND[sl.role] == COL
+    ]
+    for r in _known_axis_results(ctx, COL):
+        lines.append(f"a_{r.symbol.name} = ({_axis_result(ctx, r, 'ci', 'cm')})[None, :]")
+    return lines
+
+
+def _known_axis_results(ctx: _PhaseContext, axis) -> list:
+    """The finished axis reductions along ``axis`` that the phase's expressions read."""
     used = {
         s
         for _, e in (
@@ -592,13 +614,7 @@ def _tile_lines(ctx: _PhaseContext, fast: bool) -> list[str]:
         )
         for s in e.free_symbols
     }
-    for r in ctx.known:
-        if r.axis and r.symbol in used:
-            idx, mask, shape = _TILE_INDEX[r.axis]
-            value = _axis_result(ctx, r, idx, mask)
-            lines.append(f"a_{r.symbol.name} = ({value}){shape}")
-    lines += [f"{s.name} = {ctx.p32.doprint_expr(e)}" for s, e in ctx.phase.body]
-    return lines
+    return [r for r in ctx.known if r.axis == axis and r.symbol in used]
 
 
 def _axis_base(ctx: _PhaseContext, r) -> str:
@@ -761,12 +777,14 @@ def _tile_q8_store(name: str, fmt: int, mask: str) -> list[str]:
     """A tile's new 8-bit codes of state ``name`` and the scale of each QB of them, which
     lie within one row of the tile (QB divides BC and every 8-bit tensor's row length)."""
     qmask = "" if not mask else ", mask=rm[:, None] & (qc < tl.where(keep, cols_t, 0))[None, :]"
+    rows = "MR" if mask else "BR"
     return [
-        f"q_{name}, s_{name} = _q8_encode(tl.reshape(v_{name}, (BR * BC,)), {fmt}, BR * BC, QB, INTERPRETED)",
-        f"tl.store({name}_ptr + offs, tl.reshape(q_{name}, (BR, BC)){mask})",
+        f"q_{name}, s_{name} = _q8_encode(tl.reshape(v_{name}, ({rows} * BC,)), {fmt}, {rows} * BC, QB, "
+        "INTERPRETED)",
+        f"tl.store({name}_ptr + offs, tl.reshape(q_{name}, ({rows}, BC)){mask})",
         "qc = ctile * BC + tl.arange(0, BC // QB) * QB",
         f"tl.store({scale_slot(name)}_ptr + (ri[:, None] * cols_t + qc[None, :]) // QB, "
-        f"tl.reshape(s_{name}, (BR, BC // QB)){qmask})",
+        f"tl.reshape(s_{name}, ({rows}, BC // QB)){qmask})",
     ]
 
 
@@ -882,6 +900,7 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             quantized=_is_compressed(plan),
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
             rule_lines=plan.rule_text.splitlines(),
+            column_lines=_column_lines(ctx) if plan.tiled else [],
             helpers=helpers_source(),
             entry=entry,
             slots=plan.slots,
