@@ -235,6 +235,7 @@ def _kernel(src) -> list[str]:
     return [
         f"   {src.entry}({', '.join(n for n, _ in src.signature)})",
         f"     {constexprs}, num_warps={src.num_warps}, num_stages={src.num_stages}, "
+        f"{f'max_registers={src.max_registers}, ' if src.max_registers else ''}"
         f"{len(src.text.splitlines())} lines of Triton",
         *_cache_key(src),
     ]

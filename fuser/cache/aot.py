@@ -56,6 +56,8 @@ def compile_spec(source: KernelSource, arg_names: list[str]) -> CompileSpec:
         )
     signature = {n: ("constexpr" if n in constexprs else types[n]) for n in arg_names}
     options = {"num_warps": source.num_warps, "num_stages": source.num_stages}
+    if source.max_registers:
+        options["maxnreg"] = source.max_registers
     return CompileSpec(signature, constexprs, {}, options)
 
 

@@ -129,6 +129,8 @@ def launch_options(source: KernelSource) -> dict:
         "constexprs": [list(x) for x in source.constexprs],
         "num_warps": source.num_warps,
         "num_stages": source.num_stages,
+        # (only where set, so the keys of every other kernel stay as they were)
+        **({"max_registers": source.max_registers} if source.max_registers else {}),
     }
 
 

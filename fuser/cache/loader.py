@@ -41,6 +41,8 @@ class JitKernel:
         self.fn = fn
         self._names = [n for n, _ in source.signature]
         self._options = dict(source.constexprs, num_warps=source.num_warps, num_stages=source.num_stages)
+        if source.max_registers:
+            self._options["maxnreg"] = source.max_registers
         if "INTERPRETED" in self._options:
             self._options["INTERPRETED"] = interpret
 

@@ -70,6 +70,7 @@ def compile_in_worker(source: KernelSource, path: Path, target: str) -> tuple[by
         "constexprs": source.constexprs,
         "num_warps": source.num_warps,
         "num_stages": source.num_stages,
+        "max_registers": source.max_registers,
         "target": target,
     }
     with _lock:

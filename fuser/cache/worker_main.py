@@ -28,6 +28,7 @@ def main() -> None:
             constexprs=tuple(tuple(x) for x in req["constexprs"]),
             num_warps=req["num_warps"],
             num_stages=req["num_stages"],
+            max_registers=req["max_registers"],
         )
         try:
             binary, metadata = compile_binary(source, path, req["target"])

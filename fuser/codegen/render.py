@@ -102,6 +102,11 @@ SLIM_ROWS, SLIM_WARPS = 4, 1
 # with whole tiles masked, CAME's phase of residual sums needed 224 registers, with one row
 # 159, and took 4.72 ms against 5.64 on an H100 (benchmarks/NOTES.md).
 MASKED_ROWS = 1
+# Registers a thread of a flat step kernel with 8-bit states or split masters may hold.
+# ptxas gives AdamW's with 8-bit states and split masters 80 (six programs of 4 warps on a
+# multiprocessor) and fits it in 48 without spilling (ten): on an H100, TinyLlama-1.1B's
+# tensors, 6.08-6.12 -> 5.52-5.70 ms (benchmarks/NOTES.md).
+COMPRESSED_MAX_REGISTERS = 48
 
 
 def optim_tile() -> tuple[int, int]:
@@ -201,6 +206,19 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     if sub < 128 or sub & (sub - 1) or sub > block:
         raise ValueError(f"FUSER_OPTIM_SUB must be a power of two from 128 to BLOCK ({block}), not {sub}")
     return block, sub, warps
+
+
+def optim_max_registers(plan: OptimPlan) -> int:
+    """Registers a thread of the step's kernels may hold (0: the compiler's choice):
+    COMPRESSED_MAX_REGISTERS for flat kernels with 8-bit states or split masters.
+    ``FUSER_OPTIM_MAXNREG`` overrides it (for tuning runs; 0 lifts the cap; the value is part
+    of the kernel's cache key)."""
+    text = os.environ.get("FUSER_OPTIM_MAXNREG")
+    if text:
+        if not text.isdigit() or 0 < int(text) < 24 or int(text) > 255:
+            raise ValueError(f"FUSER_OPTIM_MAXNREG must be 0 or a count from 24 to 255, not {text!r}")
+        return int(text)
+    return COMPRESSED_MAX_REGISTERS if _is_compressed(plan) and not plan.tiled else 0
 
 
 def store_cast(value: str, dtype: str, random: str | None = None) -> str:
@@ -317,13 +335,15 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         constexprs=constexprs,
         num_warps=warps,
         num_stages=1,
-        meta=(
-            ("rule", plan.name),
-            ("kind", "optim"),
-            ("dtypes", plan.dtype_key),
-            ("phase", f"{phase.index + 1}/{len(plan.phases)}"),
-        ),
+        max_registers=optim_max_registers(plan),
+        meta=_meta(plan, phase),
     )
+
+
+def _meta(plan: OptimPlan, phase: Phase) -> tuple:
+    """What ``fuser cache ls`` shows of a phase's kernel."""
+    phases = f"{phase.index + 1}/{len(plan.phases)}"
+    return (("rule", plan.name), ("kind", "optim"), ("dtypes", plan.dtype_key), ("phase", phases))
 
 
 # The template's line lists that only the last phase fills, and those only the others fill.

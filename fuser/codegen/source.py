@@ -22,6 +22,8 @@ class KernelSource:
     constexprs: tuple[tuple[str, int], ...]
     num_warps: int
     num_stages: int
+    # Registers a thread may hold (ptxas's -maxnreg; 0: the compiler's choice).
+    max_registers: int = 0
     # Shown by `fuser cache ls`: rule name, kind, dtype plan...
     meta: tuple[tuple[str, str], ...] = ()
 
@@ -32,4 +34,6 @@ class KernelSource:
         h.update(
             repr((self.entry, self.signature, self.constexprs, self.num_warps, self.num_stages)).encode()
         )
+        if self.max_registers:
+            h.update(f"maxnreg={self.max_registers}".encode())
         return h.hexdigest()

@@ -191,6 +191,7 @@ LAUNCH_VARIABLES = (
     "FUSER_OPTIM_TILE",
     "FUSER_OPTIM_STRIP",
     "FUSER_OPTIM_QBLOCK",
+    "FUSER_OPTIM_MAXNREG",
 )
 
 
@@ -254,7 +255,16 @@ def _strip_shape() -> tuple[int, int]:
     return rows * optim_strip(), cols
 
 
-_SOURCE_FIELDS = ("text", "entry", "signature", "constexprs", "num_warps", "num_stages", "meta")
+_SOURCE_FIELDS = (
+    "text",
+    "entry",
+    "signature",
+    "constexprs",
+    "num_warps",
+    "num_stages",
+    "max_registers",
+    "meta",
+)
 
 
 def _to_memo(layout: StepLayout, sources: list[KernelSource]) -> dict:
@@ -289,6 +299,7 @@ def _from_memo(memo: dict) -> tuple[StepLayout, list[KernelSource]]:
             constexprs=tuple(tuple(x) for x in k["constexprs"]),
             num_warps=k["num_warps"],
             num_stages=k["num_stages"],
+            max_registers=k["max_registers"],
             meta=tuple(tuple(x) for x in k["meta"]),
         )
         for k in memo["sources"]

@@ -5,13 +5,22 @@ tensor SUB at a time (FUSER_OPTIM_BLOCK / FUSER_OPTIM_SUB); each program of a ti
 accumulate over passes, tiles and blocks, 8-bit states re-encode per 32 elements whatever
 the pass, and tails of every length take the masked path."""
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 import test_shaped as shaped
 import torch
+import triton
 from numerics import assert_fp32_close
 from test_reductions import check_centered_step, fresh, lamb_reference, set_grads
 
 import fuser
+from fuser.cache import precompile
+from fuser.cache.keys import entry_key
+from fuser.codegen.render import COMPRESSED_MAX_REGISTERS
+from fuser.optim import builtins
 from fuser.optim.factory import kernel_sources
 
 # Sizes around the pass and block edges of the shapes below, and 8-bit blocks cut short.
@@ -105,6 +114,8 @@ def test_8bit_codes_and_scales_do_not_depend_on_the_launch_shape(device, monkeyp
         (dict(FUSER_OPTIM_SUB="100"), "FUSER_OPTIM_SUB must be a power of two from 128 to BLOCK"),
         (dict(FUSER_OPTIM_BLOCK="256", FUSER_OPTIM_SUB="512"), "from 128 to BLOCK (256), not 512"),
         (dict(FUSER_OPTIM_BLOCK="3000"), "FUSER_OPTIM_BLOCK must be a power of two"),
+        (dict(FUSER_OPTIM_MAXNREG="16"), "FUSER_OPTIM_MAXNREG must be 0 or a count from 24 to 255"),
+        (dict(FUSER_OPTIM_MAXNREG="lots"), "FUSER_OPTIM_MAXNREG must be 0 or a count from 24 to 255"),
     ],
 )
 def test_a_bad_launch_shape_is_refused_with_its_variable(device, monkeypatch, env, message):
@@ -180,3 +191,31 @@ def test_8bit_blocks_longer_than_a_pass_are_refused(device, monkeypatch):
     ):
         fuser.optim.AdamW([p], lr=0.1, state_dtype="q8").step()
     assert torch.equal(p, before)
+
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _registers(cubin: Path) -> int:
+    usage = subprocess.run(
+        [str(CUOBJDUMP), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+    )
+    return int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's cuobjdump is not installed")
+def test_8bit_step_kernels_compile_within_their_register_cap(monkeypatch):
+    # The cap reaches ptxas (the binary holds no more registers than it), is part of the
+    # kernel's key, and FUSER_OPTIM_MAXNREG=0 lifts it.
+    options = dict(state_dtype="q8", master_weights="bf16+int8")
+    monkeypatch.delenv("FUSER_OPTIM_MAXNREG", raising=False)
+    (capped,) = kernel_sources(builtins.adamw, "bf16", **options)
+    assert capped.max_registers == COMPRESSED_MAX_REGISTERS
+    (plain,) = kernel_sources(builtins.adamw, "bf16")
+    assert plain.max_registers == 0
+    monkeypatch.setenv("FUSER_OPTIM_MAXNREG", "0")
+    (lifted,) = kernel_sources(builtins.adamw, "bf16", **options)
+    assert lifted.max_registers == 0 and lifted.text == capped.text
+    assert entry_key(lifted).digest != entry_key(capped).digest
+    (result,) = precompile([capped], ["cuda:90"])
+    assert _registers(result.binary) <= COMPRESSED_MAX_REGISTERS
