@@ -1242,6 +1242,68 @@ _add(
     "rule with every keyword and its AdamW groups.",
 )
 
+# SCION and SCIONLight take plain parameter lists (no use_muon groups). Their default LMO
+# (norm_type=AUTO) goes by shape: the spectral one (Newton–Schulz times sqrt(d_out / d_in))
+# on 2-D tensors, BiasRMS on 1-D ones. The rule tells them apart by
+# rows, so a matrix of one row is not covered; nor are 3-D and 4-D tensors, whose
+# SpectralConv scale sqrt(d_out / d_in) / kernel volume needs shape[1] (the rule language
+# sees shape[0] and prod(rest)).
+_SCION_LMO = """
+    spectral = (rows / cols) ** 0.5 * orthogonalize({d})
+    bias_rms = {d} / (sqrt(mean({d}**2)) + 1e-8)
+    p = p - lr * scale * where(rows > 1, spectral, bias_rms)
+    """
+_SCION_SHAPES = tuple(s for s in _MATRICES if len(s) == 2) + ((29,),)
+_SCION_DOC = (
+    "norm_type=LMONorm.AUTO, norm_kwargs={{}}, constraint=False, weight_decouple=True and "
+    "maximize=False as by default: matrices take the spectral LMO (Newton–Schulz, num_steps=5, times "
+    "sqrt(rows / cols)), 1-D tensors BiasRMS (d / (rms(d) + 1e-8)). Not covered: AUTO's "
+    "spectral LMO on a matrix of one row (the rule sees it as a 1-D tensor) and its "
+    "SpectralConv on 3-D and 4-D tensors (its scale needs shape[1]); constraint=True; the "
+    "other norm types.{more}"
+)
+
+_add(
+    "scion",
+    """
+    p = p * (1 - lr * weight_decay)
+    d = d + momentum * (g - d)
+    """
+    + _SCION_LMO.format(d="d"),
+    defaults=dict(lr=1e-3, momentum=0.1, scale=1.0, weight_decay=0.0),
+    state=dict(d=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=0.5, scale=2.0, weight_decay=0.1),
+    hyper=dict(lr=2e-2, momentum=0.5, scale=2.0, weight_decay=0.1),
+    states=dict(d="d"),
+    shapes=_SCION_SHAPES,
+    rtol=_NS_RTOL,
+    doc="SCION(lr, momentum, scale, weight_decay) with " + _SCION_DOC.format(more=""),
+)
+
+_add(
+    "scionlight",
+    """
+    p = p * (1 - lr * weight_decay)
+    grad_buffer = (1 - momentum) * grad_buffer + g
+    """
+    + _SCION_LMO.format(d="grad_buffer"),
+    defaults=dict(lr=1e-3, momentum=0.1, scale=1.0, weight_decay=0.0),
+    state=dict(grad_buffer=0.0),
+    reference_kwargs=dict(lr=2e-2, momentum=1.0, scale=2.0, weight_decay=0.1),
+    hyper=dict(lr=2e-2, momentum=1.0, scale=2.0, weight_decay=0.1),
+    shapes=_SCION_SHAPES,
+    rtol=_NS_RTOL,
+    doc="SCIONLight(lr, momentum, scale, weight_decay) with "
+    + _SCION_DOC.format(
+        more=" SCIONLight keeps its momentum in p.grad (scaled by 1 - momentum after each "
+        "step, for a caller that does not zero gradients); the rule keeps that buffer as the "
+        "state grad_buffer, for a caller that does. The zoo test replaces p.grad every step, "
+        "so it compares momentum=1 (no carry-over); "
+        "test_scionlight_keeps_momentum_in_the_gradient_buffer compares momentum < 1 "
+        "against gradients accumulated into p.grad."
+    ),
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "adafactor": "not written as a rule yet: row and column reductions cover its factored "
     "moments (fuser.optim.Adafactor is torch.optim.Adafactor's variant); pytorch-optimizer's "
@@ -1252,10 +1314,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
-    "scion": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
-    "and column-norm LMOs",
-    "scionlight": "not written as a rule yet: orthogonalize() and colnorm now cover its spectral "
-    "and column-norm LMOs",
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
     "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",

@@ -36,13 +36,14 @@ def exact_newton_schulz(monkeypatch) -> None:
     import pytorch_optimizer.optimizer.muon.adamuon as adamuon
     import pytorch_optimizer.optimizer.muon.base as base
     import pytorch_optimizer.optimizer.muon.normuon as normuon
+    import pytorch_optimizer.optimizer.scion as scion
 
     original = base.zero_power_via_newton_schulz_5
 
     def exact(g, *args, **kwargs):
         return original(g, *args, **{**kwargs, "dtype": torch.float64})
 
-    for module in (base, adamuon, normuon):
+    for module in (base, adamuon, normuon, scion):
         monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", exact)
 
 
@@ -89,6 +90,34 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
                     err = relative_error(opt.state[p][ours_key], ref.state[q][ref_key])
                     assert err <= rtol, f"{name}: state {ours_key!r} of parameter {i}, step {step}: {err:.2e}"
     assert all(not torch.equal(p.cpu(), s) for p, s in zip(ours, start)), f"{name}: a parameter never moved"
+
+
+def test_scionlight_keeps_momentum_in_the_gradient_buffer(device, monkeypatch):
+    # SCIONLight's momentum lives in p.grad: it scales p.grad by 1 - momentum after each
+    # step and the next backward adds to it. The reference's gradients accumulate here as
+    # they would without zero_grad; the rule gets each fresh gradient and keeps the buffer.
+    entry = ZOO["scionlight"]
+    exact_newton_schulz(monkeypatch)
+    momentum = 0.4
+    start = [torch.randn(s) for s in entry.shapes]
+    ours = [p.clone().to(device) for p in start]
+    theirs = [p.clone().double() for p in start]
+    opt = fuser.compile(entry.rule)(ours, **{**entry.hyper, "momentum": momentum})
+    ref = pytorch_optimizer.load_optimizer(entry.reference)(
+        theirs, **{**entry.reference_kwargs, "momentum": momentum}
+    )
+    for step in range(1, STEPS + 1):
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape) + 0.1
+            p.grad = g.to(device)
+            q.grad = g.double() if q.grad is None else q.grad + g.double()
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            err = relative_error(p, q)
+            assert err <= entry.rtol, f"parameter {i} {tuple(p.shape)}, step {step}: relative error {err:.2e}"
+            err = relative_error(opt.state[p]["grad_buffer"] * (1 - momentum), q.grad)
+            assert err <= RTOL, f"grad_buffer of parameter {i}, step {step}: {err:.2e}"
 
 
 def test_zoo_names_its_references_and_gaps():
