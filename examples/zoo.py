@@ -1159,6 +1159,163 @@ _add(
     "element (the reference keeps one number per row of a matrix).",
 )
 
+# SM3 (Anil et al. 2019) keeps one accumulator per cover set: for a matrix one per row and
+# one per column (the reference's accumulator_0 of shape [rows, 1] and accumulator_1 of
+# shape [1, cols]), for a vector one per element (the column state of its one row).
+_SM3 = """
+    nu = where(beta > 0, beta, 1) * where(rows > 1, minimum(acc_row, acc_col), acc_col) + (1 - beta) * g**2
+    acc_row = where(beta > 0, maximum(acc_row, rowamax(nu)), rowamax(nu))
+    acc_col = where(beta > 0, maximum(acc_col, colamax(nu)), colamax(nu))
+    u = g * rsqrt(nu + eps)
+    m = momentum_buffer + (1 - momentum) * (u - momentum_buffer)
+    momentum_buffer = where(momentum > 0, m, momentum_buffer)
+    p = p - lr * where(momentum > 0, momentum_buffer, u)
+    """
+_SM3_DEFAULTS = dict(lr=1e-1, momentum=0.0, beta=0.0, eps=1e-30)
+_SM3_STATE = dict(acc_row=0.0, acc_col=0.0, momentum_buffer=0.0)
+_add(
+    "sm3",
+    _SM3,
+    defaults=_SM3_DEFAULTS,
+    state=_SM3_STATE,
+    reference_kwargs=dict(lr=5e-2, momentum=0.9),
+    hyper=dict(lr=5e-2, momentum=0.9),
+    states=dict(momentum_buffer="momentum_buffer"),
+    shapes=((7, 13), (29,), (1, 9), (16, 1)),
+    doc="SM3(lr, momentum, beta, eps) for dense 1-D and 2-D parameters. beta=0 (the default) "
+    "adds g**2 to the smallest covering accumulator (SM3-II); beta > 0 (sm3_beta) keeps the "
+    "running maximum of beta * acc + (1 - beta) * g**2; the update is g * rsqrt(nu + eps). "
+    "momentum=0 (the default) steps without momentum and leaves momentum_buffer zeros, as the "
+    "reference does. A matrix's accumulator_0 and accumulator_1 are acc_row "
+    "and acc_col (compared in sm3_beta), a vector's accumulator_0 is acc_col (acc_row is "
+    "then unused). Not covered: tensors of more than 2 dimensions (the reference keeps one "
+    "accumulator per dimension, the rule one per row and per column of [shape[0], "
+    "prod(rest)]), 0-D tensors, sparse gradients and maximize=True.",
+)
+_add(
+    "sm3_beta",
+    _SM3,
+    reference="sm3",
+    defaults=_SM3_DEFAULTS,
+    state=_SM3_STATE,
+    reference_kwargs=dict(lr=5e-2, momentum=0.8, beta=0.9, eps=1e-8),
+    hyper=dict(lr=5e-2, momentum=0.8, beta=0.9, eps=1e-8),
+    states=dict(acc_row="accumulator_0", acc_col="accumulator_1", momentum_buffer="momentum_buffer"),
+    shapes=((7, 13), (1, 9), (16, 1)),
+    doc="SM3(..., beta > 0) on matrices, its accumulators compared; otherwise as sm3.",
+)
+
+# pytorch-optimizer's AdaFactor (BigVision's variant, not torch.optim.Adafactor's): eps1
+# added to g**2 before the means, beta2_t = min(beta2, 1 - step**decay_rate), the factored
+# estimate rsqrt(row / mean(row)) * rsqrt(col) without a floor, the update clipped to RMS
+# clip_threshold and scaled by the step size, then momentum of it (betas=(None, beta2) is
+# beta1=0). A vector is the reference's unfactored exp_avg_sq, kept as exp_avg_sq_col.
+_ADAFACTOR = """
+    step_size = where(relative_step > 0, minimum(where(warmup_init > 0, 1e-6 * step, 1e-2), rsqrt(step)), lr)
+    alpha = where(scale_parameter > 0, maximum(eps2, norm(p) / sqrt(numel)) * step_size, step_size)
+    d_g = g + (1 - weight_decouple) * weight_decay * p
+    p = p * (1 - weight_decouple * weight_decay * where(fixed_decay > 0, 1, alpha))
+    w = 1 - minimum(beta2, 1 - step**decay_rate)
+    sq = d_g**2 + eps1
+    exp_avg_sq_row = exp_avg_sq_row + w * (rowmean(sq) - exp_avg_sq_row)
+    exp_avg_sq_col = exp_avg_sq_col + w * (colmean(sq) - exp_avg_sq_col)
+    v = where(rows > 1, exp_avg_sq_row * exp_avg_sq_col / mean(exp_avg_sq_row), exp_avg_sq_col)
+    u = d_g * rsqrt(v)
+    u = alpha * u / maximum(norm(u) / sqrt(numel) / clip_threshold, 1)
+    exp_avg = exp_avg + (1 - beta1) * (u - exp_avg)
+    p = p - exp_avg
+    """
+_ADAFACTOR_DEFAULTS = dict(
+    lr=1e-3,
+    beta1=0.9,
+    beta2=0.999,
+    decay_rate=-0.8,
+    weight_decay=0.0,
+    weight_decouple=1.0,
+    fixed_decay=0.0,
+    clip_threshold=1.0,
+    scale_parameter=1.0,
+    relative_step=1.0,
+    warmup_init=0.0,
+    eps1=1e-30,
+    eps2=1e-3,
+)
+_ADAFACTOR_STATE = dict(exp_avg=0.0, exp_avg_sq_row=0.0, exp_avg_sq_col=0.0)
+_add(
+    "adafactor",
+    _ADAFACTOR,
+    defaults=_ADAFACTOR_DEFAULTS,
+    state=_ADAFACTOR_STATE,
+    reference_kwargs=dict(
+        betas=(0.8, 0.6), weight_decay=0.1, clip_threshold=0.5, momentum_dtype=torch.float64
+    ),
+    hyper=dict(beta1=0.8, beta2=0.6, weight_decay=0.1, clip_threshold=0.5),
+    states=dict(exp_avg="exp_avg"),
+    shapes=((7, 13), (29,), (1, 9), (16, 1)),
+    doc="AdaFactor(lr, betas, decay_rate, weight_decay, clip_threshold, eps1, eps2, and "
+    "weight_decouple, fixed_decay, scale_parameter, relative_step, warmup_init as 0/1) for "
+    "1-D and 2-D parameters; betas=(None, beta2) is beta1=0 (the reference then keeps no "
+    "exp_avg). Defaults as the reference's: relative_step=True (step size min(1e-2, "
+    "1/sqrt(step)), lr unused; min(1e-6 * step, 1/sqrt(step)) with warmup_init=True, "
+    "adafactor_warmup), scale_parameter=True (the step size times max(eps2, RMS(p)) of p "
+    "before decay), beta1=0.9 momentum of the clipped, scaled update, decoupled decay, eps1 "
+    "added to g**2 before the row and column means and no eps in the inverse root. Pinned: "
+    "ams_bound=False, maximize=False, and the reference's momentum_dtype set to the "
+    "parameters' dtype (its default keeps exp_avg in bf16, which the rule does not; its "
+    "unused RMS state is not kept). A matrix's exp_avg_sq_row and exp_avg_sq_col are the "
+    "reference's (compared in adafactor_lr), a vector's exp_avg_sq is exp_avg_sq_col. Not "
+    "covered: tensors of more than 2 dimensions (factored over [shape[0], prod(rest)], the "
+    "reference's over its last two dimensions).",
+)
+_add(
+    "adafactor_warmup",
+    _ADAFACTOR,
+    reference="adafactor",
+    defaults=_ADAFACTOR_DEFAULTS,
+    state=_ADAFACTOR_STATE,
+    reference_kwargs=dict(warmup_init=True, weight_decay=0.1, fixed_decay=True, momentum_dtype=torch.float64),
+    hyper=dict(warmup_init=1.0, weight_decay=0.1, fixed_decay=1.0),
+    states=dict(exp_avg="exp_avg"),
+    shapes=((7, 13), (29,), (16, 1)),
+    doc="AdaFactor(..., warmup_init=True, fixed_decay=True): relative steps warmed up from "
+    "1e-6 * step, decay not scaled by the step size; otherwise as adafactor.",
+)
+_add(
+    "adafactor_lr",
+    _ADAFACTOR,
+    reference="adafactor",
+    defaults=_ADAFACTOR_DEFAULTS,
+    state=_ADAFACTOR_STATE,
+    reference_kwargs=dict(
+        lr=1e-2,
+        relative_step=False,
+        scale_parameter=False,
+        betas=(None, 0.95),
+        decay_rate=-0.5,
+        weight_decay=0.1,
+        weight_decouple=False,
+        clip_threshold=2.0,
+        eps1=1e-20,
+    ),
+    hyper=dict(
+        lr=1e-2,
+        relative_step=0.0,
+        scale_parameter=0.0,
+        beta1=0.0,
+        beta2=0.95,
+        decay_rate=-0.5,
+        weight_decay=0.1,
+        weight_decouple=0.0,
+        clip_threshold=2.0,
+        eps1=1e-20,
+    ),
+    states=dict(exp_avg_sq_row="exp_avg_sq_row", exp_avg_sq_col="exp_avg_sq_col"),
+    shapes=((7, 13), (1, 9), (16, 1)),
+    doc="AdaFactor(lr, relative_step=False, scale_parameter=False, betas=(None, beta2), "
+    "weight_decouple=False) on matrices, the factored moments compared: a fixed lr, coupled "
+    "decay, no momentum; otherwise as adafactor.",
+)
+
 # --- Matrix functions (Newton–Schulz on each tensor's 2-D view) ------------------------------
 # The references take param groups with use_muon=True (their AdamW groups are
 # fuser.optim.Muon / NorMuon's). Matrices only: the references view a 1-D tensor as a
@@ -1305,11 +1462,6 @@ _add(
 )
 
 NOT_EXPRESSIBLE: dict[str, str] = {
-    "adafactor": "not written as a rule yet: row and column reductions cover its factored "
-    "moments (fuser.optim.Adafactor is torch.optim.Adafactor's variant); pytorch-optimizer's "
-    "AdaFactor (relative_step, warmup_init, momentum, its own eps placement) is still to pin",
-    "sm3": "not written as a rule yet: rowamax and colamax now give one accumulator per "
-    "axis of a 2-D tensor; its N-D cover sets (one per dimension) need per-dimension reductions",
     "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
     "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
