@@ -61,7 +61,7 @@ def _cases():
         yield pytest.param(name, marks=marks)
 
 
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", list(_cases()))
 def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch):
     entry = ZOO[name]
     if "orthogonalize(" in entry.rule.text:
