@@ -196,3 +196,58 @@ def test_scales_follow_the_rows_they_scale():
     assert torch.equal(by_row, x.abs().view(7, 3, BLOCK).amax(-1))
     top, bottom = quant.encode(x[:3], "int8", BLOCK)[1], quant.encode(x[3:], "int8", BLOCK)[1]
     assert torch.equal(torch.cat([top, bottom]), scales)
+
+
+def load_scales_placed_otherwise(rank, world):
+    """Two steps on DTensor shards, then the compressed state dict with every DTensor of
+    block scales replicated over the mesh (placed unlike the parameter it scales, as
+    another program's state dict may hold them) loaded into a new optimizer on the same
+    shards. Returns how many scales moved, both optimizers' states and their parameters
+    after a third step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data()
+    params = [torch.nn.Parameter(t) for t in _distributed(mesh, full)]
+    opt = make_optimizer(params)
+    for step_grads in grads[:2]:
+        for p, g in zip(params, _distributed(mesh, step_grads)):
+            p.grad = g
+        opt.step()
+    sd = opt.state_dict(compressed=True)
+    moved, state = 0, {}
+    for i, st in sd["state"].items():
+        state[i] = dict(st)
+        for key, value in st.items():
+            if key.endswith("_absmax") and isinstance(value, DTensor):
+                state[i][key] = value.redistribute(mesh, [Replicate()])
+                moved += 1
+    twins = [torch.nn.Parameter(t) for t in _distributed(mesh, [p.detach().full_tensor() for p in params])]
+    new = with_state(twins)
+    new.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    saved, loaded = states_of(opt, params), states_of(new, twins)
+    for ps, step_grads in ((params, grads[2]), (twins, grads[2])):
+        for p, g in zip(ps, _distributed(mesh, step_grads)):
+            p.grad = g
+    opt.step()
+    new.step()
+    return dict(
+        moved=moved,
+        saved=saved,
+        loaded=loaded,
+        after=[local_copy(p.detach()) for p in params],
+        twins=[local_copy(p.detach()) for p in twins],
+    )
+
+
+def test_compressed_scales_placed_unlike_their_parameter_load_on_each_rank():
+    for rank, got in enumerate(run_ranks(load_scales_placed_otherwise)):
+        # every sharded parameter's scales (both states) were replicated before loading
+        assert got["moved"] == 2 * sum(isinstance(pl, Shard) for _, pl, _ in LAYOUTS), got["moved"]
+        for i, (saved, loaded) in enumerate(zip(got["saved"], got["loaded"])):
+            assert saved.keys() == loaded.keys(), (rank, i)
+            for key, want in saved.items():
+                assert torch.equal(torch.as_tensor(loaded[key]), torch.as_tensor(want)), (rank, i, key)
+        for i, (a, b) in enumerate(zip(got["after"], got["twins"])):
+            assert torch.equal(a, b), f"rank {rank}, parameter {i}: the step after loading differs"
