@@ -45,6 +45,19 @@ def _distributed(mesh, tensors):
     return [distribute_tensor(t, mesh, [pl]) for t, (_, pl, _) in zip(tensors, LAYOUTS)]
 
 
+def _two_steps(mesh):
+    """DTensor parameters on ``mesh``, a ``make_optimizer`` over them after two steps, and
+    every step's gradients (whole tensors)."""
+    full, grads = data()
+    params = [torch.nn.Parameter(t) for t in _distributed(mesh, full)]
+    opt = make_optimizer(params)
+    for step_grads in grads[:2]:
+        for p, g in zip(params, _distributed(mesh, step_grads)):
+            p.grad = g
+        opt.step()
+    return params, opt, grads
+
+
 def save_on_ranks(rank, world, path):
     """Two steps on DTensor shards, a DCP checkpoint of state_dict(compressed=True), a
     third step; returns each rank's states at the checkpoint and its parameters before and
@@ -53,13 +66,7 @@ def save_on_ranks(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    full, grads = data()
-    params = [torch.nn.Parameter(t) for t in _distributed(mesh, full)]
-    opt = make_optimizer(params)
-    for step_grads in grads[:2]:
-        for p, g in zip(params, _distributed(mesh, step_grads)):
-            p.grad = g
-        opt.step()
+    params, opt, grads = _two_steps(mesh)
     sd = opt.state_dict(compressed=True)
     kinds = [type(sd["state"][i]["exp_avg_absmax"]).__name__ for i in range(len(params))]
     dcp.save({"optim": sd}, checkpoint_id=path)
@@ -208,13 +215,7 @@ def load_scales_placed_otherwise(rank, world):
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
-    full, grads = data()
-    params = [torch.nn.Parameter(t) for t in _distributed(mesh, full)]
-    opt = make_optimizer(params)
-    for step_grads in grads[:2]:
-        for p, g in zip(params, _distributed(mesh, step_grads)):
-            p.grad = g
-        opt.step()
+    params, opt, grads = _two_steps(mesh)
     sd = opt.state_dict(compressed=True)
     moved, state = 0, {}
     for i, st in sd["state"].items():
