@@ -4,6 +4,7 @@ and loaded on 2."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -27,7 +28,11 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 STEPS, SAVE_AFTER = 4, 2
-Optimizer = fuser.compile(lamb_clip)
+# eps 1e-3: the step is then smooth in the gradient (at most 1/eps per unit of it), so the
+# fp32 rounding by which FSDP's averaged gradient differs from the single process's stays
+# far inside the tolerance. At lamb_clip's 1e-6, a gradient entry near zero (one session
+# seed in a few hundred: 4e-7, 1% apart after rounding) moved a bias by 1e-5.
+Optimizer = functools.partial(fuser.compile(lamb_clip), eps=1e-3)
 
 
 def sharded_model(mesh):
