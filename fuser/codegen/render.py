@@ -311,6 +311,7 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
             fast_lines.append(f"tl.store({matrix_slot(i, 'in')}_ptr + offs, {value})")
             masked_lines.append(f"tl.store({matrix_slot(i, 'in')}_ptr + offs, {value}, mask=mask)")
     sections["tail_lines"] = _tail_lines(ctx)
+    sections["column_lines"] = _column_lines(ctx) if plan.tiled else []
     # (a phase of tails alone, as DTensor shards lower some rules, has no element work)
     fast_lines, masked_lines = fast_lines or ["pass"], masked_lines or ["pass"]
 
@@ -920,7 +921,6 @@ def _kernel_text(ctx: _PhaseContext, entry: str, **lines) -> str:
             quantized=_is_compressed(plan),
             dtype_key=plan.dtype_key + (" (stochastic rounding)" if plan.stochastic_rounding else ""),
             rule_lines=plan.rule_text.splitlines(),
-            column_lines=_column_lines(ctx) if plan.tiled else [],
             helpers=helpers_source(),
             entry=entry,
             slots=plan.slots,
