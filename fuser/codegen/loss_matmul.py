@@ -153,8 +153,12 @@ def _accumulator_lines(acc: Accumulator, arg: str, col: int) -> tuple[list[str],
 
 
 def _red_loads(plan: LossPlan, layout, passes: int) -> list[str]:
-    """``z_y`` and the reductions of the first ``passes`` passes, per row, from ``red``."""
-    return red_loads(plan, layout, passes, "at", "tl.int64")
+    """``z_y`` and the reductions of the first ``passes`` passes, per row, from ``red``:
+    loaded as ``[BM]`` vectors, then made ``[BM, 1]`` columns (a column loaded as such takes
+    the matmul tile's layout: one load per element of a thread's share of the tile)."""
+    loads = red_loads(plan, layout, passes, "at", "tl.int64")
+    names = [line.split(" = ", 1)[0] for line in loads]
+    return loads + [f"{n} = {n}[:, None]" for n in names]
 
 
 def _sweep_context(p: Pass, printer, layout, stage: int) -> dict:
