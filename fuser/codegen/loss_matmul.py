@@ -36,7 +36,7 @@ from fuser.codegen.loss import (
 )
 from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, store_cast
 from fuser.codegen.source import KernelSource
-from fuser.ir.loss import IS_Y, Accumulator, LossPlan, Pass
+from fuser.ir.loss import IS_Y, Z_Y, Accumulator, LossPlan, Pass, Z, reduction_symbol
 
 TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
@@ -51,6 +51,7 @@ COMMON_TAIL = (
     ("ignore_index", "i64"),
 )
 SWEEP_ARGS = (("part", "*fp32"),)
+SCALED_ARGS = (("ref", "*fp32"), ("part", "*fp32"), ("e", None), ("e_stride", "i32"))
 GRAD_ARGS = (("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_stride", "i32"))
 
 
@@ -183,6 +184,145 @@ def matmul_entry(plan: LossPlan, stage: int | None) -> str:
     return loss_entry(plan) + ("_mm_grad" if stage is None else f"_mm{stage}")
 
 
+@dataclass(frozen=True)
+class ScaledExp:
+    """A rule whose logit gradient factors as ``A * exp(a(z) - r) + B * [z is the target] + C``,
+    with ``r`` its one logsumexp of ``a(z)`` and ``A``, ``B``, ``C`` per-token values (sympy, in
+    ``z_y``, the reductions ``r$i``, ``vocab$`` and hyperparameters). Then the forward matmul
+    can store ``E = exp(a(z) - a(z_y))`` before ``r`` is known, and the gradient is
+    ``s * E + B * [target] + C`` with ``s = A * exp(a(z_y) - r)`` per token: the gradient
+    matmuls read ``E`` and apply ``s`` to their output rows (``grad_hidden``) or to ``hidden``'s
+    rows (``grad_weight``)."""
+
+    lse: int  # the logsumexp's reduction index
+    arg: sympy.Expr  # a(z), in z and hyperparameters
+    ref: sympy.Expr  # a(z_y)
+    scale: sympy.Expr  # A
+    target: sympy.Expr  # B
+    const: sympy.Expr  # C
+
+
+def _inlined(e: sympy.Expr, *definitions) -> sympy.Expr:
+    """``e`` with the symbols of each ``(symbol, value)`` sequence replaced by their values
+    (later definitions read earlier ones)."""
+    for defs in definitions:
+        for sym, value in reversed(defs):
+            e = e.subs(sym, value)
+    return e
+
+
+def scaled_exp_form(plan: LossPlan) -> ScaledExp | None:
+    """``plan``'s gradient in the form ``ScaledExp`` describes, or ``None``: it must have one
+    reduction pass, of one logsumexp and any sums, and a gradient whose ``z``-dependence is
+    the softmax term alone (a softcap's ``1 - tanh**2`` factor, a max or a second pass rule
+    it out)."""
+    if len(plan.passes) != 1:
+        return None
+    (p,) = plan.passes
+    lses = [a for a in p.accumulators if a.op == "logsumexp"]
+    if len(lses) != 1 or any(a.op not in ("logsumexp", "sum") for a in p.accumulators):
+        return None
+    arg = _inlined(lses[0].arg, p.body, p.prologue)
+    if Z not in arg.free_symbols:
+        return None
+    g = _inlined(plan.grad_value, plan.grad.body, plan.epilogue)
+    target = sympy.simplify(g.subs(IS_Y, 1) - g.subs(IS_Y, 0))
+    rest = g.subs(IS_Y, 0)
+    softmax = sympy.exp(arg - reduction_symbol(lses[0].index))
+    scale = sympy.simplify(sympy.diff(rest, Z) / sympy.diff(softmax, Z))
+    const = sympy.simplify(rest - scale * softmax)
+    if any(Z in e.free_symbols or IS_Y in e.free_symbols for e in (target, scale, const)) or scale == 0:
+        return None
+    return ScaledExp(lses[0].index, arg, arg.subs(Z, Z_Y), scale, target, const)
+
+
+def scaled_part_columns(plan: LossPlan) -> tuple[int, dict[int, int]]:
+    """The scaled kernel's partials per token and tile: ``(width, {reduction index: column})``.
+    The logsumexp takes columns 0 (the sum of ``exp(a(z) - m)``) and 1 (the tile's max ``m``
+    of ``a(z)``), each sum one column after them."""
+    (p,) = plan.passes
+    sums = [a.index for a in p.accumulators if a.op == "sum"]
+    lse = next(a.index for a in p.accumulators if a.op == "logsumexp")
+    return 2 + len(sums), {lse: 0, **{i: 2 + k for k, i in enumerate(sums)}}
+
+
+def _scaled_context(plan: LossPlan, printer) -> dict:
+    """The scaled-exponential forward's lines: the pass's per-token and per-element values,
+    ``ev`` (E) and each reduction's partials of the tile."""
+    (p,) = plan.passes
+    width, cols = scaled_part_columns(plan)
+    finish, exp_lines = [], []
+    for acc in p.accumulators:
+        if acc.op == "logsumexp":
+            exp_lines = [
+                f'a_lse = tl.where(mask, {printer.doprint_expr(acc.arg)}, float("-inf"))',
+                f"t_max = {_max('a_lse')}",
+                't_max = tl.where(t_max == float("-inf"), 0.0, t_max)',
+                "u = tl.exp(a_lse - t_max[:, None])",
+                "ev = u * tl.exp(t_max[:, None] - r_ref)",
+            ]
+            finish += [
+                f"tl.store(out + {cols[acc.index]}, {_sum('u')}, mask=row_ok)",
+                f"tl.store(out + {cols[acc.index] + 1}, t_max, mask=row_ok)",
+            ]
+        else:
+            value = _sum(f"tl.where(mask, {printer.doprint_expr(acc.arg)}, 0.0)")
+            finish.append(f"tl.store(out + {cols[acc.index]}, {value}, mask=row_ok)")
+    context = pass_context(p, printer, lambda acc, arg: ([], [], []))
+    return dict(
+        prologue=context["prologue"],
+        body=context["body"],
+        exp_lines=exp_lines,
+        finish=finish,
+        part_width=width,
+        store=store_cast("ev", plan.dtype),
+    )
+
+
+def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool = False) -> KernelSource:
+    """The scaled-exponential forward kernel of a plan that ``scaled_exp_form`` accepts."""
+    if scaled_exp_form(plan) is None:
+        raise ValueError(f"loss rule {plan.name!r} has no scaled-exponential form (see scaled_exp_form)")
+    layout = shard_layout(plan)
+    printer = LossPrinter(LossNames(plan.hyper))
+    entry = loss_entry(plan) + "_mm_scaled"
+    context = dict(
+        **rule_context(plan),
+        entry=entry,
+        red_width=layout.red_width,
+        grad=False,
+        scaled=True,
+        loads=_red_loads(plan, layout, 0),
+        dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
+        **_scaled_context(plan, printer),
+    )
+    text = environment().get_template("loss_matmul.py.jinja").render(**context)
+    ptr = TRITON_DTYPES[plan.dtype]
+    head = tuple((n, t or ptr) for n, t in COMMON_HEAD)
+    middle = tuple((n, t or ptr) for n, t in SCALED_ARGS)
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=head + middle + COMMON_TAIL,
+        constexprs=_constexprs(tiles, has_bias),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        meta=(("rule", plan.name), ("kind", "loss-matmul"), ("dtypes", f"hidden:{plan.dtype}")),
+    )
+
+
+def _constexprs(tiles: Tiles, has_bias: bool) -> tuple:
+    return (
+        ("BM", tiles.bm),
+        ("BN", tiles.bn),
+        ("BK", tiles.bk),
+        ("GROUP_M", tiles.group_m),
+        ("EVEN_K", tiles.even_k),
+        ("HAS_BIAS", has_bias),
+        ("INTERPRETED", False),
+    )
+
+
 def render_loss_matmul(
     plan: LossPlan, tiles: Tiles = Tiles(), *, stage: int | None = None, has_bias: bool = False
 ) -> KernelSource:
@@ -199,6 +339,7 @@ def render_loss_matmul(
         entry=entry,
         red_width=layout.red_width,
         grad=grad,
+        scaled=False,
         n_passes=len(plan.passes),
         stage=stage,
         # fp32 inputs multiply in fp32 (torch's default), not TF32
@@ -220,15 +361,7 @@ def render_loss_matmul(
         text=text,
         entry=entry,
         signature=head + middle + COMMON_TAIL,
-        constexprs=(
-            ("BM", tiles.bm),
-            ("BN", tiles.bn),
-            ("BK", tiles.bk),
-            ("GROUP_M", tiles.group_m),
-            ("EVEN_K", tiles.even_k),
-            ("HAS_BIAS", has_bias),
-            ("INTERPRETED", False),
-        ),
+        constexprs=_constexprs(tiles, has_bias),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         meta=(("rule", plan.name), ("kind", "loss-matmul"), ("dtypes", f"hidden:{plan.dtype}")),

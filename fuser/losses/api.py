@@ -8,12 +8,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
-from fuser.codegen.loss_matmul import Tiles, gradient_tiles, render_loss_matmul
+from fuser.codegen.loss_matmul import (
+    Tiles,
+    gradient_tiles,
+    render_loss_matmul,
+    render_loss_scaled,
+    scaled_exp_form,
+)
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
 from fuser.runtime.loss.fused import Fused, slice_cols
+from fuser.runtime.loss.scaled import ScaledExp, TokenValues
 from fuser.runtime.loss.staged import (
     MAIN_GRAD_BUDGET,
     SCHEDULES,
@@ -30,6 +37,10 @@ MEMORY = ("auto", "lean", "fast")
 # Tiles of the matmul kernels in Triton's interpreter (CPU tensors): small, so that the
 # small tensors of tests cross several tiles in every direction.
 INTERPRETER_TILES = Tiles(bm=16, bn=32, bk=16, group_m=2, num_warps=4, num_stages=1)
+
+# The scaled schedule's kernel on a GPU: row blocks in groups of 16 (H100, T=2304, H=768,
+# V=128256: 0.93 ms against 1.02 ms in groups of 8).
+SCALED_TILES = Tiles(group_m=16)
 
 
 class CompiledLoss:
@@ -95,6 +106,8 @@ class CompiledLoss:
         self._sharded: dict[str, tuple] = {}
         self._matmul: dict[tuple, tuple] = {}
         self._grad_tiles: dict[str, Tiles] = {}
+        self._scaled: dict[tuple, KernelSource | None] = {}
+        self._token_values: dict[str, TokenValues] = {}
         self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
         self._hyper_rows: dict[tuple, torch.Tensor] = {}
         self.__name__ = rule.name
@@ -147,6 +160,17 @@ class CompiledLoss:
             )
             self._matmul[key] = (sweeps, render_loss_matmul(plan, grad_tiles, has_bias=has_bias))
         return self._matmul[key]
+
+    def scaled_kernel_source(self, dtype: str = "bf16", tiles: Tiles | None = None) -> KernelSource | None:
+        """The scaled schedule's matmul kernel for ``dtype`` (tiles: ``tiles``, else the compile
+        option ``tiles``, else ``SCALED_TILES``), or ``None`` for a rule whose gradient has no
+        scaled-exponential form (``scaled_exp_form``)."""
+        tiles = tiles or self.tiles or SCALED_TILES
+        key = (dtype, tiles)
+        if key not in self._scaled:
+            plan = lower_loss(self.rule, dtype)
+            self._scaled[key] = render_loss_scaled(plan, tiles) if scaled_exp_form(plan) else None
+        return self._scaled[key]
 
     def _gradient_tiles(self, dtype: str) -> Tiles:
         if dtype not in self._grad_tiles:
@@ -250,10 +274,15 @@ class CompiledLoss:
         if 0 < idx.shape[0] < n:
             x, y = x.index_select(0, idx), y.index_select(0, idx)
             call = replace(call, n_tokens=idx.shape[0])
-        plan = self._schedule_of(call, memory, want_grad, main_grad and weight.requires_grad, weight, group)
+        plan = self._schedule_of(
+            call, memory, want_grad, main_grad and weight.requires_grad, weight, group, bias, reduction
+        )
         if plan == "fused":
             x, weight = x.contiguous(), weight.contiguous()
             run = self._fused_run(call, x, weight, bias, group)
+        elif plan == "scaled" and want_grad:
+            x, weight = x.contiguous(), weight.contiguous()
+            run = self._scaled_run(call, x, weight)
         elif group is not None:
             run = self._vocab_parallel_run(call, group)
         else:
@@ -263,16 +292,45 @@ class CompiledLoss:
             out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
         return out
 
-    def _schedule_of(self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight, group) -> str:
-        """The schedule a call runs: ``self.schedule``, or the one ``memory`` names, or
-        (auto) chunks of tokens with ``group`` or without gradients, else the one
-        ``choose_schedule`` picks by memory."""
+    def _schedule_of(
+        self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight, group, bias, reduction: str
+    ) -> str:
+        """The schedule a call runs: ``self.schedule`` (``scaled`` only where
+        ``_scaled_refusal`` has nothing against it), or the one ``memory`` names, or (auto)
+        chunks of tokens with ``group`` or without gradients, else the one
+        ``choose_schedule`` picks by memory. Nothing picks ``scaled`` but ``schedule=``: on
+        an H100 it measured within 1-3% of ``chunks`` for plain cross-entropy at H=768, and
+        slower with options or at H >= 2048 (benchmarks/NOTES.md)."""
+        if self.schedule == "scaled":
+            why = self._scaled_refusal(call, main_grad, group, bias, reduction)
+            if why:
+                raise ValueError(f"schedule='scaled' cannot run this call: {why}")
         if self.schedule != "auto":
             return self.schedule
         if memory == "lean":
             return "fused"
         if group is not None or not want_grad:
             return "chunks"
+        return self._auto_schedule(call, main_grad, memory, weight)
+
+    def _scaled_refusal(self, call: _Call, main_grad: bool, group, bias, reduction: str) -> str | None:
+        """Why the scaled schedule cannot run a call, or ``None``."""
+        if self.scaled_kernel_source(call.dtype) is None:
+            name = self.rule.name
+            return f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token"
+        if reduction == "none":
+            return (
+                "reduction='none' scales each token's gradient in backward; it takes the gradient in forward"
+            )
+        if main_grad:
+            return "accumulate_into='main_grad' needs the gradient in backward"
+        if group is not None:
+            return "it runs on one device (no process_group)"
+        if bias is not None:
+            return "it takes no bias"
+        return None
+
+    def _auto_schedule(self, call: _Call, main_grad: bool, memory: str, weight) -> str:
         return choose_schedule(
             call.n_tokens,
             call.hid,
@@ -298,6 +356,24 @@ class CompiledLoss:
         run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
         run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
         return run
+
+    def _scaled_run(self, call: _Call, x, weight) -> ScaledExp:
+        """The scaled schedule's run, with the row kernel's as its fallback."""
+        gpu = self.tiles is None and call.device.type == "cuda"
+        tiles = (SCALED_TILES if gpu else self.tiles or INTERPRETER_TILES).for_hidden(
+            call.hid, x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+        )
+        sources, layout, _ = self.sharded_kernel_sources(call.dtype)
+        chunk = self._chunk(call)
+        fallback = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
+        if call.dtype not in self._token_values:
+            plan = lower_loss(self.rule, call.dtype)
+            self._token_values[call.dtype] = TokenValues(plan, scaled_exp_form(plan), layout)
+        kernel = self.scaled_kernel_source(call.dtype, tiles)
+        return ScaledExp(
+            kernel, sources[-1], self._token_values[call.dtype], tiles, call.device, call.hyper,
+            call.ignore_index, chunk, fallback,
+        )  # fmt: skip
 
     def _fused_run(self, call: _Call, x, weight, bias, group=None) -> Fused:
         """The lean schedule's run: matmul kernels for this device, hidden size and bias;
@@ -432,13 +508,15 @@ def kernel_sources(
     rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
 ) -> list[KernelSource]:
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
-    staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab`` and
-    ``fused`` schedules launch) and the lean schedule's matmul kernels (GPU tiles, no bias,
-    a hidden size that is a multiple of their ``bk``); with ``vocab_parallel=True``, those a
-    call with ``process_group=`` launches: all but the row kernel."""
+    staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab``,
+    ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels and the
+    scaled schedule's, where the rule has one (GPU tiles, no bias, a hidden size that is a
+    multiple of their ``bk``); with ``vocab_parallel=True``, those a call with
+    ``process_group=`` launches: the staged sequence and the lean schedule's kernels."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
     if vocab_parallel:
         return [*staged, *sweeps, grad]
-    return [f.kernel_source(dtype), *staged, *sweeps, grad]
+    scaled = f.scaled_kernel_source(dtype)
+    return [f.kernel_source(dtype), *staged, *sweeps, grad] + ([scaled] if scaled else [])

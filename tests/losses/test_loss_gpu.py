@@ -182,3 +182,47 @@ def test_lean_schedule_skips_ignored_rows_and_stays_within_its_budget():
     extra = _extra_peak(step)
     assert extra < MAIN_GRAD_BUDGET + (16 << 20), f"extra peak {extra >> 20} MiB"
     assert (x.grad[::3] == 0).all() and (x.grad[1::3] != 0).any()
+
+
+@pytest.mark.parametrize("h", [96, 128])  # 96: masked along H (64-wide steps); 128: unmasked
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_schedule_on_gpu_against_float64(h, dtype):
+    # 3 chunks of 256 tokens, the last one short; 1 in 4 ignored; label smoothing, z-loss and
+    # temperature give the gradient all three terms (softmax, target, constant)
+    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(603,), v=5003, h=h)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, schedule="scaled", chunk_size=256)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7)
+    out = f(x, w, target.cuda(), **opts)
+    (out * 0.7).backward()
+
+    def per_token(z, y):
+        z = z / 0.7
+        lse = torch.logsumexp(z, 1)
+        nll = lse - z.gather(1, y[:, None])[:, 0]
+        return 0.9 * nll + 0.1 * (lse - z.mean(1)) + 1e-3 * lse**2
+
+    # (rounding the float64 logits to fp32 only skips fp32_bounds, whose Hessians of V x V
+    # per token would not fit in memory at this V)
+    ref = reference(
+        per_token, hidden, weight, None, target, grad_out=torch.tensor(0.7), round_logits_to=torch.float32
+    )
+    assert out.dtype == torch.float32
+    assert_close(out.cpu(), ref[0], 1e-5, "loss")
+    tol = 1e-4 if dtype == torch.float32 else 2**-7
+    assert _norm_err(x.grad, ref[1]) < tol, _norm_err(x.grad, ref[1])
+    assert _norm_err(w.grad, ref[2]) < tol, _norm_err(w.grad, ref[2])
+
+
+def test_scaled_schedule_takes_gradients_again_beyond_its_range():
+    hidden, weight, _, target = make_inputs(
+        torch.bfloat16, bias=False, ignore="none", shape=(300,), v=5003, h=128
+    )
+    weight[5] = (hidden[0].float() * (150 / hidden[0].float().dot(hidden[0].float()))).to(weight.dtype)
+    target[0] = 6  # token 0's logit at column 5 is ~150 above its target's
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    out = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="scaled")(x, w, target.cuda())
+    out.backward()
+    ref = reference(cross_entropy, hidden, weight, None, target)
+    assert_close(out.cpu(), ref[0], 1e-5, "loss")
+    assert _norm_err(x.grad, ref[1]) < 2**-7 and _norm_err(w.grad, ref[2]) < 2**-7

@@ -188,7 +188,9 @@ class LinearLoss(torch.autograd.Function):
         ctx.schedule = getattr(run, "schedule", "chunks")
         if not want_grad and ctx.schedule != "fused":
             ctx.schedule = "chunks"
-        ctx.eager = want_grad and reduction != "none" and not main_grad and ctx.schedule == "chunks"
+        ctx.eager = (
+            want_grad and reduction != "none" and not main_grad and ctx.schedule in ("chunks", "scaled")
+        )
         if ctx.schedule == "fused":
             red = run.forward(x, weight, bias, target, loss_tok)
             if want_grad:
@@ -222,6 +224,9 @@ class LinearLoss(torch.autograd.Function):
                 raise RuntimeError(_ONCE)
             gx, gw, gb = ctx.grads
             ctx.grads = None
+            resolve = getattr(ctx.run, "resolve", None)
+            if resolve is not None:  # the scaled schedule's range check, deferred to here
+                resolve()
             go = grad_out.float()
             if gx is not None:
                 gx.mul_(go)

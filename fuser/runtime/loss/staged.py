@@ -287,7 +287,7 @@ class Staged(Chunked):
         return gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
 
 
-SCHEDULES = ("auto", "chunks", "whole", "vocab", "fused")
+SCHEDULES = ("auto", "chunks", "whole", "vocab", "fused", "scaled")
 
 # Memory of the schedule for ``main_grad`` (besides ``red`` and a few per-token vectors).
 MAIN_GRAD_BUDGET = 240 * MIB
