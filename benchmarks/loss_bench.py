@@ -1,7 +1,8 @@
 """Fused linear + cross-entropy, forward + backward, bf16: fuser's built-in beside torch.
 
 Configs (ANCHORS.md): `gist` = T=32768, H=768, V=128256; `llama8b` = T=8192, H=4096,
-V=128256. Targets on an H100 (ms, extra peak): `lce_gist` <= 31 ms / 1 GiB, `lce_llama8b`
+V=128256; `h2048` (T=16384, H=2048, V=128256: between them, where `memory="auto"` changes
+schedule on a GPU) when named. Targets on an H100 (ms, extra peak): `lce_gist` <= 31 ms / 1 GiB, `lce_llama8b`
 <= 35 ms / 3 GiB; `memory="lean"` (`lce_*_lean`) and the weight gradient accumulated into
 an fp32 `main_grad` (`lce_*_main_grad`) <= 256 MiB, in 38 ms (gist) and 48 ms (llama8b);
 1 token in 7 ignored (`lce_gist_ignore7`) 10% faster than `lce_gist`. Extra peak is
@@ -11,7 +12,8 @@ float64 reference (the loss; `grad_weight` on a slice of vocabulary rows and `gr
 on a slice of tokens, from the whole batch).
 
     python benchmarks/loss_bench.py [gist llama8b] [--out DIR] [--sweep] [--tag _v3] [--no-compile]
-                                    [--schedules chunks whole vocab fused] [--lean] [--ignore7] [--options]
+                                    [--schedules chunks whole vocab fused scaled] [--lean] [--ignore7]
+                                    [--options]
 
 Anchors: torch's `F.linear_cross_entropy` where torch has it, Liger and CCE where they
 import (a row says why where they do not), and `torch.compile` of the full-logits loss
@@ -42,11 +44,12 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuser  # noqa: E402
 import fuser.losses  # noqa: E402
+from fuser.runtime.loss.staged import SCHEDULES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optim_bench import event_ms  # noqa: E402
 
-CONFIGS = {"gist": (32768, 768, 128256), "llama8b": (8192, 4096, 128256)}
+CONFIGS = {"gist": (32768, 768, 128256), "llama8b": (8192, 4096, 128256), "h2048": (16384, 2048, 128256)}
 TARGETS = {  # ms, GiB of extra peak on an H100, per workload
     "lce_gist": (31.0, 1.0),
     "lce_gist_lean": (38.0, 0.25),
@@ -311,7 +314,7 @@ def main(argv=None):
     ap.add_argument("configs", nargs="*", default=["gist", "llama8b"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--schedules", nargs="*", default=[], choices=["chunks", "whole", "vocab", "fused"],
+    ap.add_argument("--schedules", nargs="*", default=[], choices=list(SCHEDULES[1:]),
                     help="also time fuser with each of these schedules forced")  # fmt: skip
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile anchor")

@@ -6,7 +6,9 @@ only, no synchronisation), the device time of every kernel summed (the profiler'
 number of launches, and the kernels that take the most device time. Events minus device
 time is time the GPU sat idle inside the step, waiting for the host.
 
-    python benchmarks/profile_loss.py [gist llama8b] [--variants default main_grad] [--top 12]
+    python benchmarks/profile_loss.py [gist llama8b] [--variants default main_grad chunks scaled] [--top 12]
+
+(`chunks`, `scaled`: the built-in cross-entropy with that schedule forced.)
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from optim_bench import event_ms  # noqa: E402
 def step_fn(variant):
     if variant == "main_grad":
         return lambda x, w, y: fuser.losses.cross_entropy(x, w, y, accumulate_into="main_grad")
+    if variant in ("chunks", "scaled"):
+        return fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=variant)
     return fuser.losses.cross_entropy
 
 
@@ -129,7 +133,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="*", default=["gist", "llama8b"])
     ap.add_argument(
-        "--variants", nargs="*", default=["default", "main_grad"], choices=["default", "main_grad"]
+        "--variants",
+        nargs="*",
+        default=["default", "main_grad"],
+        choices=["default", "main_grad", "chunks", "scaled"],
     )
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
