@@ -296,30 +296,33 @@ def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool
         dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
         **_scaled_context(plan, printer),
     )
+    return _matmul_source(plan, context, entry, SCALED_ARGS, tiles, has_bias)
+
+
+def _matmul_source(
+    plan: LossPlan, context: dict, entry: str, args, tiles: Tiles, has_bias: bool
+) -> KernelSource:
+    """The ``KernelSource`` of one loss matmul kernel: the template rendered with ``context``,
+    ``args`` (the kernel's own) between the common parameters."""
     text = environment().get_template("loss_matmul.py.jinja").render(**context)
     ptr = TRITON_DTYPES[plan.dtype]
-    head = tuple((n, t or ptr) for n, t in COMMON_HEAD)
-    middle = tuple((n, t or ptr) for n, t in SCALED_ARGS)
+    middle = tuple((n, t or ptr) for n, t in args)
     return KernelSource(
         text=text,
         entry=entry,
-        signature=head + middle + COMMON_TAIL,
-        constexprs=_constexprs(tiles, has_bias),
+        signature=tuple((n, t or ptr) for n, t in COMMON_HEAD) + middle + COMMON_TAIL,
+        constexprs=(
+            ("BM", tiles.bm),
+            ("BN", tiles.bn),
+            ("BK", tiles.bk),
+            ("GROUP_M", tiles.group_m),
+            ("EVEN_K", tiles.even_k),
+            ("HAS_BIAS", has_bias),
+            ("INTERPRETED", False),
+        ),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         meta=(("rule", plan.name), ("kind", "loss-matmul"), ("dtypes", f"hidden:{plan.dtype}")),
-    )
-
-
-def _constexprs(tiles: Tiles, has_bias: bool) -> tuple:
-    return (
-        ("BM", tiles.bm),
-        ("BN", tiles.bn),
-        ("BK", tiles.bk),
-        ("GROUP_M", tiles.group_m),
-        ("EVEN_K", tiles.even_k),
-        ("HAS_BIAS", has_bias),
-        ("INTERPRETED", False),
     )
 
 
@@ -353,16 +356,4 @@ def render_loss_matmul(
             part_width=layout.part_widths[stage],
             **_sweep_context(plan.passes[stage], printer, layout, stage),
         )
-    text = environment().get_template("loss_matmul.py.jinja").render(**context)
-    ptr = TRITON_DTYPES[plan.dtype]
-    head = tuple((n, t or ptr) for n, t in COMMON_HEAD)
-    middle = tuple((n, t or ptr) for n, t in (GRAD_ARGS if grad else SWEEP_ARGS))
-    return KernelSource(
-        text=text,
-        entry=entry,
-        signature=head + middle + COMMON_TAIL,
-        constexprs=_constexprs(tiles, has_bias),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        meta=(("rule", plan.name), ("kind", "loss-matmul"), ("dtypes", f"hidden:{plan.dtype}")),
-    )
+    return _matmul_source(plan, context, entry, GRAD_ARGS if grad else SWEEP_ARGS, tiles, has_bias)

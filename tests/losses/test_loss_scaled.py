@@ -126,6 +126,7 @@ def _spy(method, calls):
     ],
 )
 def test_refusals_say_why(rule, kw, message):
+    kw = dict(kw)  # (the parameter's dict is shared by every run of the test)
     hidden, weight, b, target = make_inputs(bias=kw.pop("bias", False))
     f = fuser.compile(rule, schedule="scaled")
     with pytest.raises(ValueError, match=re.escape(message)):
