@@ -497,10 +497,11 @@ def _check_call(hidden, weight, target, bias, reduction: str, accumulate_into: s
 def make_loss(rule: Rule, **options) -> CompiledLoss:
     """``fuser.compile`` for loss rules. Options: ``chunk_size`` (tokens per chunk; by default
     chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``,
-    ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"`` or ``"fused"``: see
-    ``fuser.runtime.loss.staged`` and ``fuser.runtime.loss.fused``; ``auto`` lets each
-    call's ``memory=`` pick), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of
-    the matmul kernels)."""
+    ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"``, ``"fused"`` or
+    ``"scaled"``: see ``fuser.runtime.loss.staged``, ``fuser.runtime.loss.fused`` and
+    ``fuser.runtime.loss.scaled``; ``auto`` lets each call's ``memory=`` pick, and never
+    picks ``scaled``), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of the
+    matmul kernels)."""
     return CompiledLoss(rule, **options)
 
 
