@@ -157,3 +157,21 @@ def test_add_rows_sums_repeated_indices():
     expected = out.double().index_add(0, index, values.double())
     scaled.add_rows(out, index, values)
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_buffers_poisoned_with_nan_leak_nothing(monkeypatch):
+    # every buffer the schedule allocates uninitialised starts as NaN: E's tiles, the
+    # partials, the rows of grad_hidden must all be written before they are read
+    real_empty = torch.empty
+
+    def nan_filled(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, weight, _, target = make_inputs(dtype, bias=False)
+        f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule="scaled")
+        got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.3))
+        ref = reference(fuser_ce, hidden, weight, None, target, grad_out=torch.tensor(0.3))
+        check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)
