@@ -244,8 +244,8 @@ def test_show_renders_8bit_states_and_split_masters(cache_root, rules_file, caps
 
 def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
     # the row kernel, the staged sequence (process_group= calls and the one-device
-    # whole / vocab schedules) and the lean schedule's matmul kernels, with or without the
-    # older --vocab-parallel flag
+    # whole / vocab schedules), the lean schedule's matmul kernels and the scaled schedule's,
+    # with or without the older --vocab-parallel flag
     path = tmp_path / "losses.py"
     path.write_text(LOSSES)
     seen = _recording(monkeypatch)
@@ -262,6 +262,7 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "ce_loss_rows_vp1",
         "ce_loss_rows_mm0",
         "ce_loss_rows_mm_grad",
+        "ce_loss_rows_mm_scaled",
     ]
 
 
