@@ -188,13 +188,16 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     fp32 states from 10.7 to 9.0 ms, all-bf16 from 5.8 to 5.6 ms; all-fp32 AdamW was 5%
     slower than with one pass of 2048 values over 8 warps (8 per thread), which it keeps
     (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Kernels with 8-bit states
-    and no split master walk 256 at a time over 2 warps: 8-bit AdamW took 4.54-4.57 ms
-    against 4.76-4.98 ms with 512 over 4 (three rounds in one H100 call; with a split
-    master the two were even, benchmarks/NOTES.md). Tiled phases (shape-aware rules) take
-    TILE_WARPS.
+    whose element states and split master are all one byte walk 256 at a time over 2
+    warps: 8-bit AdamW took 4.54-4.57 ms against 4.76-4.98 ms with 512 over 4 (three
+    rounds in one H100 call), with an int8 master 5.07 against 5.22 ms, 8-bit Lion with
+    one 4.04 against 4.10 ms; with an int16 master or fp32 states beside an int8 master,
+    512 over 4 stayed 1% faster (benchmarks/NOTES.md). Tiled phases (shape-aware rules)
+    take TILE_WARPS.
     """
     wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
-    narrow = not plan.tiled and _is_compressed(plan) and not _master_bits(plan)
+    narrow = not plan.tiled and _is_compressed(plan) and all(_one_byte(sl) for sl in plan.slots
+                                                             if sl.role in ("state", "master"))  # fmt: skip
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
     sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 256 if narrow else 512, block))
     warps = int(
@@ -524,6 +527,11 @@ def _pointer_lines(ctx: _PhaseContext) -> list[str]:
 
 def _is_compressed(plan: OptimPlan) -> bool:
     return any(sl.role == "master" or sl.dtype in QFORMATS for sl in plan.slots)
+
+
+def _one_byte(slot) -> bool:
+    """An element state in an 8-bit format, or an int8 split master."""
+    return slot.dtype in QFORMATS or (slot.role == "master" and slot.dtype == "int8")
 
 
 def _master_bits(plan: OptimPlan) -> int:

@@ -51,6 +51,27 @@ def test_a_changed_launch_variable_renders_new_kernels_in_the_same_process(monke
     assert (second["BLOCK"], second["SUB"]) == (512, 256)
 
 
+@pytest.mark.parametrize(
+    "options, shape",
+    [
+        (dict(), (2048, 2048, 8)),  # every element tensor fp32
+        (dict(state_dtype="param"), (8192, 512, 4)),
+        (dict(state_dtype="q8"), (8192, 256, 2)),  # every state one byte
+        (dict(state_dtype="q8", master_weights="bf16+int8"), (8192, 256, 2)),
+        (dict(state_dtype="q8", master_weights="bf16+int16"), (8192, 512, 4)),
+        (dict(master_weights="bf16+int8"), (8192, 512, 4)),  # fp32 states
+        (dict(state_dtype=dict(exp_avg="int8")), (8192, 512, 4)),  # v stays fp32
+    ],
+)
+def test_default_launch_shapes_follow_the_bytes_of_an_element(monkeypatch, options, shape):
+    for name in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_SUB", "FUSER_OPTIM_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    dtype = "fp32" if not options else "bf16"
+    src = kernel_sources(fuser.optim.AdamW.rule, dtype, **options)[0]
+    constexprs = dict(src.constexprs)
+    assert (constexprs["BLOCK"], constexprs["SUB"], src.num_warps) == shape, options
+
+
 @pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
 def test_lamb_matches_the_paper_for_every_launch_shape(device, launch_shape):
     params = [torch.randn(s, device=device) for s in SHAPES]
