@@ -1,4 +1,5 @@
-"""Run a function on several gloo processes and bring back what each returns.
+"""Run a function on several processes of one gloo (CPU) or NCCL (one GPU each) group and
+bring back what each returns, on the CPU.
 
 The workers are spawned (never forked: Triton and torch keep threads) and rendezvous on
 a free local port. A rank that raises stops the others at once and its traceback becomes
@@ -28,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
+def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -42,7 +43,14 @@ def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
+        timeout = datetime.timedelta(seconds=90)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group(
+                "nccl", rank=rank, world_size=world, timeout=timeout, device_id=torch.device("cuda", rank)
+            )
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         result = fn(rank, world, *args)
         torch.save(result, Path(out) / f"{rank}.pt")
         dist.destroy_process_group()
@@ -59,14 +67,15 @@ def _entry(fn, rank: int, world: int, port: int, out: str, args: tuple) -> None:
     os._exit(code)
 
 
-def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes in one gloo group; returns each
-    rank's result (tensors, numbers, strings, in lists and dicts; no DTensors)."""
+def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0, backend: str = "gloo") -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes in one ``backend`` group (``"nccl"``:
+    rank r on cuda:r); returns each rank's result (tensors, numbers, strings, in lists and
+    dicts; no DTensors), its tensors on the CPU. ``args`` travel pickled: CPU tensors."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fuser-ranks-") as out:
         port = free_port()
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend), daemon=True)
             for r in range(world)
         ]
         for p in procs:
@@ -90,4 +99,6 @@ def run_ranks(fn, *args, world: int = 2, timeout: float = 150.0) -> list:
             raise AssertionError(f"ranks exited with {[p.exitcode for p in procs]}")
         if hung:
             raise AssertionError(f"ranks {hung} still running after {timeout:.0f} s (a hung collective?)")
-        return [torch.load(Path(out) / f"{r}.pt", weights_only=True) for r in range(world)]
+        return [
+            torch.load(Path(out) / f"{r}.pt", map_location="cpu", weights_only=True) for r in range(world)
+        ]

@@ -1,9 +1,10 @@
 """Compressed state dicts (8-bit codes and their block scales, split masters) resharded by
 torch.distributed.checkpoint: where every row of a parameter's 2-D view is a whole number
 of blocks and the parameter is sharded by rows (or replicated), no block straddles two
-shards, so a checkpoint saved on 2 gloo ranks loads into one process, and one saved in one
+shards, so a checkpoint saved on 2 ranks loads into one process, and one saved in one
 process loads on 2 ranks, with codes and scales exactly as they were and the next step
-equal, bit for bit, to the step the saving optimizer takes."""
+equal, bit for bit, to the step the saving optimizer takes. On CPU tensors over gloo, and
+on two GPUs over NCCL (the single process then on cuda:0)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ LAYOUTS = [
     ((6, 96), Replicate(), torch.float32),
 ]
 STEPS = 3
+# The ranks' devices: CPU over gloo, one GPU each over NCCL where two are present.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")],
+    ),
+]
+BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
 make_optimizer = make_compressed_optimizer
@@ -58,14 +68,14 @@ def _two_steps(mesh):
     return params, opt, grads
 
 
-def save_on_ranks(rank, world, path):
+def save_on_ranks(rank, world, path, device):
     """Two steps on DTensor shards, a DCP checkpoint of state_dict(compressed=True), a
     third step; returns each rank's states at the checkpoint and its parameters before and
     after the third step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     params, opt, grads = _two_steps(mesh)
     sd = opt.state_dict(compressed=True)
     kinds = [type(sd["state"][i]["exp_avg_absmax"]).__name__ for i in range(len(params))]
@@ -75,6 +85,10 @@ def save_on_ranks(rank, world, path):
         p.grad = g
     opt.step()
     return dict(saved=saved, before=before, after=[local_copy(p.detach()) for p in params], kinds=kinds)
+
+
+def _cpu(v):
+    return v.cpu() if torch.is_tensor(v) else v
 
 
 def _whole(pieces, i):
@@ -99,14 +113,17 @@ def _value(pieces, rows, i, key):
     return _scales(pieces, rows, i) if key.endswith("_absmax") else _whole(pieces, i)
 
 
-def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path, device):
     import torch.distributed.checkpoint as dcp
 
     path = str(tmp_path / "dcp")
-    got = run_ranks(save_on_ranks, path)
+    got = run_ranks(save_on_ranks, path, device, backend=BACKEND[device])
     # sharded parameters' scales are DTensors placed like them, replicated ones plain
     assert got[0]["kinds"] == ["DTensor", "DTensor", "DTensor", "Tensor"], got[0]["kinds"]
-    params = [torch.nn.Parameter(_whole([g["before"][i] for g in got], i)) for i in range(len(LAYOUTS))]
+    params = [
+        torch.nn.Parameter(_whole([g["before"][i] for g in got], i).to(device)) for i in range(len(LAYOUTS))
+    ]
     opt = with_state(params)
     template = opt.state_dict(compressed=True)
     with warnings.catch_warnings():
@@ -117,18 +134,20 @@ def test_compressed_checkpoint_of_two_ranks_loads_into_one_process(tmp_path):
         rows = [g["before"][i].shape[0] for g in got]
         for key, value in opt.state[p].items():
             want = _value([g["saved"][i][key] for g in got], rows, i, key)
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(want)), (i, key)
+            assert torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(want)), (i, key)
         assert opt.state[p]["exp_avg"].dtype == torch.int8, i
     _, grads = data()
     for p, g in zip(params, grads[2]):
-        p.grad = g.clone()
+        p.grad = g.to(device)
     opt.step()
     for i, p in enumerate(params):
         want = _whole([g["after"][i] for g in got], i)
-        assert torch.equal(p.detach(), want), f"parameter {i} {LAYOUTS[i][0]}: the step after loading differs"
+        assert torch.equal(p.detach().cpu(), want), (
+            f"parameter {i} {LAYOUTS[i][0]}: the step after loading differs"
+        )
 
 
-def load_on_ranks(rank, world, saved, before):
+def load_on_ranks(rank, world, saved, before, device):
     """This rank's shards of ``before``, a new optimizer loaded from ``saved`` (the path
     of a compressed checkpoint, or a compressed state dict of whole tensors, which each
     rank's ``load_state_dict`` scatters like the parameters), its states, and its
@@ -136,7 +155,7 @@ def load_on_ranks(rank, world, saved, before):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     # (the ranks' ``before`` share memory, and a replicated DTensor keeps the tensor given)
     params = [torch.nn.Parameter(t) for t in _distributed(mesh, [b.clone() for b in before])]
     opt = with_state(params)
@@ -157,17 +176,18 @@ def load_on_ranks(rank, world, saved, before):
     )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("through", ["dcp", "state_dict"])
-def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path, through):
+def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path, through, device):
     import torch.distributed.checkpoint as dcp
 
     path = str(tmp_path / "dcp")
     full, grads = data()
-    params = [torch.nn.Parameter(t.clone()) for t in full]
+    params = [torch.nn.Parameter(t.to(device)) for t in full]
     opt = make_optimizer(params)
     for step_grads in grads[:2]:
         for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+            p.grad = g.to(device)
         opt.step()
     sd = opt.state_dict(compressed=True)
     assert [tuple(sd["state"][i]["exp_avg_absmax"].shape) for i in range(len(params))] == [
@@ -176,20 +196,23 @@ def test_compressed_checkpoint_of_one_process_loads_on_two_ranks(tmp_path, throu
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.save({"optim": sd}, checkpoint_id=path, no_dist=True)
-    saved, before = states_of(opt, params), [p.detach().clone() for p in params]
-    # (a state dict holds the live states, as torch's does: a copy before the next step)
-    whole = {"state": {i: {k: local_copy(v) for k, v in st.items()} for i, st in sd["state"].items()}}
+    saved, before = states_of(opt, params), [p.detach().to("cpu", copy=True) for p in params]
+    # (a state dict holds the live states, as torch's does: a copy before the next step;
+    # on the CPU, for the ranks' arguments)
+    whole = {"state": {i: {k: _cpu(local_copy(v)) for k, v in st.items()} for i, st in sd["state"].items()}}
     whole["param_groups"] = sd["param_groups"]
     for p, g in zip(params, grads[2]):
-        p.grad = g.clone()
+        p.grad = g.to(device)
     opt.step()
-    got = run_ranks(load_on_ranks, path if through == "dcp" else whole, before)
+    got = run_ranks(
+        load_on_ranks, path if through == "dcp" else whole, before, device, backend=BACKEND[device]
+    )
     for i, p in enumerate(params):
         rows = [g["rows"][i] for g in got]
         for key, want in saved[i].items():
             value = _value([g["loaded"][i][key] for g in got], rows, i, key)
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(want)), (i, key)
-        assert torch.equal(_whole([g["after"][i] for g in got], i), p.detach()), (
+            assert torch.equal(torch.as_tensor(value), _cpu(torch.as_tensor(want))), (i, key)
+        assert torch.equal(_whole([g["after"][i] for g in got], i), p.detach().cpu()), (
             f"parameter {i} after the step"
         )
 
@@ -205,7 +228,7 @@ def test_scales_follow_the_rows_they_scale():
     assert torch.equal(torch.cat([top, bottom]), scales)
 
 
-def load_scales_placed_otherwise(rank, world):
+def load_scales_placed_otherwise(rank, world, device):
     """Two steps on DTensor shards, then the compressed state dict with every DTensor of
     block scales replicated over the mesh (placed unlike the parameter it scales, as
     another program's state dict may hold them) loaded into a new optimizer on the same
@@ -214,7 +237,7 @@ def load_scales_placed_otherwise(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     params, opt, grads = _two_steps(mesh)
     sd = opt.state_dict(compressed=True)
     moved, state = 0, {}
@@ -242,8 +265,9 @@ def load_scales_placed_otherwise(rank, world):
     )
 
 
-def test_compressed_scales_placed_unlike_their_parameter_load_on_each_rank():
-    for rank, got in enumerate(run_ranks(load_scales_placed_otherwise)):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compressed_scales_placed_unlike_their_parameter_load_on_each_rank(device):
+    for rank, got in enumerate(run_ranks(load_scales_placed_otherwise, device, backend=BACKEND[device])):
         # every sharded parameter's scales (both states) were replicated before loading
         assert got["moved"] == 2 * sum(isinstance(pl, Shard) for _, pl, _ in LAYOUTS), got["moved"]
         for i, (saved, loaded) in enumerate(zip(got["saved"], got["loaded"])):
