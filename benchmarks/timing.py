@@ -37,6 +37,25 @@ def step_ms(fn, device, rep: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def device_ms(fn, device, rep: int) -> float:
+    """Median device time of one call whose launches the host queued behind a ~1.5 ms
+    spin of the GPU, so the host's own work before them (checks, Python, the launch) is
+    hidden: the GPU's time for the call alone. The host clock on CPU."""
+    if device.type != "cuda":
+        return step_ms(fn, device, rep, warmup=0)
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(3_000_000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def wall_ms(fn, device, steps: int) -> float:
     """Host wall time per call over back-to-back calls, Python included."""
     sync(device)

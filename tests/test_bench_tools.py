@@ -129,6 +129,9 @@ def test_state_bench_smoke_runs_on_cpu(tmp_path):
         assert "error" not in r, r
         assert r["ms"] > 0 and r["floor_ms"] > 0
         assert abs(r["pct_of_floor"] - 100 * r["floor_ms"] / r["ms"]) <= 0.1
+        assert (
+            r["device_ms"] > 0 and abs(r["pct_of_floor_device"] - 100 * r["floor_ms"] / r["device_ms"]) <= 0.1
+        )
     for static in ("", " static"):
         q8 = rows[("adamw_q8_llama1b", "fuser.optim.AdamW" + static)]
         master = rows[("adamw_q8_master24_llama1b", "fuser.optim.AdamW" + static)]
