@@ -178,37 +178,56 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     """(BLOCK, SUB, num_warps) for a step kernel: each program updates BLOCK elements of
     one tensor, SUB at a time. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_SUB`` /
     ``FUSER_OPTIM_WARPS`` override them (for tuning runs; the values are part of the
-    kernel's cache key).
-
-    Four values per thread per pass keep a thread's registers few (about 50 for AdamW
-    with 8-bit states, 255 at 16 values), so many programs share a multiprocessor, and
-    the loop spreads each program's fixed costs (its tensor's addresses and scalars, the
-    counter it bumps at the end) over 8192 elements. On TinyLlama-1.1B's tensors on an
-    H100 this took AdamW with 8-bit states from 9.2 to 5.0 ms, with bf16 parameters and
-    fp32 states from 10.7 to 9.0 ms, all-bf16 from 5.8 to 5.6 ms; all-fp32 AdamW was 5%
-    slower than with one pass of 2048 values over 8 warps (8 per thread), which it keeps
-    (benchmarks/results/sweep_step_2026-11-25.md, _fp32.md). Kernels with 8-bit states
-    whose element states and split master are all one byte walk 256 at a time over 2
-    warps: 8-bit AdamW took 4.54-4.57 ms against 4.76-4.98 ms with 512 over 4 (three
-    rounds in one H100 call), with an int8 master 5.07 against 5.22 ms, 8-bit Lion with
-    one 4.04 against 4.10 ms; with an int16 master or fp32 states beside an int8 master,
-    512 over 4 stayed 1% faster (benchmarks/NOTES.md). Tiled phases (shape-aware rules)
-    take TILE_WARPS.
-    """
-    wide = not plan.tiled and all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col"))
-    narrow = not plan.tiled and _is_compressed(plan) and all(_one_byte(sl) for sl in plan.slots
-                                                             if sl.role in ("state", "master"))  # fmt: skip
-    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or (2048 if wide else 8192))
-    sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(2048 if wide else 256 if narrow else 512, block))
-    warps = int(
-        os.environ.get("FUSER_OPTIM_WARPS")
-        or (TILE_WARPS if plan.tiled else 8 if wide else 2 if narrow else 4)
-    )
+    kernel's cache key); the defaults are ``default_launch``'s."""
+    block, sub, warps = default_launch(plan)
+    block = int(os.environ.get("FUSER_OPTIM_BLOCK") or block)
+    sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(sub, block))
+    warps = int(os.environ.get("FUSER_OPTIM_WARPS") or warps)
     if block < 128 or block & (block - 1):
         raise ValueError(f"FUSER_OPTIM_BLOCK must be a power of two >= 128, not {block}")
     if sub < 128 or sub & (sub - 1) or sub > block:
         raise ValueError(f"FUSER_OPTIM_SUB must be a power of two from 128 to BLOCK ({block}), not {sub}")
     return block, sub, warps
+
+
+def default_launch(plan: OptimPlan) -> tuple[int, int, int]:
+    """(BLOCK, SUB, num_warps) by the bytes of a step's element tensors.
+
+    A few values per thread per pass keep a thread's registers few (about 50 for AdamW
+    with 8-bit states, 255 at 16 values), so many programs share a multiprocessor, and
+    the loop spreads each program's fixed costs (its tensor's addresses and scalars, the
+    counter it bumps at the end) over 8192 elements. On TinyLlama-1.1B's tensors on an
+    H100 this took AdamW with 8-bit states from 9.2 to 5.0 ms, with bf16 parameters and
+    fp32 states from 10.7 to 9.0 ms (benchmarks/results/sweep_step_2026-11-25.md). Kernel
+    times of AdamW per layout, two rounds in one H100 call, against 512 a pass over 4
+    warps (benchmarks/results/step_shapes_2026-11-26*.jsonl, NOTES):
+
+    - all fp32: one pass of 2048 over 8 warps (512 a pass was 5% slower);
+    - 16-bit parameters and states: 1024 over 8 warps, 5.229 against 5.306 ms;
+    - 16-bit parameters, fp32 states: 1024 over 4 warps, 8.28 against 8.40 ms;
+    - 8-bit states: 512 over 2 warps, 4.18 against 4.26 ms (256 over 2); Lion 3.27
+      against 3.30 ms;
+    - 8-bit states and an int8 split master: 256 over 2 warps, 5.07 against 5.22 ms
+      (512 over 2: 5.11 ms);
+    - other split masters (int16, or beside fp32 states): 512 over 4 warps, 1% ahead of
+      256 over 2.
+
+    Tiled phases (shape-aware rules) take TILE_WARPS.
+    """
+    if plan.tiled:
+        return 8192, 512, TILE_WARPS
+    if all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col")):
+        return 2048, 2048, 8
+    elements = [sl for sl in plan.slots if sl.role in ("param", "grad", "state", "master")]
+    if _is_compressed(plan):
+        if not all(_one_byte(sl) for sl in elements if sl.role in ("state", "master")):
+            return 8192, 512, 4
+        return (8192, 256, 2) if _master_bits(plan) else (8192, 512, 2)
+    if any(sl.role == "matrix" for sl in plan.slots):
+        return 8192, 512, 4  # (phases of a matrix function's rule: not measured otherwise)
+    if all(DTYPE_BYTES[sl.dtype] == 2 for sl in elements):
+        return 8192, 1024, 8
+    return 8192, 1024, 4
 
 
 def optim_max_registers(plan: OptimPlan) -> int:

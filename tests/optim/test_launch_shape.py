@@ -55,8 +55,9 @@ def test_a_changed_launch_variable_renders_new_kernels_in_the_same_process(monke
     "options, shape",
     [
         (dict(), (2048, 2048, 8)),  # every element tensor fp32
-        (dict(state_dtype="param"), (8192, 512, 4)),
-        (dict(state_dtype="q8"), (8192, 256, 2)),  # every state one byte
+        (dict(state_dtype="param"), (8192, 1024, 8)),  # every element tensor 16-bit
+        (dict(state_dtype="fp32"), (8192, 1024, 4)),  # bf16 parameters, fp32 states
+        (dict(state_dtype="q8"), (8192, 512, 2)),  # every state one byte
         (dict(state_dtype="q8", master_weights="bf16+int8"), (8192, 256, 2)),
         (dict(state_dtype="q8", master_weights="bf16+int16"), (8192, 512, 4)),
         (dict(master_weights="bf16+int8"), (8192, 512, 4)),  # fp32 states
@@ -66,7 +67,7 @@ def test_a_changed_launch_variable_renders_new_kernels_in_the_same_process(monke
 def test_default_launch_shapes_follow_the_bytes_of_an_element(monkeypatch, options, shape):
     for name in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_SUB", "FUSER_OPTIM_WARPS"):
         monkeypatch.delenv(name, raising=False)
-    dtype = "fp32" if not options else "bf16"
+    dtype = "bf16" if options else "fp32"
     src = kernel_sources(fuser.optim.AdamW.rule, dtype, **options)[0]
     constexprs = dict(src.constexprs)
     assert (constexprs["BLOCK"], constexprs["SUB"], src.num_warps) == shape, options
