@@ -1,7 +1,7 @@
 """One optimizer step's time on TinyLlama-1.1B's 201 tensors (bf16 parameters and
-gradients, ``static=True``) for layouts with split masters, under whatever launch shape
+gradients, ``static=True``) for a few state layouts, under whatever launch shape
 ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_SUB`` / ``FUSER_OPTIM_WARPS`` set: the tuning runs
-behind ``render.optim_launch_config``'s defaults. Needs a CUDA GPU.
+behind ``render.default_launch``. Needs a CUDA GPU.
 
 Per layout, one JSON line: CUDA events around ``opt.step()`` (``events``), the same with
 the step's launch queued behind a spin of the GPU so the host's work is hidden
@@ -37,9 +37,13 @@ import fuser.optim  # noqa: E402
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 LION = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.01)
+LION_Q8 = fuser.compile(LION_RULE, state_dtype="q8", static=True)
 LION_Q8_M24 = fuser.compile(LION_RULE, state_dtype="q8", master_weights="bf16+int8", static=True)
 # layout -> (bytes a step moves per parameter, optimizer)
 LAYOUTS = {
+    "bf16": (14.0, lambda ps: fuser.optim.AdamW(ps, state_dtype="param", static=True, **ADAMW)),
+    "f32s": (22.0, lambda ps: fuser.optim.AdamW(ps, static=True, **ADAMW)),
+    "lion": (8.25, lambda ps: LION_Q8(ps, **LION)),
     "q8": (10.5, lambda ps: fuser.optim.AdamW(ps, state_dtype="q8", static=True, **ADAMW)),
     "m24": (
         12.5,
