@@ -24,17 +24,26 @@ def step_ms(fn, device, rep: int, warmup: int = 1) -> float:
     times = []
     for _ in range(rep):
         if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(_events(fn, spin=False))
         else:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _events(fn, spin: bool) -> float:
+    """Milliseconds between CUDA events around one call of ``fn``; with ``spin``, recorded
+    behind a ~1.5 ms spin of the GPU that the host queues its launches behind."""
+    torch.cuda.synchronize()
+    if spin:
+        torch.cuda._sleep(3_000_000)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
 
 
 def device_ms(fn, device, rep: int) -> float:
@@ -43,17 +52,7 @@ def device_ms(fn, device, rep: int) -> float:
     hidden: the GPU's time for the call alone. The host clock on CPU."""
     if device.type != "cuda":
         return step_ms(fn, device, rep, warmup=0)
-    times = []
-    for _ in range(rep):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(3_000_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return statistics.median(_events(fn, spin=True) for _ in range(rep))
 
 
 def wall_ms(fn, device, steps: int) -> float:
