@@ -54,7 +54,10 @@ def loss_rows(doc: dict, source: str) -> list[dict]:
         if "option" in r:  # time only, beside plain cross-entropy (--options)
             workload = f"lce_{r['cfg']}_option_{r['option']}"
             impl = f"fuser memory={r['memory']}"
-            out.append(dict(workload=workload, impl=impl, ms=r["fwd_bwd_ms"], device=device, source=source))
+            row = dict(workload=workload, impl=impl, ms=r["fwd_bwd_ms"], device=device, source=source)
+            if "over_plain" in r:  # the median of the rounds' ratios to plain's time
+                row["over_plain"] = r["over_plain"]
+            out.append(row)
             continue
         out.append(
             dict(

@@ -23,8 +23,9 @@ import (a row says why where they do not), and `torch.compile` of the full-logit
 defaults; `--schedules` times fuser with each schedule forced (`auto` picks one by memory);
 `--lean` adds `memory="lean"` with and without `main_grad`; `--ignore7` runs each config
 again with 1 token in 7 ignored (fuser, lean, CCE); `--options` times softcap, z-loss,
-label smoothing and temperature against plain cross-entropy, `memory="auto"` and `"lean"`
-(time only: their values are checked against float64 in tests/losses).
+label smoothing and temperature against plain cross-entropy, `memory="auto"` and `"lean"`,
+in 3 rounds with the order rotated (time only: their values are checked against float64
+in tests/losses).
 Writes `loss_<date><tag>.json` and `.md` under --out (default benchmarks/results).
 """
 
@@ -66,6 +67,7 @@ OPTIONS = {
     "temperature=0.7": dict(temperature=0.7),
 }
 GIB = 1 << 30
+ROUNDS = 3  # of each option in --options
 
 
 def gemm_tflops():
@@ -266,24 +268,36 @@ def run(cfg, sweep, rows_out, schedules=(), compile_anchor=True, lean=False, ign
 
 def options(cfg: str, rows: list) -> None:
     """Forward + backward of the built-in with each option, beside plain cross-entropy, for
-    ``memory="auto"`` and ``"lean"``: time only."""
+    ``memory="auto"`` and ``"lean"``: time only. Each option is timed in ``ROUNDS`` rounds,
+    the order rotated from round to round, so that a slow stretch of the GPU falls on
+    different options; the row keeps every round's median and the median of its ratios to
+    plain's time in the same round."""
     t, h, v = CONFIGS[cfg]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
     y = torch.randint(0, v, (t,), device="cuda", generator=g)
     warm_up()
+    names = list(OPTIONS)
     for memory in ("auto", "lean"):
-        for name, kw in OPTIONS.items():
+        times = {name: [] for name in names}
+        for r in range(ROUNDS):
+            for name in names[r:] + names[:r]:
 
-            def step(kw=kw, memory=memory):
-                fuser.losses.cross_entropy(x, w, y, memory=memory, **kw).backward()
+                def step(kw=OPTIONS[name], memory=memory):
+                    fuser.losses.cross_entropy(x, w, y, memory=memory, **kw).backward()
 
-            step()
-            ms = event_ms(step, warmup=2, rep=10)
-            rows.append(dict(cfg=cfg, option=name, memory=memory, fwd_bwd_ms=round(ms, 2)))
+                step()
+                times[name].append(event_ms(step, warmup=2, rep=10))
+                x.grad = w.grad = None
+        for name in names:
+            ratios = sorted(a / b for a, b in zip(times[name], times["plain"]))
+            ms = sorted(times[name])[ROUNDS // 2]
+            row = dict(cfg=cfg, option=name, memory=memory, fwd_bwd_ms=round(ms, 2))
+            row.update(rounds_ms=[round(m, 2) for m in times[name]])
+            row.update(over_plain=round(ratios[ROUNDS // 2] - 1, 4))
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
-            x.grad = w.grad = None
 
 
 def _ignored_lines(rows: list) -> list[str]:
@@ -301,11 +315,17 @@ def _option_lines(rows: list) -> list[str]:
     opts = [r for r in rows if "option" in r]
     if not opts:
         return []
-    plain = {(r["cfg"], r["memory"]): r["fwd_bwd_ms"] for r in opts if r["option"] == "plain"}
-    lines = ["", "| config | memory | option | fwd+bwd ms | over plain |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"Options: median of {ROUNDS} rounds (order rotated); over plain: the median of the rounds' ratios.",
+        "",
+        "| config | memory | option | fwd+bwd ms | rounds ms | over plain |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in opts:
-        over = r["fwd_bwd_ms"] / plain[r["cfg"], r["memory"]] - 1
-        lines.append(f"| {r['cfg']} | {r['memory']} | {r['option']} | {r['fwd_bwd_ms']} | {over:+.1%} |")
+        rounds = ", ".join(str(ms) for ms in r["rounds_ms"])
+        cells = (r["cfg"], r["memory"], r["option"], r["fwd_bwd_ms"], rounds, f"{r['over_plain']:+.1%}")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
