@@ -79,7 +79,8 @@ def run(cfg: str, rows: list) -> None:
     for tiles in TILES:
         name = f"{tiles.bm}x{tiles.bn}x{tiles.bk} w{tiles.num_warps} s{tiles.num_stages}"
         try:
-            (sweep,), grad = f.matmul_kernel_sources("bf16", tiles.for_hidden(h))
+            shape = tiles.for_hidden(h)
+            (sweep,), grad = f.matmul_kernel_sources("bf16", shape, grad_tiles=shape)
             sweep, grad = load_kernel(sweep, x.device), load_kernel(grad, x.device)
             tm, tn = -(-t // tiles.bm), -(-v // tiles.bn)
             split = shares(tm, tn, sms)
