@@ -88,12 +88,18 @@ class Tiles:
 # tiles, ~59 ms with these).
 NARROW_GRAD = Tiles(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
 
+# The gradient kernel's block shape for the others: 256 token rows by 128 vocabulary columns
+# (H100, lean schedule, alternating processes against [128, 256]: llama8b 62.3-63.0 ->
+# 59.1-59.4 ms, with `main_grad` 61.4-61.5 -> 59.2-59.9 ms; gist 55.2-55.5 -> 55.3 ms,
+# with `main_grad` 55.8-55.9 -> 55.2-55.3 ms).
+TALL_GRAD = Tiles(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)
+
 
 def gradient_tiles(plan: LossPlan) -> Tiles:
     """The default block shape of ``plan``'s gradient kernel on a GPU."""
     exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
     calls = {type(f).__name__ for e in exprs for f in e.atoms(sympy.Function)}
-    return NARROW_GRAD if calls - {"exp"} else Tiles()
+    return NARROW_GRAD if calls - {"exp"} else TALL_GRAD
 
 
 def _sum(x: str) -> str:

@@ -165,18 +165,20 @@ def test_ignored_rows_reach_no_kernel(memory, monkeypatch):
     assert torch.equal(got[1][target == -100], torch.zeros(T - live, hidden.shape[1]))
 
 
-def test_gradient_kernel_is_narrower_for_rules_beyond_exp():
-    # a softcap's tanh in the gradient: [128, 128] tiles; the sweeps keep [128, 256]
-    def widths(f):
+def test_gradient_kernel_block_shape_follows_the_rule():
+    # the sweeps keep [128, 256] tiles; the gradient kernel takes [256, 128], or [128, 128]
+    # where its formula calls a function besides exp (a softcap's tanh)
+    def shapes(f):
         sweeps, grad = f.matmul_kernel_sources("bf16")
-        return [dict(k.constexprs)["BN"] for k in (*sweeps, grad)]
+        return [(dict(k.constexprs)["BM"], dict(k.constexprs)["BN"]) for k in (*sweeps, grad)]
 
-    assert widths(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY)) == [256, 128]
-    assert widths(fuser.compile(fuser.losses.CROSS_ENTROPY_FULL)) == [256, 256]
-    assert widths(fuser.compile(fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY)) == [256, 256, 256]
+    assert shapes(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY)) == [(128, 256), (128, 128)]
+    assert shapes(fuser.compile(fuser.losses.CROSS_ENTROPY_FULL)) == [(128, 256), (256, 128)]
+    entropy = fuser.compile(fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY)
+    assert shapes(entropy) == [(128, 256), (128, 256), (256, 128)]
     # a block shape given at compile time is used for every kernel
     tiles = Tiles(bm=64, bn=64, bk=32)
-    assert widths(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY, tiles=tiles)) == [64, 64]
+    assert shapes(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY, tiles=tiles)) == [(64, 64)] * 2
 
 
 # --- which schedule, and how big its pieces are ---------------------------------------------------
