@@ -29,6 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optim_bench import event_ms  # noqa: E402
 
 _SERIES_TAIL = """    x2 = x * x
     s = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
@@ -124,21 +125,6 @@ def apply(x, out, n, BLOCK: tl.constexpr):
         print(json.dumps(row), flush=True)
 
 
-def event_ms(fn, warmup=2, rep=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def top_kernels(fn, n=5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -180,7 +166,8 @@ def time_variant(variant: str, configs: list[str]) -> None:
                     fuser.losses.cross_entropy(x, w, y, memory=memory, **kw).backward()
 
                 step()
-                row = dict(variant=variant, cfg=cfg, case=case, memory=memory, ms=round(event_ms(step), 2))
+                ms = event_ms(step, warmup=2, rep=10)
+                row = dict(variant=variant, cfg=cfg, case=case, memory=memory, ms=round(ms, 2))
                 row["kernels"] = top_kernels(step)
                 print(json.dumps(row), flush=True)
                 x.grad = w.grad = None
@@ -203,7 +190,8 @@ def options(configs: list[str]) -> None:
                 fuser.losses.cross_entropy(x, w, y, **kw).backward()
 
             step()
-            print(json.dumps(dict(cfg=cfg, option=name, ms=round(event_ms(step), 2))), flush=True)
+            ms = event_ms(step, warmup=2, rep=10)
+            print(json.dumps(dict(cfg=cfg, option=name, ms=round(ms, 2))), flush=True)
             x.grad = w.grad = None
 
 
