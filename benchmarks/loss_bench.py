@@ -175,12 +175,20 @@ def measure(name, fn, x, w, y, ref, cfg, main_grad=False, workload=None):
     return row
 
 
-def run(cfg, sweep, rows_out, schedules=(), compile_anchor=True, lean=False, ignore7=False):
+def inputs(cfg: str):
+    """``(hidden, weight, target, generator)`` of a config, bf16, the same on every call: the
+    hidden states and weight require gradients; the generator goes on where they stopped."""
     t, h, v = CONFIGS[cfg]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
     y = torch.randint(0, v, (t,), device="cuda", generator=g)
+    return x, w, y, g
+
+
+def run(cfg, sweep, rows_out, schedules=(), compile_anchor=True, lean=False, ignore7=False):
+    t, h, v = CONFIGS[cfg]
+    x, w, y, g = inputs(cfg)
     suffix = ""
     if ignore7:  # 1 token in 7 ignored, at random places
         y[torch.randperm(t, device="cuda", generator=g)[: t // 7]] = -100
@@ -272,11 +280,7 @@ def options(cfg: str, rows: list) -> None:
     the order rotated from round to round, so that a slow stretch of the GPU falls on
     different options; the row keeps every round's median and the median of its ratios to
     plain's time in the same round."""
-    t, h, v = CONFIGS[cfg]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-    y = torch.randint(0, v, (t,), device="cuda", generator=g)
+    x, w, y, _ = inputs(cfg)
     warm_up()
     names = list(OPTIONS)
     for memory in ("auto", "lean"):

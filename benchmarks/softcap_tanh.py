@@ -29,6 +29,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loss_bench import inputs as loss_inputs  # noqa: E402
+from loss_bench import warm_up  # noqa: E402
 from optim_bench import event_ms  # noqa: E402
 
 _SERIES_TAIL = """    x2 = x * x
@@ -139,25 +141,12 @@ def top_kernels(fn, n=5) -> dict:
     return {k: round(v, 2) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:n]}
 
 
-def inputs(cfg: str):
-    from loss_bench import CONFIGS
-
-    t, h, v = CONFIGS[cfg]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-    y = torch.randint(0, v, (t,), device="cuda", generator=g)
-    return x, w, y
-
-
 def time_variant(variant: str, configs: list[str]) -> None:
     patch(variant)
-    from loss_bench import warm_up
-
     import fuser.losses
 
     for cfg in configs:
-        x, w, y = inputs(cfg)
+        x, w, y, _ = loss_inputs(cfg)
         warm_up()
         for memory in ("auto", "lean"):
             for case, kw in (("plain", {}), ("softcap", dict(softcap=30.0))):
@@ -174,15 +163,13 @@ def time_variant(variant: str, configs: list[str]) -> None:
 
 
 def options(configs: list[str]) -> None:
-    from loss_bench import warm_up
-
     import fuser.losses
 
     kws = {"plain": {}, "label_smoothing=0.1": dict(label_smoothing=0.1), "z_loss=1e-4": dict(z_loss=1e-4),
            "temperature=0.7": dict(temperature=0.7)}  # fmt: skip
     order = list(kws) + list(kws)[::-1]
     for cfg in configs:
-        x, w, y = inputs(cfg)
+        x, w, y, _ = loss_inputs(cfg)
         warm_up()
         for name in order:
 
