@@ -10,11 +10,13 @@ buffer allocated once per kernel.
 The parameters are what Triton 3.6's launcher passes (``make_launcher`` in
 ``triton/backends/nvidia/driver.py``): the runtime arguments in order, constexprs left
 out, each stored as the C type of its signature type (``PARAM_FORMATS``), then two
-pointers Triton appends to every kernel, global and profile scratch, which stay NULL.
+pointers Triton appends to every kernel: global scratch (the caller's buffer of
+``scratch_size`` bytes per program, where the kernel keeps the tensor descriptors it
+makes; NULL when it needs none) and profile scratch (NULL).
 
 ``fallback_reason`` names what a kernel needs that only Triton's launcher does (thread
-block clusters, cooperative or PDL launches, scratch memory, tensor descriptors, 16-bit
-float scalars, Triton's load hooks); ``launch_hooks_set`` says when a launch must go
+block clusters, cooperative or PDL launches, profile scratch, tensor descriptor arguments,
+16-bit float scalars, Triton's load hooks); ``launch_hooks_set`` says when a launch must go
 through Triton because one of its launch hooks is set. The loader then launches through
 Triton's ``CompiledKernel`` instead.
 """
@@ -48,6 +50,7 @@ PARAM_FORMATS = {
 POINTER_FORMAT = "Q"
 SLOT_BYTES = 8  # each parameter has an 8-byte slot: every C type above fits, aligned
 SCRATCH_PARAMS = 2  # global_scratch, profile_scratch
+SCRATCH_ALIGN = 512  # the alignment of torch's CUDA allocations, which hold the scratch
 
 ENV_TRITON_LAUNCHER = "FUSER_TRITON_LAUNCHER"
 
@@ -91,11 +94,13 @@ def fallback_reason(metadata: dict, types, runtime_knobs=None) -> str | None:
     cluster = metadata.get("cluster_dims")
     if cluster is not None and tuple(cluster) not in ((), (1,), (1, 1), (1, 1, 1)):
         return f"cluster_dims={tuple(cluster)}"
-    for key in ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size"):
+    for key in ("launch_cooperative_grid", "launch_pdl", "profile_scratch_size"):
         if metadata.get(key):
             return f"{key}={metadata[key]}"
     if metadata.get("tensordesc_meta"):
-        return "tensor descriptors"
+        return "tensor descriptor arguments"
+    if int(metadata.get("global_scratch_align") or 1) > SCRATCH_ALIGN:
+        return f"global_scratch_align={metadata['global_scratch_align']}"
     unknown = [ty for ty in types if param_format(ty) is None]
     if unknown:
         return f"signature types {unknown}"
@@ -118,8 +123,8 @@ def _hooks_set(*hooks) -> bool:
 @dataclass(frozen=True)
 class ParamLayout:
     """Where each runtime argument goes in the parameter buffer: slot ``i`` (8 bytes at
-    ``8 * i``) holds argument ``i``; the two slots after them, the scratch pointers, stay
-    zero."""
+    ``8 * i``) holds argument ``i``; the two slots after them hold the scratch pointers
+    (zero unless a launch passes global scratch)."""
 
     names: tuple[str, ...]
     types: tuple[str, ...]
@@ -186,8 +191,9 @@ class Params:
         self._pack_into = struct.Struct(layout.format).pack_into
         self._pointers = layout.pointers
 
-    def pack(self, args) -> None:
-        """Store the runtime arguments ``args`` (in signature order) in their slots."""
+    def pack(self, args, scratch: int = 0) -> None:
+        """Store the runtime arguments ``args`` (in signature order) in their slots, and
+        ``scratch`` (a device address, or 0) in the global scratch slot."""
         values = list(args)
         for i in self._pointers:
             values[i] = device_pointer(values[i])
@@ -195,6 +201,7 @@ class Params:
             self._pack_into(self.buffer, 0, *values)
         except struct.error:
             raise self._bad_argument(values) from None
+        struct.pack_into("<Q", self.buffer, SLOT_BYTES * len(self.layout.types), scratch)
 
     def _bad_argument(self, values) -> Exception:
         for name, ty, value in zip(self.layout.names, self.layout.types, values):
@@ -311,6 +318,8 @@ class CudaKernel:
         self.device_index = device_index
         self.shared = int(metadata["shared"])
         self.block = 32 * int(metadata["num_warps"])
+        # Bytes of global scratch each program needs (its tensor descriptors), 0 for none.
+        self.scratch_size = int(metadata.get("global_scratch_size") or 0)
         self.params = Params(param_layout(signature))
         self._driver = driver
         self._lock = threading.Lock()  # one launch at a time packs the buffer
@@ -339,15 +348,19 @@ class CudaKernel:
             driver.check(driver.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                    optin - static), "cuFuncSetAttribute")  # fmt: skip
 
-    def launch(self, grid, args, stream: int) -> None:
+    def launch(self, grid, args, stream: int, scratch: int = 0) -> None:
         """Launch on ``grid`` (1 to 3 sizes) with the runtime arguments ``args`` on the raw
-        CUDA stream ``stream``. The device's context must be current (the caller's device
+        CUDA stream ``stream``; ``scratch``: the address of ``scratch_size`` bytes per
+        program, allocated by the caller on that stream (``SCRATCH_ALIGN``-aligned), for a
+        kernel that needs them. The device's context must be current (the caller's device
         guard); with none current at all, its primary context is made current."""
         g = (*grid, 1, 1)
         if g[0] * g[1] * g[2] <= 0:
             return  # as Triton's launcher: an empty grid launches nothing
+        if self.scratch_size and not scratch:
+            raise ValueError(f"{self.name} needs {self.scratch_size} bytes of global scratch per program")
         with self._lock:
-            self.params.pack(args)
+            self.params.pack(args, scratch)
             rc = self._launch(g, stream)
             if rc == CUDA_ERROR_INVALID_CONTEXT:
                 # A thread that never touched CUDA: no context is current yet.

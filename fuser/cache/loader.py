@@ -18,6 +18,7 @@ Counters: ``cache_hits`` when the kernel came from disk, ``cache_misses`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
@@ -120,10 +121,26 @@ class BinaryKernel:
             raise TypeError(f"{self.source.entry} takes {len(self._slots)} arguments, got {len(args)}")
         direct = self.direct
         if direct is not None and not launcher.launch_hooks_set(self._runtime_knobs):
-            self._device_guard(direct.launch, grid, args, current_stream(self.device_index))
+            if direct.scratch_size:
+                self._device_guard(self._launch_with_scratch, direct, grid, args)
+            else:
+                self._device_guard(direct.launch, grid, args, current_stream(self.device_index))
         else:
             self._device_guard(self._launch, grid, args)
         count("launches")
+
+    def _launch_with_scratch(self, direct, grid, args) -> None:
+        """A direct launch of a kernel that makes tensor descriptors: each program's global
+        scratch from torch's allocator on the launch's stream (Triton's launcher asks
+        ``triton.set_allocator``'s function for the same bytes), freed back to it once the
+        launch is queued; the stream orders any reuse after the kernel."""
+        programs = 1
+        for n in grid:
+            programs *= n
+        if programs <= 0:
+            return
+        scratch = scratch_buffer(programs * direct.scratch_size, self.device_index)
+        direct.launch(grid, args, current_stream(self.device_index), scratch.data_ptr())
 
     def _launch(self, grid, args) -> None:
         hooks = self._runtime_knobs
@@ -135,8 +152,39 @@ class BinaryKernel:
         run = k.run
         stream = current_stream(self.device_index)
         launch_metadata = k.launch_metadata(g[:3], stream, *full)
-        run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, launch_metadata,
-            hooks.launch_enter_hook, hooks.launch_exit_hook, *full)  # fmt: skip
+        with _scratch_allocator():
+            run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, launch_metadata,
+                hooks.launch_enter_hook, hooks.launch_exit_hook, *full)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _scratch_allocator():
+    """Triton's launcher takes a kernel's global scratch from ``triton.set_allocator``'s
+    function; where the program set none, torch's allocator for the duration of a launch."""
+    from triton.runtime import _allocation
+
+    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        yield
+        return
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    import torch
+
+    return scratch_buffer(size, torch.cuda.current_device())
+
+
+def scratch_buffer(nbytes: int, device_index: int):
+    """``nbytes`` of global scratch on a device, from torch's allocator on its current
+    stream (aligned to ``launcher.SCRATCH_ALIGN``)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}")
 
 
 def current_stream(device_index: int) -> int:

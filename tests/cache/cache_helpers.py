@@ -160,6 +160,34 @@ def transpose(n: int = 128) -> KernelSource:
     )
 
 
+TILE_COPY = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_copy(x, out, n, B: tl.constexpr):
+    # out[i:i+B, :B] = x[i:i+B, :B] through tensor descriptors (TMA on sm_90)
+    src = tl.make_tensor_descriptor(x, shape=[n, B], strides=[B, 1], block_shape=[B, B])
+    dst = tl.make_tensor_descriptor(out, shape=[n, B], strides=[B, 1], block_shape=[B, B])
+    i = tl.program_id(0) * B
+    dst.store([i, 0], src.load([i, 0]))
+"""
+
+
+def tile_copy() -> KernelSource:
+    """A kernel that makes two tensor descriptors: on sm_90, global scratch per program."""
+    return KernelSource(
+        text=TILE_COPY,
+        entry="tile_copy",
+        signature=(("x", "*fp32"), ("out", "*fp32"), ("n", "i32")),
+        constexprs=(("B", 32),),
+        num_warps=4,
+        num_stages=1,
+        meta=(("rule", "tile_copy_rule"), ("kind", "test"), ("dtypes", "fp32")),
+    )
+
+
 class FakeCompiled:
     """Stands in for a loaded CompiledKernel: records what the launcher is called with."""
 

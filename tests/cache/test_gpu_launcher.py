@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from cache_helpers import axpy, mixed, transpose
+from cache_helpers import axpy, mixed, tile_copy, transpose
 
 from fuser.cache import load_kernel, loader
 
@@ -80,6 +80,20 @@ def test_more_than_48k_of_shared_memory(cache_root, monkeypatch):
     assert torch.equal(out, 2 * x.t())
     x, out = _transpose(theirs)
     assert torch.equal(out, 2 * x.t())
+
+
+def test_tensor_descriptors_get_their_scratch(cache_root, monkeypatch):
+    # sm_90: descriptors made in the kernel live in global scratch, which fuser's launcher
+    # takes from torch (and Triton's from its allocator, torch's where none is set)
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need no scratch before sm_90")
+    ours, theirs = _both(monkeypatch, tile_copy())
+    assert ours.direct is not None and ours.direct.scratch_size > 0
+    for kernel in (ours, theirs):
+        x = torch.randn(7 * 32 + 5, 32, device="cuda")
+        out = torch.full_like(x, float("nan"))
+        kernel((8,), x, out, x.shape[0])  # the last block: 5 rows in, the rest left alone
+        assert torch.equal(out, x)
 
 
 def test_on_a_side_stream_and_another_thread(cache_root):

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from cache_helpers import FakeCompiled, axpy, middle, mixed, transpose
+from cache_helpers import FakeCompiled, axpy, middle, mixed, tile_copy, transpose
 
 import fuser
 from fuser.cache import launcher, loader
@@ -170,9 +170,10 @@ OK_METADATA = {"name": "k", "num_warps": 4, "num_ctas": 1, "shared": 0, "launch_
         ({"cluster_dims": [1, 1, 1]}, None),
         ({"launch_cooperative_grid": True}, "launch_cooperative_grid"),
         ({"launch_pdl": True}, "launch_pdl"),
-        ({"global_scratch_size": 128}, "global_scratch_size=128"),
+        ({"global_scratch_size": 384, "global_scratch_align": 128}, None),  # passed by the caller
+        ({"global_scratch_size": 384, "global_scratch_align": 1024}, "global_scratch_align=1024"),
         ({"profile_scratch_size": 64}, "profile_scratch_size=64"),
-        ({"tensordesc_meta": [{"swizzle": 3}]}, "tensor descriptors"),
+        ({"tensordesc_meta": [{"swizzle": 3}]}, "tensor descriptor arguments"),
         ({"target": {"backend": "hip", "arch": "gfx942", "warp_size": 64}}, "hip"),
         ({"name": None}, "without 'name'"),
     ],
@@ -421,6 +422,46 @@ def test_binary_kernel_env_chooses_tritons_launcher(cache_root, monkeypatch):
     kernel, fake = _binary_kernel(monkeypatch, middle(), lib)
     assert kernel.direct is None and kernel.fallback == "FUSER_TRITON_LAUNCHER=1"
     assert "cuModuleLoadData" not in lib.calls
+
+
+def test_kernel_with_tensor_descriptors_gets_global_scratch(cache_root, monkeypatch):
+    # sm_90 keeps the descriptors a kernel makes in global scratch, scratch_size bytes per
+    # program, at the address in the slot after the arguments; sm_80 lowers them to
+    # pointers and needs none
+    source = tile_copy()
+    _, _, metadata80 = _binary(source, "cuda:80")
+    assert not metadata80.get("global_scratch_size")
+    _, cubin, metadata = _binary(source)
+    size = metadata["global_scratch_size"]
+    assert size >= 2 * 128 and fallback_reason(metadata, ["*fp32", "*fp32", "i32"]) is None
+    lib = FakeLib()
+    kernel = CudaKernel(CudaDriver(lib), cubin, metadata, source.signature, device_index=0)
+    assert kernel.scratch_size == size
+    lib.n_params = 5
+    x, out = FakeTensor(0x1000), FakeTensor(0x2000)
+    with pytest.raises(ValueError, match=f"needs {size} bytes of global scratch per program"):
+        kernel.launch((4,), (x, out, 128), stream=0)
+    assert not lib.launches
+    kernel.launch((4,), (x, out, 128), stream=0, scratch=0x7000)
+    ((_, params),) = lib.launches
+    assert params[3:] == [struct.pack("<Q", 0x7000), bytes(8)]
+    # The loader asks torch's allocator for every program's share, on the launch's device.
+    asked = []
+
+    def scratch_buffer(nbytes, device_index):
+        asked.append((nbytes, device_index))
+        return FakeTensor(0x9000)
+
+    monkeypatch.setattr(loader, "scratch_buffer", scratch_buffer)
+    lib = FakeLib()
+    binary_kernel, fake = _binary_kernel(monkeypatch, source, lib)
+    lib.n_params = 5
+    binary_kernel((3, 2), x, out, 192)
+    assert asked == [(6 * size, 1)] and not fake.calls
+    ((dims, params),) = lib.launches
+    assert dims[1:3] == (3, 2) and params[3:] == [struct.pack("<Q", 0x9000), bytes(8)]
+    binary_kernel((0,), x, out, 0)  # an empty grid: nothing allocated, nothing launched
+    assert len(asked) == 1 and len(lib.launches) == 1
 
 
 def test_importing_the_launcher_is_light():
