@@ -3,12 +3,14 @@
 For each config (`gist` T=32768 H=768 V=128256, `llama8b` T=8192 H=4096 V=128256) and each
 block shape: the cross-entropy sweep kernel (logits tile + online logsumexp, nothing stored)
 and the gradient kernel (logits tile recomputed, d loss / d logits stored as bf16, V in
-one slice) against `torch.mm(x, w.T)` storing bf16 logits, in TFLOP/s of the 2*T*H*V
-product; then `fuser.losses.cross_entropy` without gradients, `memory="auto"` and `"lean"`.
+one slice; with `Tiles.tma`, persistent programs through tensor descriptors) against
+`torch.mm(x, w.T)` storing bf16 logits, in TFLOP/s of the 2*T*H*V product, and each
+gradient kernel's output against the first's (every 97th row); then
+`fuser.losses.cross_entropy` without gradients, `memory="auto"` and `"lean"`.
 Prints one JSON line per measurement and writes `loss_kernels_<date>.json` and `.md` under
 --out.
 
-    python benchmarks/loss_kernels.py [gist llama8b] [--out DIR]
+    python benchmarks/loss_kernels.py [gist llama8b] [--tma] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ TILES = [
     Tiles(128, 256, 64, num_warps=8, num_stages=4),
     Tiles(256, 128, 64, num_warps=8, num_stages=3),
     Tiles(64, 256, 64, num_warps=4, num_stages=4),
+    # tiles through tensor descriptors (TMA); the gradient kernel's programs persistent
+    Tiles(256, 128, 64, num_warps=8, num_stages=3, tma=True),
+    Tiles(256, 128, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
+    Tiles(128, 256, 64, num_warps=8, num_stages=3, tma=True),
+    Tiles(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
+    Tiles(128, 128, 64, num_warps=8, num_stages=4, tma=True),
 ]
 
 
@@ -50,7 +58,11 @@ def timed(fn, *args, **kwargs) -> float:
     return event_ms(lambda: fn(*args, **kwargs), warmup=3, rep=10)
 
 
-def run(cfg: str, rows: list) -> None:
+# `--tma`: the defaults (sweeps [128, 256], gradient [256, 128]) and the TMA shapes only
+DEFAULTS = [TILES[2], TILES[4]]
+
+
+def run(cfg: str, rows: list, shapes=TILES) -> None:
     t, h, v = CONFIGS[cfg]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -76,8 +88,11 @@ def run(cfg: str, rows: list) -> None:
     hyper = torch.zeros(1, device="cuda")
     scale = torch.full((1,), 1.0 / t, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tiles in TILES:
+    first = None
+    for tiles in shapes:
         name = f"{tiles.bm}x{tiles.bn}x{tiles.bk} w{tiles.num_warps} s{tiles.num_stages}"
+        if tiles.tma:  # (the gradient kernel's programs are then persistent, the sweeps' not)
+            name += f" g{tiles.group_m} TMA"
         try:
             shape = tiles.for_hidden(h)
             (sweep,), grad = f.matmul_kernel_sources("bf16", shape, grad_tiles=shape)
@@ -97,9 +112,20 @@ def run(cfg: str, rows: list) -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
             grad_args = (x, w, w, y, red, scale, 0, logits, logits.stride(0), *tail)
-            ms = timed(grad, (tm * tn,), *grad_args)
+            logits.fill_(float("nan"))
+            ms = timed(grad, (min(tm * tn, sms) if tiles.tma else tm * tn,), *grad_args)
+            # every 97th token's row of d loss / d logits against the first shape's
+            sample = logits[::97].float()
+            first = sample if first is None else first
+            diff = ((sample - first).abs().max() / first.abs().max()).item()
             rows.append(
-                dict(cfg=cfg, kernel=f"grad {name}", ms=round(ms, 3), tflops=round(flop / ms / 1e9, 1))
+                dict(
+                    cfg=cfg,
+                    kernel=f"grad {name}" + (" persistent" if tiles.tma else ""),
+                    ms=round(ms, 3),
+                    tflops=round(flop / ms / 1e9, 1),
+                    diff=diff,
+                )
             )
             print(json.dumps(rows[-1]), flush=True)
         except Exception as e:  # one failing shape must not hide the others
@@ -125,13 +151,14 @@ def run(cfg: str, rows: list) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="*", default=["gist", "llama8b"])
+    ap.add_argument("--tma", action="store_true", help="only the default shapes and the TMA ones")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(json.dumps(meta), flush=True)
     rows: list = []
     for cfg in args.configs:
-        run(cfg, rows)
+        run(cfg, rows, DEFAULTS + [t for t in TILES if t.tma] if args.tma else TILES)
     os.makedirs(args.out, exist_ok=True)
     stem = f"loss_kernels_{datetime.date.today().isoformat()}"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as fh:
@@ -140,12 +167,13 @@ def main(argv=None):
         f"# Lean-schedule matmul kernels beside cuBLAS ({meta['gpu']}, torch {meta['torch']}, "
         f"triton {meta['triton']})",
         "",
-        "| config | kernel | ms | TFLOP/s (2·T·H·V) |",
-        "|---|---|---|---|",
+        "| config | kernel | ms | TFLOP/s (2·T·H·V) | gradient vs the first shape's (max rel) |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
+        diff = f"{r['diff']:.1e}" if "diff" in r else ""
         lines.append(
-            f"| {r['cfg']} | {r['kernel']} | {r.get('ms', r.get('error'))} | {r.get('tflops', '')} |"
+            f"| {r['cfg']} | {r['kernel']} | {r.get('ms', r.get('error'))} | {r.get('tflops', '')} | {diff} |"
         )
     lines += ["", f"Command: `python {' '.join(['benchmarks/loss_kernels.py', *sys.argv[1:]])}`"]
     with open(os.path.join(args.out, f"{stem}.md"), "w") as fh:

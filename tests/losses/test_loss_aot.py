@@ -36,11 +36,21 @@ def test_fp16_cross_entropy_compiles(capability):
 
 
 @pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("name", ["cross_entropy_full", "entropy_regularized_cross_entropy", "max_margin"])
-def test_vocab_parallel_kernels_compile_ahead_of_time(name, capability):
+@pytest.mark.parametrize(
+    "name, descriptors",
+    [
+        ("cross_entropy_full", [False, True]),
+        ("entropy_regularized_cross_entropy", [False, True]),
+        ("max_margin", [False]),  # its gradient kernel keeps pointer loads (a max, not only exp)
+    ],
+)
+def test_vocab_parallel_kernels_compile_ahead_of_time(name, descriptors, capability):
     sources = fuser.losses.kernel_sources(RULES[name], "bf16", vocab_parallel=True)
-    # a sweep per reduction pass, then the loss and gradient; the same in matmul kernels
-    assert len(sources) >= 4 and sum(s.entry.endswith("_mm_grad") for s in sources) == 1
+    # a sweep per reduction pass, then the loss and gradient; the same in matmul kernels,
+    # the gradient kernel without and, where the rule's gradient calls only exp, with tensor
+    # descriptors
+    grads = [s for s in sources if "_mm_grad" in s.entry]
+    assert len(sources) >= 4 and ["make_tensor_descriptor" in s.text for s in grads] == descriptors
     for source in sources:
         cubin = compile_for(source, capability)
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

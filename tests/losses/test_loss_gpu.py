@@ -144,7 +144,11 @@ def _weight_grad_of_rounded_dz(hidden, weight, bias, target, grad_out):
 
 @pytest.mark.parametrize("h", [96, 128])  # 96: masked along H (64-wide steps); 128: unmasked
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_lean_schedule_on_gpu_against_float64(main_grad, h, monkeypatch):
+@pytest.mark.parametrize("descriptors", [False, True])  # the gradient kernel's tiles through TMA
+def test_lean_schedule_on_gpu_against_float64(main_grad, h, descriptors, monkeypatch):
+    if descriptors and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors are TMA from sm_90")
+    monkeypatch.setattr(api, "descriptors_pay", lambda device: descriptors)
     monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
     hidden, weight, b, target = make_inputs(torch.bfloat16, bias=not main_grad, shape=(603,), v=5003, h=h)
     x, w = (t.cuda().requires_grad_() for t in (hidden, weight))

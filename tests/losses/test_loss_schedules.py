@@ -99,6 +99,68 @@ def test_all_ignored_every_schedule(schedule, short_slices):
         assert torch.equal(g, torch.zeros_like(g))
 
 
+TMA_TILES = Tiles(bm=16, bn=32, bk=16, group_m=2, num_warps=4, num_stages=1, tma=True)
+
+
+@pytest.mark.parametrize(
+    "dtype, h, descriptors",
+    [
+        (torch.float32, 24, True),  # 96-byte rows, H not a multiple of BK: zeros past the edge
+        (torch.bfloat16, 40, True),
+        (torch.bfloat16, 20, False),  # 40-byte rows: tensor descriptors cannot address them
+    ],
+)
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_lean_gradient_kernel_through_tensor_descriptors(dtype, h, descriptors, main_grad, short_slices,
+                                                         monkeypatch):  # fmt: skip
+    # Tiles(tma=True): the gradient kernel's persistent programs take their tiles through
+    # tensor descriptors where the rows allow it (16-byte multiples), else the pointer kernel.
+    from fuser.runtime.loss import fused
+
+    launched, load = [], fused.load_kernel
+
+    def recording(source, device):
+        kernel = load(source, device)
+
+        def launch(grid, *args):
+            if "_mm_grad" in source.entry:
+                launched.append(("make_tensor_descriptor" in source.text, grid, args[-6]))
+            return kernel(grid, *args)
+
+        return launch
+
+    monkeypatch.setattr(fused, "load_kernel", recording)
+    # 101 tokens: more [16, 32] tiles per slice than programs
+    hidden, weight, b, target = make_inputs(dtype, bias=not main_grad, h=h, shape=(101,))
+    grad_out = torch.rand(101) + 0.5
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_() if b is not None else None
+    start = torch.randn(V, h)
+    if main_grad:
+        w.main_grad = start.clone()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, tiles=TMA_TILES, schedule="fused")
+    out = f(x, w, target, bb, reduction="none", accumulate_into="main_grad" if main_grad else None)
+    (out * grad_out).sum().backward()
+    low = dtype == torch.bfloat16
+    ref = reference(cross_entropy, hidden, weight, b, target, reduction="none",
+                    grad_out=grad_out)  # fmt: skip
+    gw = w.main_grad - start if main_grad else w.grad
+    got = (out, x.grad, gw, bb.grad if bb is not None else None)
+    if low or main_grad:
+        for a, e, name in zip(got, ref[:4], ("loss", "grad hidden", "grad weight", "grad bias")):
+            if e is not None:
+                assert_close(a, e, 2e-2 if low else 1e-5, name)
+    else:
+        check(got, ref)
+    assert len(launched) == 4  # V = 211 in slices of 64 columns
+    rows = int((target != -100).sum())
+    for d, (programs,), n_rows in launched:
+        assert d == descriptors and n_rows == rows
+        tiles = -(-rows // TMA_TILES.bm) * 2  # (64 columns of a slice, the last one 19)
+        # with descriptors, one program per processor (4 on a CPU) takes tiles in turn
+        assert programs in ((min(tiles, 4), min(tiles // 2, 4)) if descriptors else (tiles, tiles // 2))
+
+
 def test_whole_schedule_backward_runs_once():
     hidden, weight, b, target = make_inputs()
     w = weight.clone().requires_grad_()
@@ -176,6 +238,17 @@ def test_gradient_kernel_block_shape_follows_the_rule():
     assert shapes(fuser.compile(fuser.losses.CROSS_ENTROPY_FULL)) == [(128, 256), (256, 128)]
     entropy = fuser.compile(fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY)
     assert shapes(entropy) == [(128, 256), (128, 256), (256, 128)]
+
+    # where tensor descriptors are TMA (sm_90): [128, 256] through them, except with the
+    # softcap, whose kernel keeps pointer loads
+    def tma_shape(f):
+        _, grad = f.matmul_kernel_sources("bf16", grad_tiles=f._gradient_tiles("bf16", True))
+        descriptors = "make_tensor_descriptor" in grad.text
+        assert descriptors == grad.entry.endswith("_mm_grad_tma")
+        return dict(grad.constexprs)["BM"], dict(grad.constexprs)["BN"], descriptors
+
+    assert tma_shape(fuser.compile(fuser.losses.CROSS_ENTROPY)) == (128, 256, True)
+    assert tma_shape(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY)) == (128, 128, False)
     # a block shape given at compile time is used for every kernel
     tiles = Tiles(bm=64, bn=64, bk=32)
     assert shapes(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY, tiles=tiles)) == [(64, 64)] * 2

@@ -9,8 +9,9 @@ kernel of the staged sequence then reads the combined ``red`` alone.
 
 Backward (vocabulary slices, as ``Staged.backward_vocab``): the gradient kernel recomputes
 each tile of a slice's logits (one program per tile, in groups of row blocks that share
-weight tiles), forms ``scale * d loss / d logits`` in fp32 and stores it rounded once into
-a ``[T, slice]`` buffer, which the two gradient matmuls read:
+weight tiles; with ``Tiles.tma``, one persistent program per processor taking the tiles in
+that order, through tensor descriptors), forms ``scale * d loss / d logits`` in fp32 and
+stores it rounded once into a ``[T, slice]`` buffer, which the two gradient matmuls read:
 ``grad_hidden`` accumulated in fp32 over slices, ``grad_weight`` written once per slice (or
 added into ``weight.main_grad``).
 
@@ -193,6 +194,8 @@ class Fused:
             dz, w = buf[:, : v1 - v0], weight[v0:v1]
             b = bias[v0:v1] if bias is not None else w
             grid = (tiles_m * -(-(v1 - v0) // self.grad_tiles.bn),)
+            if self.grad_tiles.tma:  # persistent programs, one per processor
+                grid = (min(grid[0], self.processors),)
             self.grad_kernel(
                 grid, x, w, b, target, red, scale, scale_stride, dz, dz.stride(0), self.hyper,
                 n, x.shape[1], v1 - v0, self.col_offset + v0, total, self.ignore_index,
