@@ -106,14 +106,16 @@ WIDE_GRAD_TMA = Tiles(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, tma=True
 
 def gradient_tiles(plan: LossPlan, tma: bool = False) -> Tiles:
     """The default block shape of ``plan``'s gradient kernel on a GPU; ``tma``: where tensor
-    descriptors are TMA, for rules whose gradient calls only ``exp``. Others keep pointer
-    loads (H100, lean schedule with a softcap, the [128, 128] kernel through descriptors
-    against pointers: gist 68.0-68.4 against 65.3 ms, llama8b 62.9-63.3 against 63.4-63.7)."""
+    descriptors are TMA, for 16-bit inputs and rules whose gradient calls only ``exp``.
+    Others keep pointer loads: with a softcap the [128, 128] kernel through descriptors was
+    slower (H100, lean schedule: gist 68.0-68.4 against 65.3 ms, llama8b 62.9-63.3 against
+    63.4-63.7), and fp32 tiles through descriptors take 393 KB of shared memory (sm_90
+    has 227 KB)."""
     exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
     calls = {type(f).__name__ for e in exprs for f in e.atoms(sympy.Function)}
     if calls - {"exp"}:
         return NARROW_GRAD
-    return WIDE_GRAD_TMA if tma else TALL_GRAD
+    return WIDE_GRAD_TMA if tma and plan.dtype != "fp32" else TALL_GRAD
 
 
 def _sum(x: str) -> str:

@@ -249,6 +249,10 @@ def test_gradient_kernel_block_shape_follows_the_rule():
 
     assert tma_shape(fuser.compile(fuser.losses.CROSS_ENTROPY)) == (128, 256, True)
     assert tma_shape(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY)) == (128, 128, False)
+    # fp32 tiles through descriptors would not fit in shared memory: pointers, [256, 128]
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY)
+    _, grad = f.matmul_kernel_sources("fp32", grad_tiles=f._gradient_tiles("fp32", True))
+    assert "make_tensor_descriptor" not in grad.text and dict(grad.constexprs)["BM"] == 256
     # a block shape given at compile time is used for every kernel
     tiles = Tiles(bm=64, bn=64, bk=32)
     assert shapes(fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY, tiles=tiles)) == [(64, 64)] * 2
