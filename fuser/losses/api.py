@@ -449,11 +449,11 @@ class CompiledLoss:
 
 
 def descriptors_pay(device: torch.device) -> bool:
-    """Whether the lean schedule's gradient kernel moves its tiles through tensor
-    descriptors on ``device`` by default, its programs persistent: on sm_90 and later,
-    where they are TMA (H100, the kernel alone: gist 17.7 -> 14.7 ms, llama8b 16.0 -> 13.4
-    ms; benchmarks/NOTES.md). Before sm_90 Triton lowers descriptors to pointer loads, and
-    the kernel keeps its own."""
+    """Whether tensor descriptors pay on ``device``: from sm_90 they are TMA, and the lean
+    schedule's gradient kernel takes them where ``gradient_tiles`` allows (16-bit inputs,
+    rules whose gradient calls only exp), its programs persistent (H100, the kernel alone:
+    gist 17.7 -> 14.7 ms, llama8b 16.0 -> 13.4 ms; benchmarks/NOTES.md). Before sm_90
+    Triton lowers descriptors to pointer loads, and the kernel keeps its own."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
