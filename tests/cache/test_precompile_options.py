@@ -76,11 +76,11 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
     # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
-    # kernels, the lean schedule's 2 matmul kernels (one sweep, the gradient) and the scaled
-    # schedule's kernel
-    assert len(rows) == 4 + 2 * 6 and {r[5] for r in rows} == {"compiled"}
+    # kernels, the lean schedule's 3 matmul kernels (one sweep, the gradient without and
+    # with tensor descriptors) and the scaled schedule's kernel
+    assert len(rows) == 4 + 2 * 7 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 12
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 14
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -99,8 +99,16 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     loss = fuser.compile(module.plain_ce)
     for dtype in ("bf16", "fp16"):
         sweeps, grad = loss.matmul_kernel_sources(dtype)
+        _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         scaled = loss.scaled_kernel_source(dtype)
-        sources = [loss.kernel_source(dtype), *loss.sharded_kernel_sources(dtype)[0], *sweeps, grad, scaled]
+        sources = [
+            loss.kernel_source(dtype),
+            *loss.sharded_kernel_sources(dtype)[0],
+            *sweeps,
+            grad,
+            grad_tma,
+            scaled,
+        ]
         assert _missing(sources) == []
     assert _missing([loss.kernel_source("fp32")])
 
