@@ -59,10 +59,10 @@ GRAD_ARGS = (("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_str
 class Tiles:
     """Block shape and launch options of the matmul kernels. ``GROUP_M`` row blocks share
     weight tiles in the gradient kernel's order; ``even_k``: the hidden size is a multiple
-    of ``BK`` (no masks along it); ``tma``: hidden and weight tiles (and the gradient
-    kernel's output tiles) move through tensor descriptors (TMA on sm_90), and the gradient
-    kernel's programs are persistent; that needs the hidden states, the weight and the
-    gradient buffer 16-byte aligned with rows a multiple of 16 bytes."""
+    of ``BK`` (no masks along it); ``tma``: the gradient kernel's programs are persistent
+    and move its tiles through tensor descriptors (TMA on sm_90), which needs the hidden
+    states, the weight and the gradient buffer 16-byte aligned with rows a multiple of 16
+    bytes (the sweeps keep pointer loads: through descriptors they ran no faster, H100)."""
 
     bm: int = 128
     bn: int = 256
@@ -203,7 +203,9 @@ def _grad_context(plan: LossPlan, printer) -> dict:
 
 
 def matmul_entry(plan: LossPlan, stage: int | None, tma: bool = False) -> str:
-    return loss_entry(plan) + ("_mm_grad" if stage is None else f"_mm{stage}") + ("_tma" if tma else "")
+    if stage is not None:
+        return loss_entry(plan) + f"_mm{stage}"
+    return loss_entry(plan) + ("_mm_grad_tma" if tma else "_mm_grad")
 
 
 @dataclass(frozen=True)
@@ -359,7 +361,7 @@ def render_loss_matmul(
         raise ValueError(f"stage must be in [0, {len(plan.passes) - 1}], not {stage}")
     layout = shard_layout(plan)
     printer = LossPrinter(LossNames(plan.hyper))
-    entry = matmul_entry(plan, stage, tiles.tma)
+    entry = matmul_entry(plan, stage, grad and tiles.tma)
     context = dict(
         **rule_context(plan),
         entry=entry,
@@ -368,7 +370,7 @@ def render_loss_matmul(
         scaled=False,
         n_passes=len(plan.passes),
         stage=stage,
-        tma=tiles.tma,
+        tma=grad and tiles.tma,
         # fp32 inputs multiply in fp32 (torch's default), not TF32
         dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
     )
