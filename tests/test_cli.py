@@ -264,6 +264,7 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "ce_loss_rows_mm_grad",
         "ce_loss_rows_mm_grad_tma",
         "ce_loss_rows_mm_scaled",
+        "ce_loss_rows_mm_scaled_tma",
     ]
 
 

@@ -59,10 +59,11 @@ GRAD_ARGS = (("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_str
 class Tiles:
     """Block shape and launch options of the matmul kernels. ``GROUP_M`` row blocks share
     weight tiles in the gradient kernel's order; ``even_k``: the hidden size is a multiple
-    of ``BK`` (no masks along it); ``tma``: the gradient kernel's programs are persistent
-    and move its tiles through tensor descriptors (TMA on sm_90), which needs the hidden
-    states, the weight and the gradient buffer 16-byte aligned with rows a multiple of 16
-    bytes (the sweeps keep pointer loads: through descriptors they ran no faster, H100)."""
+    of ``BK`` (no masks along it); ``tma``: the gradient kernel's and the scaled kernel's
+    programs are persistent and move their tiles through tensor descriptors (TMA on sm_90),
+    which needs the hidden states, the weight and the output buffer 16-byte aligned with
+    rows a multiple of 16 bytes (the sweeps keep pointer loads: through descriptors they ran
+    no faster, H100)."""
 
     bm: int = 128
     bn: int = 256
@@ -304,19 +305,22 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
 
 
 def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool = False) -> KernelSource:
-    """The scaled-exponential forward kernel of a plan that ``scaled_exp_form`` accepts."""
+    """The scaled-exponential forward kernel of a plan that ``scaled_exp_form`` accepts; with
+    ``tiles.tma``, persistent programs moving tiles through tensor descriptors (x, the weight
+    and ``e`` 16-byte aligned, rows a multiple of 16 bytes; on a GPU for 16-bit inputs: fp32
+    tiles through descriptors overflow sm_90's shared memory)."""
     if scaled_exp_form(plan) is None:
         raise ValueError(f"loss rule {plan.name!r} has no scaled-exponential form (see scaled_exp_form)")
     layout = shard_layout(plan)
     printer = LossPrinter(LossNames(plan.hyper))
-    entry = loss_entry(plan) + "_mm_scaled"
+    entry = loss_entry(plan) + ("_mm_scaled_tma" if tiles.tma else "_mm_scaled")
     context = dict(
         **rule_context(plan),
         entry=entry,
         red_width=layout.red_width,
         grad=False,
         scaled=True,
-        tma=False,
+        tma=tiles.tma,
         loads=_red_loads(plan, layout, 0),
         dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
         **_scaled_context(plan, printer),

@@ -45,9 +45,10 @@ def test_builtins_precompile_for_sm80_and_sm90(cache_root, capsys):
         for kernel in {r[1] for r in mine}:  # fp32, bf16, fp16 parameters (or logits, hidden)
             shown = {r[3] for r in mine if r[1] == kernel}
             # matrix kernels (bf16 whatever the parameters): one row per variant, under
-            # the first rule that launches them; a loss's gradient kernel through tensor
-            # descriptors: 16-bit inputs only
-            expected = 4 if kernel in ("ns_gram", "ns_poly") else 2 if kernel.endswith("_mm_grad_tma") else 3
+            # the first rule that launches them; a loss's gradient and scaled kernels through
+            # tensor descriptors: 16-bit inputs only
+            tma = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma"))
+            expected = 4 if kernel in ("ns_gram", "ns_poly") else 2 if tma else 3
             assert len(shown) == expected, (kernel, shown)
     for cubin in cache_root.rglob("*.cubin"):
         assert cubin.read_bytes()[:4] == b"\x7fELF"

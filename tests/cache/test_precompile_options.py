@@ -18,6 +18,7 @@ import fuser.optim
 from fuser import cli, clitools
 from fuser.cache import stored_binary
 from fuser.codegen.matrix import matrix_kernel_sources
+from fuser.losses import api
 from fuser.optim import builtins
 from fuser.runtime import engine, plans
 
@@ -77,10 +78,10 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     rows = _rows(capsys.readouterr().out)
     # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
     # kernels, the lean schedule's 3 matmul kernels (one sweep, the gradient without and
-    # with tensor descriptors) and the scaled schedule's kernel
-    assert len(rows) == 4 + 2 * 7 and {r[5] for r in rows} == {"compiled"}
+    # with tensor descriptors) and the scaled schedule's kernel (without and with them)
+    assert len(rows) == 4 + 2 * 8 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 14
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 16
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -101,6 +102,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         sweeps, grad = loss.matmul_kernel_sources(dtype)
         _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         scaled = loss.scaled_kernel_source(dtype)
+        scaled_tma = loss.scaled_kernel_source(dtype, api.SCALED_TILES_TMA)
         sources = [
             loss.kernel_source(dtype),
             *loss.sharded_kernel_sources(dtype)[0],
@@ -108,6 +110,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
             grad,
             grad_tma,
             scaled,
+            scaled_tma,
         ]
         assert _missing(sources) == []
     assert _missing([loss.kernel_source("fp32")])

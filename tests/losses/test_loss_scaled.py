@@ -16,7 +16,8 @@ from fuser.ir.loss import VOCAB, Z_Y, lower_loss, reduction_symbol
 from fuser.losses import api
 from fuser.runtime.loss import scaled
 
-from .reference import make_inputs, reference
+from .reference import V, make_inputs, reference
+from .test_loss_schedules import TMA_CASES, TMA_TILES, record_launches
 from .test_loss_values import USER_RULES, check, run
 
 
@@ -66,6 +67,27 @@ def test_full_cross_entropy(dtype, reduction, monkeypatch):
         check(got, ref)
     else:
         check(got, ref, 2e-2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype, h, descriptors", TMA_CASES)
+def test_kernel_through_tensor_descriptors(dtype, h, descriptors, monkeypatch):
+    # Tiles(tma=True): persistent programs take the tiles through tensor descriptors where
+    # the rows allow it, E stored through one (nothing past the last token and column)
+    launched = record_launches(monkeypatch, scaled, "_mm_scaled")
+    # chunks of 40 tokens: more [16, 32] tiles per chunk than programs, the last one short
+    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(101,))
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, chunk_size=40, tiles=TMA_TILES, schedule="scaled")
+    got = run(f, hidden, weight, None, target, grad_out=torch.tensor(1.3), **opts)
+    ref = reference(full_ce(0.1, 1e-3, 0.7), hidden, weight, None, target, grad_out=torch.tensor(1.3))
+    check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)
+    tiles_n = -(-V // TMA_TILES.bn)
+    rows = int((target != -100).sum())  # (the ignored rows are compacted away first)
+    assert [n for _, _, n in launched] == [min(40, rows - s) for s in range(0, rows, 40)]
+    for d, (programs,), n_rows in launched:
+        tiles = -(-n_rows // TMA_TILES.bm) * tiles_n
+        # with descriptors, one program per processor (4 on a CPU) takes tiles in turn
+        assert d == descriptors and programs == (min(tiles, 4) if descriptors else tiles)
 
 
 def test_user_rule():
@@ -161,7 +183,8 @@ def test_add_rows_sums_repeated_indices():
 
 def test_buffers_poisoned_with_nan_leak_nothing(monkeypatch):
     # every buffer the schedule allocates uninitialised starts as NaN: E's tiles, the
-    # partials, the rows of grad_hidden must all be written before they are read
+    # partials, the rows of grad_hidden must all be written before they are read (also
+    # through tensor descriptors, whose store leaves E's padding alone)
     real_empty = torch.empty
 
     def nan_filled(*shape, **kw):
@@ -169,9 +192,9 @@ def test_buffers_poisoned_with_nan_leak_nothing(monkeypatch):
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", nan_filled)
-    for dtype in (torch.float32, torch.bfloat16):
-        hidden, weight, _, target = make_inputs(dtype, bias=False)
-        f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule="scaled")
+    for dtype, tiles in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, TMA_TILES)):
+        hidden, weight, _, target = make_inputs(dtype, bias=False, h=40)
+        f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule="scaled", tiles=tiles)
         got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.3))
         ref = reference(fuser_ce, hidden, weight, None, target, grad_out=torch.tensor(0.3))
         check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)

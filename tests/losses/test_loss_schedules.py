@@ -100,16 +100,34 @@ def test_all_ignored_every_schedule(schedule, short_slices):
 
 
 TMA_TILES = Tiles(bm=16, bn=32, bk=16, group_m=2, num_warps=4, num_stages=1, tma=True)
+# (dtype, hidden size, whether tensor descriptors can address the rows)
+TMA_CASES = [
+    (torch.float32, 24, True),  # 96-byte rows, H not a multiple of BK: zeros past the edge
+    (torch.bfloat16, 40, True),
+    (torch.bfloat16, 20, False),  # 40-byte rows: tensor descriptors cannot address them
+]
 
 
-@pytest.mark.parametrize(
-    "dtype, h, descriptors",
-    [
-        (torch.float32, 24, True),  # 96-byte rows, H not a multiple of BK: zeros past the edge
-        (torch.bfloat16, 40, True),
-        (torch.bfloat16, 20, False),  # 40-byte rows: tensor descriptors cannot address them
-    ],
-)
+def record_launches(monkeypatch, module, entry_part: str) -> list:
+    """``(descriptors?, grid, n_rows)`` of each launch of a kernel whose entry contains
+    ``entry_part``, among those ``module.load_kernel`` loads."""
+    launched, load = [], module.load_kernel
+
+    def recording(source, device):
+        kernel = load(source, device)
+
+        def launch(grid, *args):
+            if entry_part in source.entry:
+                launched.append(("make_tensor_descriptor" in source.text, grid, args[-6]))
+            return kernel(grid, *args)
+
+        return launch
+
+    monkeypatch.setattr(module, "load_kernel", recording)
+    return launched
+
+
+@pytest.mark.parametrize("dtype, h, descriptors", TMA_CASES)
 @pytest.mark.parametrize("main_grad", [False, True])
 def test_lean_gradient_kernel_through_tensor_descriptors(dtype, h, descriptors, main_grad, short_slices,
                                                          monkeypatch):  # fmt: skip
@@ -117,19 +135,7 @@ def test_lean_gradient_kernel_through_tensor_descriptors(dtype, h, descriptors, 
     # tensor descriptors where the rows allow it (16-byte multiples), else the pointer kernel.
     from fuser.runtime.loss import fused
 
-    launched, load = [], fused.load_kernel
-
-    def recording(source, device):
-        kernel = load(source, device)
-
-        def launch(grid, *args):
-            if "_mm_grad" in source.entry:
-                launched.append(("make_tensor_descriptor" in source.text, grid, args[-6]))
-            return kernel(grid, *args)
-
-        return launch
-
-    monkeypatch.setattr(fused, "load_kernel", recording)
+    launched = record_launches(monkeypatch, fused, "_mm_grad")
     # 101 tokens: more [16, 32] tiles per slice than programs
     hidden, weight, b, target = make_inputs(dtype, bias=not main_grad, h=h, shape=(101,))
     grad_out = torch.rand(101) + 0.5

@@ -6,9 +6,11 @@ logsumexp of ``a(z)``; ``A``, ``B``, ``C`` per token: ``fuser.codegen.loss_matmu
 each chunk of tokens runs:
 
 1. (once per call) ``z[y]`` (a gathered dot product, fp32) and ``ref = a(z[y])`` per token;
-2. the scaled-exponential kernel: each ``[BM, BN]`` tile of ``hidden @ weight.T`` in fp32
-   registers, stored once as ``E = exp(a(z) - ref)`` in the input dtype, with each tile's
-   per-token partials (below, and the rule's other sums). No row maximum is needed before
+2. the scaled-exponential kernel (with ``Tiles.tma``, persistent programs, one per
+   processor, moving tiles through tensor descriptors): each ``[BM, BN]`` tile of
+   ``hidden @ weight.T`` in fp32 registers, stored once as ``E = exp(a(z) - ref)`` in the
+   input dtype, with each tile's per-token partials (below, and the rule's other sums).
+   No row maximum is needed before
    the kernel: ``E`` is ``exp(a(z) - a(z[y]))``, finite while no logit is more than ~60
    above the target's in ``a``-units (a per-token loss under ~60);
 3. ``r`` (the logsumexp) and the other sums, combined over the tiles in a fixed order, and
@@ -105,6 +107,10 @@ class ScaledExp:
         self.chunk = chunk
         self.fallback: Chunked = fallback
         self._pending = None  # (out-of-range flag, the tensors of a rerun) of the last run
+        if device.type == "cuda":  # (persistent programs with tiles.tma: one per processor)
+            self.processors = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.processors = 4
 
     def _values(self, fn, zy, vocab, red):
         return self.values(fn, zy, vocab, red, self.hyper)
@@ -125,7 +131,10 @@ class ScaledExp:
         ref = self._values(self.values.ref, red[:, 0], vocab, red).contiguous()
         bm, bn = self.tiles.bm, self.tiles.bn
         rows = min(self.chunk, n)
-        e_buf = logits_buffer(-(-rows // bm) * bm, -(-vocab // bn) * bn, x)
+        if self.tiles.tma:  # (its descriptor store is clipped at the last token and column)
+            e_buf = logits_buffer(rows, vocab, x)
+        else:  # (whole tiles stored)
+            e_buf = logits_buffer(-(-rows // bm) * bm, -(-vocab // bn) * bn, x)
         tiles_n = -(-vocab // bn)
         width = self.values.part_width
         part_buf = torch.empty(tiles_n * rows * width, dtype=torch.float32, device=x.device)
@@ -168,6 +177,8 @@ class ScaledExp:
         """The chunk's ``E`` into ``e_buf`` and its reductions into ``red``."""
         m, vocab = xc.shape[0], weight.shape[0]
         grid = (-(-m // self.tiles.bm) * part.shape[0],)
+        if self.tiles.tma:  # persistent programs, one per processor
+            grid = (min(grid[0], self.processors),)
         self.kernel(
             grid, xc, weight, weight, y, red, ref, part, e_buf, e_buf.stride(0), self.hyper,
             m, xc.shape[1], vocab, 0, vocab, self.ignore_index,
