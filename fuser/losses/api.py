@@ -366,8 +366,7 @@ class CompiledLoss:
         aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
         descriptors = aligned and call.hid * call.es % 16 == 0
         if self.tiles is None and call.device.type == "cuda":
-            tma = descriptors and call.dtype != "fp32" and descriptors_pay(call.device)
-            tiles = SCALED_TILES_TMA if tma else SCALED_TILES
+            tiles = scaled_tiles(call.dtype, descriptors and descriptors_pay(call.device))
         else:
             tiles = self.tiles or INTERPRETER_TILES
             if tiles.tma and not descriptors:
@@ -456,6 +455,12 @@ class CompiledLoss:
         from fuser.display import loss_html
 
         return loss_html(self)
+
+
+def scaled_tiles(dtype: str, tma: bool) -> Tiles:
+    """The scaled kernel's tiles on a GPU; ``tma``: where tensor descriptors are TMA, taken
+    for 16-bit inputs (fp32 tiles through descriptors overflow sm_90's shared memory)."""
+    return SCALED_TILES_TMA if tma and dtype != "fp32" else SCALED_TILES
 
 
 def descriptors_pay(device: torch.device) -> bool:
@@ -550,9 +555,9 @@ def kernel_sources(
         lean += [tma] if tma.digest != grad.digest else []
     if vocab_parallel:
         return [*staged, *lean]
-    scaled = [f.scaled_kernel_source(dtype)]
-    if scaled[0] is None:
-        scaled = []
-    elif f.tiles is None and dtype != "fp32":  # (sm_90 takes it with descriptors too)
-        scaled.append(f.scaled_kernel_source(dtype, SCALED_TILES_TMA))
+    scaled = f.scaled_kernel_source(dtype)
+    scaled = [scaled] if scaled else []
+    if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
+        tma = f.scaled_kernel_source(dtype, scaled_tiles(dtype, True))
+        scaled += [tma] if tma.digest != scaled[0].digest else []
     return [f.kernel_source(dtype), *staged, *lean, *scaled]

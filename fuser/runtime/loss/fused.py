@@ -53,6 +53,14 @@ def target_logits(x, weight, bias, target, out) -> None:
         out[s:e] = torch.where(ok, v, 0.0)
 
 
+def processor_count(device: torch.device) -> int:
+    """The programs that run at once on ``device``, for persistent grids: its streaming
+    multiprocessors (4 in Triton's interpreter, so that tests cross several tiles each)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def shares(tiles_m: int, tiles_n: int, processors: int) -> int:
     """How many shares of the vocabulary each block of tokens is split into: the one (of 1
     to 8, at most ``tiles_n``) whose programs fill the processors' last wave best; ties
@@ -82,10 +90,7 @@ class Fused:
         self.hyper = hyper
         self.ignore_index = int(ignore_index)
         self.cols = cols  # vocabulary rows per backward slice
-        if device.type == "cuda":
-            self.processors = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.processors = 4
+        self.processors = processor_count(device)
         self.group, self.col_offset, self.vocab_total, self.widest = None, 0, None, None
 
     def shard(self, group, sizes: tuple[int, ...], rank: int) -> None:

@@ -39,7 +39,7 @@ from fuser.cache import load_kernel
 from fuser.codegen.loss_matmul import scaled_part_columns
 from fuser.ir.loss import VOCAB, Z_Y, hyper_symbols, reduction_symbol
 from fuser.runtime.loss.chunked import Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
-from fuser.runtime.loss.fused import target_logits
+from fuser.runtime.loss.fused import processor_count, target_logits
 
 # The largest r - ref (in a-units) a token may have: the sums of E over 128256 columns of
 # exp(60) and the fp32 products E' @ W stay far from fp32's limit (exp(88.7)).
@@ -107,10 +107,7 @@ class ScaledExp:
         self.chunk = chunk
         self.fallback: Chunked = fallback
         self._pending = None  # (out-of-range flag, the tensors of a rerun) of the last run
-        if device.type == "cuda":  # (persistent programs with tiles.tma: one per processor)
-            self.processors = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.processors = 4
+        self.processors = processor_count(device)  # (persistent programs with tiles.tma)
 
     def _values(self, fn, zy, vocab, red):
         return self.values(fn, zy, vocab, red, self.hyper)
