@@ -39,6 +39,25 @@ def bf16_resolution(m: torch.Tensor) -> float:
     return max(rel(newton_schulz(m * (1 + k / 8), dtype=torch.bfloat16), exact) for k in range(8))
 
 
+def exact_newton_schulz(monkeypatch) -> None:
+    """The references' Newton–Schulz in float64 (they iterate in bf16 by default): the
+    exact iteration, from which fuser's bf16 products differ by their own rounding alone.
+    (Against the references' bf16 iteration the two roundings add, and one draw of theirs
+    can be several times another: bf16_resolution.)"""
+    import pytorch_optimizer.optimizer.muon.adamuon as adamuon
+    import pytorch_optimizer.optimizer.muon.base as base
+    import pytorch_optimizer.optimizer.muon.normuon as normuon
+    import pytorch_optimizer.optimizer.scion as scion
+
+    original = base.zero_power_via_newton_schulz_5
+
+    def exact(g, *args, **kwargs):
+        return original(g, *args, **{**kwargs, "dtype": torch.float64})
+
+    for module in (base, adamuon, normuon, scion):
+        monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", exact)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).norm() / b.norm()).item()

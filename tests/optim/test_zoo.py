@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+from test_muon import exact_newton_schulz  # noqa: E402
 from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
 import fuser  # noqa: E402
@@ -26,25 +27,6 @@ RTOL = 1e-6
 # iteration is within e <= 5% of it on the zoo's matrices (the smallest, 5 x 12 and
 # 7 x 13, reach that; 1-2% on the others), and states of its squares within 2e.
 NS_RTOL = 0.1
-
-
-def exact_newton_schulz(monkeypatch) -> None:
-    """The references' Newton–Schulz in float64 (they iterate in bf16 by default): the
-    exact iteration, from which fuser's bf16 products differ by their own rounding alone.
-    (Against the references' bf16 iteration the two roundings add, and one draw of theirs
-    can be several times another: tests/optim/test_muon.py's bf16_resolution.)"""
-    import pytorch_optimizer.optimizer.muon.adamuon as adamuon
-    import pytorch_optimizer.optimizer.muon.base as base
-    import pytorch_optimizer.optimizer.muon.normuon as normuon
-    import pytorch_optimizer.optimizer.scion as scion
-
-    original = base.zero_power_via_newton_schulz_5
-
-    def exact(g, *args, **kwargs):
-        return original(g, *args, **{**kwargs, "dtype": torch.float64})
-
-    for module in (base, adamuon, normuon, scion):
-        monkeypatch.setattr(module, "zero_power_via_newton_schulz_5", exact)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
