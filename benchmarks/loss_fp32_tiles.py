@@ -1,11 +1,11 @@
 """fp32 inputs' matmul tiles on a GPU: forward + backward of the lean and scaled schedules
 (and torch's fp32 cross-entropy, TF32 off) for one tile variant per process.
 
-``python benchmarks/loss_fp32_tiles.py VARIANT``: ``bk32`` is fuser's default
-(``Tiles.for_dtype`` halves BK for fp32); the others patch ``Tiles.for_dtype``: ``bk64``
-(BK 64, the tiles' 16-bit shape), ``bk16``, ``bk32s4``/``bk32s2`` (BK 32, 4 or 2 stages),
-``bk32w4`` (BK 32, 4 warps). Rows are JSON lines on stdout; run each variant in a fresh
-process and cache (``FUSER_CACHE_DIR``), alternating."""
+``python benchmarks/loss_fp32_tiles.py VARIANT``: ``default`` runs fuser's own choice
+(``Tiles.for_dtype``: BK 16 for fp32); the others patch ``Tiles.for_dtype`` to give fp32
+``bk16`` (the same as the default), ``bk32``, ``bk64`` (the 16-bit shape), ``bk32s4`` /
+``bk32s2`` (BK 32, 4 or 2 stages) or ``bk32w4`` (BK 32, 4 warps). Rows are JSON lines on
+stdout; run each variant in a fresh process and cache (``FUSER_CACHE_DIR``), alternating."""
 
 import json
 import os
@@ -24,6 +24,7 @@ import fuser.losses  # noqa: E402
 
 VARIANTS = {
     "bk64": lambda t, d: t,
+    "bk32": lambda t, d: replace(t, bk=32) if d == "fp32" else t,
     "bk16": lambda t, d: replace(t, bk=16) if d == "fp32" else t,
     "bk32s4": lambda t, d: replace(t, bk=32, num_stages=4) if d == "fp32" else t,
     "bk32s2": lambda t, d: replace(t, bk=32, num_stages=2) if d == "fp32" else t,
@@ -59,8 +60,8 @@ def time_shape(variant: str, t: int, h: int, v: int) -> None:
 def main(variant: str) -> None:
     if variant in VARIANTS:
         lm.Tiles.for_dtype = VARIANTS[variant]
-    elif variant != "bk32":
-        raise SystemExit(f"unknown variant {variant!r}: bk32 or one of {sorted(VARIANTS)}")
+    elif variant != "default":
+        raise SystemExit(f"unknown variant {variant!r}: default or one of {sorted(VARIANTS)}")
     torch.backends.cuda.matmul.allow_tf32 = False
     for t, h, v in SHAPES:
         time_shape(variant, t, h, v)

@@ -19,7 +19,7 @@ last kernel of that sequence, which reads ``red`` alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -80,6 +80,15 @@ class Tiles:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, not {v}")
 
+    def for_dtype(self, dtype: str) -> Tiles:
+        """These tiles for inputs of ``dtype``: fp32 takes ``bk`` 16. Its pipeline buffers
+        (``num_stages - 1`` of ``[bm + bn, bk]`` elements) then take 48 KiB for [128, 256]
+        tiles, where ``bk`` 64 took 192 KiB, more than an A100 gives a block (163 KiB); and
+        its ieee products ran 2.6x faster in the lean schedule (H100, fp32, forward and
+        backward: T=4096, H=1024, V=32768, 93.2-93.7 -> 34.1-34.4 ms; ``bk`` 32: 34.8-35.3;
+        ``benchmarks/loss_fp32_tiles.py``)."""
+        return replace(self, bk=16) if dtype == "fp32" else self
+
     def for_hidden(self, hid: int, aligned: bool = True) -> Tiles:
         """These tiles for hidden size ``hid``: ``even_k`` where ``hid`` is a multiple of
         ``bk`` and the inputs are ``aligned`` (16 bytes)."""
@@ -115,8 +124,8 @@ def gradient_tiles(plan: LossPlan, tma: bool = False) -> Tiles:
     exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
     calls = {type(f).__name__ for e in exprs for f in e.atoms(sympy.Function)}
     if calls - {"exp"}:
-        return NARROW_GRAD
-    return WIDE_GRAD_TMA if tma and plan.dtype != "fp32" else TALL_GRAD
+        return NARROW_GRAD.for_dtype(plan.dtype)
+    return WIDE_GRAD_TMA if tma and plan.dtype != "fp32" else TALL_GRAD.for_dtype(plan.dtype)
 
 
 def _sum(x: str) -> str:

@@ -153,8 +153,8 @@ class CompiledLoss:
         """(sweeps, gradient) kernels of the lean schedule for ``dtype``: one sweep per
         reduction pass, then the kernel that forms the logit gradient tile by tile. Block
         shapes: ``tiles`` and ``grad_tiles``, else the compile option ``tiles`` for both,
-        else the GPU defaults (``Tiles()``; ``gradient_tiles`` for the gradient)."""
-        tiles = tiles or self.tiles or Tiles()
+        else the GPU defaults (``Tiles()`` for ``dtype``; ``gradient_tiles`` for the gradient)."""
+        tiles = tiles or self.tiles or Tiles().for_dtype(dtype)
         grad_tiles = grad_tiles or self.tiles or self._gradient_tiles(dtype)
         key = (dtype, tiles, grad_tiles, has_bias)
         if key not in self._matmul:
@@ -167,9 +167,9 @@ class CompiledLoss:
 
     def scaled_kernel_source(self, dtype: str = "bf16", tiles: Tiles | None = None) -> KernelSource | None:
         """The scaled schedule's matmul kernel for ``dtype`` (tiles: ``tiles``, else the compile
-        option ``tiles``, else ``SCALED_TILES``), or ``None`` for a rule whose gradient has no
-        scaled-exponential form (``scaled_exp_form``)."""
-        tiles = tiles or self.tiles or SCALED_TILES
+        option ``tiles``, else ``SCALED_TILES`` for ``dtype``), or ``None`` for a rule whose
+        gradient has no scaled-exponential form (``scaled_exp_form``)."""
+        tiles = tiles or self.tiles or SCALED_TILES.for_dtype(dtype)
         key = (dtype, tiles)
         if key not in self._scaled:
             plan = lower_loss(self.rule, dtype)
@@ -391,7 +391,7 @@ class CompiledLoss:
         rows_16 = aligned and call.hid * call.es % 16 == 0  # (what tensor descriptors need)
         if self.tiles is None and call.device.type == "cuda":
             # (the sweeps keep pointer loads: through descriptors they ran no faster, H100)
-            tiles = Tiles()
+            tiles = Tiles().for_dtype(call.dtype)
             grad_tiles = self._gradient_tiles(call.dtype, rows_16 and descriptors_pay(call.device))
         else:
             tiles = grad_tiles = self.tiles or INTERPRETER_TILES
@@ -460,7 +460,7 @@ class CompiledLoss:
 def scaled_tiles(dtype: str, tma: bool) -> Tiles:
     """The scaled kernel's tiles on a GPU; ``tma``: where tensor descriptors are TMA, taken
     for 16-bit inputs (fp32 tiles through descriptors overflow sm_90's shared memory)."""
-    return SCALED_TILES_TMA if tma and dtype != "fp32" else SCALED_TILES
+    return SCALED_TILES_TMA if tma and dtype != "fp32" else SCALED_TILES.for_dtype(dtype)
 
 
 def descriptors_pay(device: torch.device) -> bool:

@@ -15,9 +15,8 @@ RULES["max_margin"] = fuser.loss(USER_RULES["max_margin"][0], name="max_margin")
 RULES["nested"] = fuser.loss(USER_RULES["nested"][0], name="nested")
 
 
-# Shared memory a kernel may opt into: H100 (sm_90). (fp32 matmul kernels take 192 KiB, more
-# than an A100's 163 KiB: sm_80 is not checked.)
-SHARED_LIMIT = {90: 232448}
+# Shared memory a block may opt into: A100 (sm_80), H100 (sm_90).
+SHARED_LIMIT = {80: 166912, 90: 232448}
 
 
 def compile_for(source, capability):
@@ -25,7 +24,7 @@ def compile_for(source, capability):
     shared memory must fit the target's GPUs."""
     (result,) = precompile([source], [f"cuda:{capability}"])
     metadata = json.loads(result.binary.with_suffix(".json").read_text())
-    assert metadata["shared"] <= SHARED_LIMIT.get(capability, metadata["shared"]), (
+    assert metadata["shared"] <= SHARED_LIMIT[capability], (
         source.entry,
         metadata["shared"],
     )

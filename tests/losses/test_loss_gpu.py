@@ -199,6 +199,27 @@ def test_lean_schedule_on_gpu_against_float64(main_grad, h, descriptors, monkeyp
         assert _norm_err(gw, rounded) < 1e-4 + flips, (_norm_err(gw, rounded), flips)
 
 
+@pytest.mark.parametrize("h", [100, 128])  # fp32 tiles step 16 along H: 100 masked, 128 not
+def test_lean_schedule_fp32_on_gpu_against_float64(h, monkeypatch):
+    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
+    hidden, weight, b, target = make_inputs(torch.float32, bias=True, shape=(603,), v=5003, h=h)
+    x, w, bb = (t.cuda().requires_grad_() for t in (hidden, weight, b))
+    out = fuser.losses.cross_entropy(x, w, target.cuda(), bb, memory="lean")
+    (out * 0.7).backward()
+    # (rounding the float64 logits to fp32 only skips fp32_bounds: see the scaled test below)
+    ref = reference(
+        cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.7), round_logits_to=torch.float32
+    )
+    assert_close(out.cpu(), ref[0], 1e-5, "loss")
+    # fp32 products and an fp32 d loss / d logits: nothing rounds to 16 bits
+    for got, want, what in (
+        (x.grad, ref[1], "hidden"),
+        (w.grad, ref[2], "weight"),
+        (bb.grad, ref[3], "bias"),
+    ):
+        assert _norm_err(got, want) < 1e-4, (what, _norm_err(got, want))
+
+
 def test_lean_schedule_skips_ignored_rows_and_stays_within_its_budget():
     x, w, y = _main_grad_inputs()
     y[::3] = -100
@@ -211,7 +232,8 @@ def test_lean_schedule_skips_ignored_rows_and_stays_within_its_budget():
     assert (x.grad[::3] == 0).all() and (x.grad[1::3] != 0).any()
 
 
-@pytest.mark.parametrize("h", [96, 128])  # 96: masked along H (64-wide steps); 128: unmasked
+# 96: masked along H for bf16 (64-wide steps); 100: for fp32 too (16-wide); 128: unmasked
+@pytest.mark.parametrize("h", [96, 100, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scaled_schedule_on_gpu_against_float64(h, dtype):
     # 3 chunks of 256 tokens, the last one short; 1 in 4 ignored; label smoothing, z-loss and
