@@ -288,8 +288,10 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
     finish, exp_lines = [], []
     for acc in p.accumulators:
         if acc.op == "logsumexp":
+            # (the columns past the vocabulary through a [1, BN] penalty rather than a
+            # [BM, BN] mask; rows with no live target have r_ref = +inf, so E is 0 there)
             exp_lines = [
-                f'a_lse = tl.where(mask, {printer.doprint_expr(acc.arg)}, float("-inf"))',
+                f'a_lse = {printer.doprint_expr(acc.arg)} + tl.where(lcols < n_cols, 0.0, float("-inf"))',
                 f"t_max = {_max('a_lse')}",
                 't_max = tl.where(t_max == float("-inf"), 0.0, t_max)',
                 "u = tl.exp(a_lse - t_max[:, None])",
