@@ -143,11 +143,13 @@ def _accumulator_lines(acc: Accumulator, arg: str, col: int) -> tuple[list[str],
     if acc.op == "logsumexp":
         # Online: the running max m and the sum s of exp(a - m), rescaled when m grows.
         # A row that has seen nothing holds m = -inf, s = 0 and a partial of -inf, which
-        # the driver's logsumexp of the shares ignores; sm stands in 0 for m = -inf.
+        # the driver's logsumexp of the shares ignores; sm stands in 0 for m = -inf. Columns
+        # past the vocabulary take a [1, BN] penalty, not a [BM, BN] mask: rows that are not
+        # live sweep their (finite) logits, and their partial is stored as 0.
         return (
             [f'm{i} = tl.full((BM,), float("-inf"), tl.float32)', f"s{i} = tl.full((BM,), 0.0, tl.float32)"],
             [
-                f'a{i} = tl.where(mask, {arg}, float("-inf"))',
+                f'a{i} = {arg} + tl.where(lcols < n_cols, 0.0, float("-inf"))',
                 f"nm{i} = tl.maximum(m{i}, {_max(f'a{i}')})",
                 f'sm{i} = tl.where(nm{i} == float("-inf"), 0.0, nm{i})',
                 f"s{i} = s{i} * tl.exp(m{i} - sm{i}) + {_sum(f'tl.exp(a{i} - sm{i}[:, None])')}",
