@@ -27,6 +27,7 @@ from fuser.codegen.loss import (
     ARGMAX_COMBINE,
     LossNames,
     LossPrinter,
+    comment_text,
     indicator_lines,
     loss_entry,
     pass_context,
@@ -34,7 +35,7 @@ from fuser.codegen.loss import (
     rule_context,
     shard_layout,
 )
-from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, store_cast
+from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import IS_Y, Z_Y, Accumulator, LossPlan, Pass, Z, reduction_symbol
 
@@ -272,12 +273,32 @@ def scaled_exp_form(plan: LossPlan) -> ScaledExp | None:
     return ScaledExp(lses[0].index, arg, arg.subs(Z, Z_Y), scale, target, const)
 
 
+def linear_sums(plan: LossPlan) -> dict[int, tuple[sympy.Expr, sympy.Expr]]:
+    """The sums of a one-pass plan whose argument is linear in the logit, ``alpha * z +
+    beta`` (``alpha``, ``beta`` per token): ``{reduction index: (alpha, beta)}``. Over the
+    vocabulary such a sum is ``alpha * (hidden . sum of weight's rows) + beta * V``, with
+    no reduction over the logits (the scaled schedule takes them so)."""
+    (p,) = plan.passes
+    out = {}
+    for acc in p.accumulators:
+        if acc.op != "sum":
+            continue
+        arg = sympy.expand(_inlined(acc.arg, p.body, p.prologue))
+        alpha = sympy.simplify(sympy.diff(arg, Z))
+        beta = sympy.simplify(arg.subs(Z, 0))
+        per_element = {Z, IS_Y} | {s for s in arg.free_symbols if s.name.startswith("is_max$")}
+        if alpha != 0 and not (alpha.free_symbols | beta.free_symbols) & per_element:
+            out[acc.index] = (alpha, beta)
+    return out
+
+
 def scaled_part_columns(plan: LossPlan) -> tuple[int, dict[int, int]]:
     """The scaled kernel's partials per token and tile: ``(width, {reduction index: column})``.
     The logsumexp takes columns 0 (the sum of ``exp(a(z) - m)``) and 1 (the tile's max ``m``
-    of ``a(z)``), each sum one column after them."""
+    of ``a(z)``), each sum one column after them, but those ``linear_sums`` takes."""
     (p,) = plan.passes
-    sums = [a.index for a in p.accumulators if a.op == "sum"]
+    linear = linear_sums(plan)
+    sums = [a.index for a in p.accumulators if a.op == "sum" and a.index not in linear]
     lse = next(a.index for a in p.accumulators if a.op == "logsumexp")
     return 2 + len(sums), {lse: 0, **{i: 2 + k for k, i in enumerate(sums)}}
 
@@ -303,8 +324,9 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
                 f"tl.store(out + {cols[acc.index]}, {_sum('u')}, mask=row_ok)",
                 f"tl.store(out + {cols[acc.index] + 1}, t_max, mask=row_ok)",
             ]
-        else:
-            value = _sum(f"tl.where(mask, {printer.doprint_expr(acc.arg)}, 0.0)")
+        elif acc.index in cols:  # (a linear sum is none of the kernel's work)
+            # (as for the logsumexp: rows with no live target sum finite values read by nothing)
+            value = _sum(f"tl.where(lcols < n_cols, {printer.doprint_expr(acc.arg)}, 0.0)")
             finish.append(f"tl.store(out + {cols[acc.index]}, {value}, mask=row_ok)")
     context = pass_context(p, printer, lambda acc, arg: ([], [], []))
     return dict(
@@ -339,6 +361,130 @@ def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool
         **_scaled_context(plan, printer),
     )
     return _matmul_source(plan, context, entry, SCALED_ARGS, tiles, has_bias)
+
+
+# Tokens per program of the scaled schedule's per-token kernel, and the vocabulary tiles it
+# reads at a time; columns per program of its gradient-term kernels.
+TOKEN_BLOCK = 32
+TOKEN_TILES = 64
+TERM_BLOCK = 256
+# The most tokens of one target that one program of grad_weight's target term sums; a
+# target with more is summed in pieces of this many, then the pieces in order.
+TARGET_PIECE = 64
+# Tokens per program of its z[y] kernel, and the hidden-dimension step.
+PREPARE_ROWS = 16
+PREPARE_STEP = 128
+
+
+# The signatures of the scaled schedule's per-token and gradient-term kernels (None: the
+# inputs' pointer type).
+PREPARE_ARGS = (
+    ("x", None), ("w", None), ("wsum", "*fp32"), ("target", "*i64"), ("red", "*fp32"), ("ref", "*fp32"),
+    ("hyper", "*fp32"), ("n_rows", "i32"), ("hid", "i32"), ("vocab_total", "i64"),
+)  # fmt: skip
+TOKENS_ARGS = (
+    ("part", "*fp32"), ("tiles_n", "i32"), ("n_rows", "i32"), ("red", "*fp32"), ("ref", "*fp32"),
+    ("target", "*i64"), ("coef", "*fp32"), ("scale", "*fp32"), ("hyper", "*fp32"),
+    ("vocab_total", "i64"), ("ignore_index", "i64"),
+)  # fmt: skip
+HIDDEN_TERMS_ARGS = (
+    ("prod", "*fp32"), ("coef", "*fp32"), ("target", "*i64"), ("w", None), ("wsum", "*fp32"),
+    ("gx", None), ("x", None), ("xs", None), ("hid", "i32"), ("vocab_total", "i64"),
+)  # fmt: skip
+_RUN_ARGS = (
+    ("starts", "*i64"), ("ends", "*i64"), ("slot", "*i64"), ("pieces", "*fp32"), ("gw", "*fp32"),
+    ("hid", "i32"), ("vocab_total", "i64"),
+)  # fmt: skip
+TARGET_PIECES_ARGS = (("x", None), ("coef", "*fp32"), ("key", "*i64"), ("order", "*i64"), *_RUN_ARGS)
+TARGET_RUNS_ARGS = (("key", "*i64"), *_RUN_ARGS)
+
+
+def _small_source(text: str, entry: str, dtype: str, args, constexprs, num_stages: int, meta) -> KernelSource:
+    """One of the scaled schedule's kernels around its matmul (4 warps)."""
+    ptr = TRITON_DTYPES[dtype]
+    return KernelSource(
+        text=text,
+        entry=entry,
+        signature=tuple((n, t or ptr) for n, t in args),
+        constexprs=(*constexprs, ("INTERPRETED", False)),
+        num_warps=4,
+        num_stages=num_stages,
+        meta=meta,
+    )
+
+
+def _tokens_context(plan: LossPlan, form: ScaledExp) -> dict:
+    """What the per-token kernels' template reads besides their entries' names."""
+    layout = shard_layout(plan)
+    printer = LossPrinter(LossNames(plan.hyper))
+    width, cols = scaled_part_columns(plan)
+    exprs = dict(ref=form.ref, a=form.scale, b=form.target, c=form.const)
+    return dict(
+        kind="tokens",
+        **rule_context(plan),
+        part_width=width,
+        red_width=layout.red_width,
+        red_cols=layout.red_cols,
+        lse=form.lse,
+        lse_col=cols[form.lse],
+        lse_red_col=layout.red_cols[form.lse],
+        sums=[(i, c) for i, c in cols.items() if i != form.lse],
+        linear=[
+            (layout.red_cols[i], printer.doprint_expr(alpha), printer.doprint_expr(beta))
+            for i, (alpha, beta) in sorted(linear_sums(plan).items())
+        ],
+        **{k: printer.doprint_expr(e) for k, e in exprs.items()},
+        **{f"comment_{k}": comment_text(e) for k, e in exprs.items()},
+        max_rows=lambda v: f"{SUM}({v}, 1, {MAX_COMBINE})",
+        sum_rows=lambda v: f"{SUM}({v}, 1, {SUM_COMBINE})",
+    )
+
+
+def render_scaled_tokens(plan: LossPlan) -> tuple[KernelSource, KernelSource]:
+    """The scaled schedule's per-token kernels of a plan that ``scaled_exp_form`` accepts:
+    (prepare, tokens). ``prepare``, once per call: each token's ``z[y]`` and ``ref =
+    a(z[y])`` (and the sums linear in ``z``: ``linear_sums``). ``tokens``, once per chunk:
+    the tile partials combined into the chunk's reductions, and each token's ``s``, ``B``
+    and ``C`` (times the gradient's scale) for the gradient matmuls and their terms."""
+    form = scaled_exp_form(plan)
+    if form is None:
+        raise ValueError(f"loss rule {plan.name!r} has no scaled-exponential form (see scaled_exp_form)")
+    entry, prepare_entry = loss_entry(plan) + "_scaled_tokens", loss_entry(plan) + "_scaled_prepare"
+    text = (
+        environment()
+        .get_template("loss_scaled_tokens.py.jinja")
+        .render(entry=entry, prepare_entry=prepare_entry, **_tokens_context(plan, form))
+    )
+    meta = (("rule", plan.name), ("kind", "loss-scaled-tokens"), ("dtypes", f"hidden:{plan.dtype}"))
+    prepare = (("BT", PREPARE_ROWS), ("BK", PREPARE_STEP))
+    tokens = (("BT", TOKEN_BLOCK), ("TB", TOKEN_TILES))
+    return (
+        _small_source(text, prepare_entry, plan.dtype, PREPARE_ARGS, prepare, 2, meta),
+        _small_source(text, entry, plan.dtype, TOKENS_ARGS, tokens, 3, meta),
+    )
+
+
+def render_scaled_terms(
+    dtype: str, *, has_target: bool, has_const: bool
+) -> tuple[KernelSource, KernelSource, KernelSource]:
+    """The scaled schedule's gradient-term kernels for ``dtype`` inputs (any rule):
+    ``grad_hidden`` from the fp32 product ``E @ W`` and the per-token ``s``, ``B``, ``C`` (and
+    ``s * hidden``, ``grad_weight``'s right operand); then the two phases of ``grad_weight``'s
+    target term over the tokens sorted by target (runs of one target in pieces of at most
+    ``TARGET_PIECE`` tokens, then each long run's pieces in order)."""
+    text = (
+        environment()
+        .get_template("loss_scaled_tokens.py.jinja")
+        .render(kind="terms", dtype=dtype, helpers=helpers_source(), store=store_cast("v", dtype))
+    )
+    meta = (("kind", "loss-scaled-terms"), ("dtypes", f"hidden:{dtype}"))
+    flags = (("BH", TERM_BLOCK), ("HAS_TARGET", has_target), ("HAS_CONST", has_const))
+    runs = (("BH", TERM_BLOCK), ("L", TARGET_PIECE))
+    return (
+        _small_source(text, "scaled_hidden_grad", dtype, HIDDEN_TERMS_ARGS, flags, 1, meta),
+        _small_source(text, "scaled_target_pieces", dtype, TARGET_PIECES_ARGS, runs, 3, meta),
+        _small_source(text, "scaled_target_runs", dtype, TARGET_RUNS_ARGS, runs, 3, meta),
+    )
 
 
 def _matmul_source(

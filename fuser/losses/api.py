@@ -13,6 +13,8 @@ from fuser.codegen.loss_matmul import (
     gradient_tiles,
     render_loss_matmul,
     render_loss_scaled,
+    render_scaled_terms,
+    render_scaled_tokens,
     scaled_exp_form,
 )
 from fuser.codegen.source import KernelSource
@@ -45,6 +47,10 @@ SCALED_TILES = Tiles(group_m=16)
 # kernel alone on one chunk: llama8b 7.47 -> 6.76 ms, gist 0.95 -> 0.97 ms; end to end,
 # alternating processes: llama8b 47.3-47.8 -> 46.5-46.6 ms, gist 43.5-44.0 -> 43.0-43.4).
 SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
+# The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
+# chunks of logits on a GPU, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
+# 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
+SCALED_MAX_HIDDEN = 2048
 
 
 class CompiledLoss:
@@ -110,7 +116,7 @@ class CompiledLoss:
         self._sharded: dict[str, tuple] = {}
         self._matmul: dict[tuple, tuple] = {}
         self._grad_tiles: dict[tuple[str, bool], Tiles] = {}
-        self._scaled: dict[tuple, KernelSource | None] = {}
+        self._scaled: dict[tuple, KernelSource | tuple | None] = {}
         self._token_values: dict[str, TokenValues] = {}
         self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
         self._hyper_rows: dict[tuple, torch.Tensor] = {}
@@ -174,6 +180,24 @@ class CompiledLoss:
         if key not in self._scaled:
             plan = lower_loss(self.rule, dtype)
             self._scaled[key] = render_loss_scaled(plan, tiles) if scaled_exp_form(plan) else None
+        return self._scaled[key]
+
+    def scaled_token_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...] | None:
+        """The scaled schedule's kernels around its matmul kernel for ``dtype``: the per-token
+        kernel of a chunk, then the two gradient-term kernels (``render_scaled_tokens``,
+        ``render_scaled_terms``); ``None`` where the rule has no scaled-exponential form."""
+        key = ("tokens", dtype)
+        if key not in self._scaled:
+            plan = lower_loss(self.rule, dtype)
+            form = scaled_exp_form(plan)
+            self._scaled[key] = (
+                None
+                if form is None
+                else (
+                    *render_scaled_tokens(plan),
+                    *render_scaled_terms(dtype, has_target=form.target != 0, has_const=form.const != 0),
+                )
+            )
         return self._scaled[key]
 
     def _gradient_tiles(self, dtype: str, tma: bool = False) -> Tiles:
@@ -302,9 +326,9 @@ class CompiledLoss:
         """The schedule a call runs: ``self.schedule`` (``scaled`` only where
         ``_scaled_refusal`` has nothing against it), or the one ``memory`` names, or (auto)
         chunks of tokens with ``group`` or without gradients, else the one
-        ``choose_schedule`` picks by memory. Nothing picks ``scaled`` but ``schedule=``: on
-        an H100 it measured within 1-3% of ``chunks`` for plain cross-entropy at H=768, and
-        slower with options or at H >= 2048 (benchmarks/NOTES.md)."""
+        ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
+        pays (``_scaled_pays``: 16-bit inputs on a GPU, H up to ``SCALED_MAX_HIDDEN``) and
+        can run the call."""
         if self.schedule == "scaled":
             why = self._scaled_refusal(call, main_grad, group, bias, reduction)
             if why:
@@ -315,7 +339,19 @@ class CompiledLoss:
             return "fused"
         if group is not None or not want_grad:
             return "chunks"
-        return self._auto_schedule(call, main_grad, memory, weight)
+        chosen = self._auto_schedule(call, main_grad, memory, weight)
+        if (
+            chosen == "chunks"
+            and self._scaled_pays(call)
+            and not self._scaled_refusal(call, main_grad, group, bias, reduction)
+        ):
+            return "scaled"
+        return chosen
+
+    @staticmethod
+    def _scaled_pays(call: _Call) -> bool:
+        """Whether the scaled schedule outruns chunks of logits for a call's sizes."""
+        return call.device.type == "cuda" and call.es == 2 and call.hid <= SCALED_MAX_HIDDEN
 
     def _scaled_refusal(self, call: _Call, main_grad: bool, group, bias, reduction: str) -> str | None:
         """Why the scaled schedule cannot run a call, or ``None``."""
@@ -378,9 +414,9 @@ class CompiledLoss:
         if call.dtype not in self._token_values:
             plan = lower_loss(self.rule, call.dtype)
             self._token_values[call.dtype] = TokenValues(plan, scaled_exp_form(plan), layout)
-        kernel = self.scaled_kernel_source(call.dtype, tiles)
+        kernels = (self.scaled_kernel_source(call.dtype, tiles), *self.scaled_token_sources(call.dtype))
         return ScaledExp(
-            kernel, sources[-1], self._token_values[call.dtype], tiles, call.device, call.hyper,
+            kernels, sources[-1], self._token_values[call.dtype], tiles, call.device, call.hyper,
             call.ignore_index, chunk, fallback,
         )  # fmt: skip
 
@@ -528,8 +564,8 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     chosen from H and V), ``block`` (vocabulary columns per kernel step), ``num_warps``,
     ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"``, ``"fused"`` or
     ``"scaled"``: see ``fuser.runtime.loss.staged``, ``fuser.runtime.loss.fused`` and
-    ``fuser.runtime.loss.scaled``; ``auto`` lets each call's ``memory=`` pick, and never
-    picks ``scaled``), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of the
+    ``fuser.runtime.loss.scaled``; ``auto`` lets each call's ``memory=`` pick, ``scaled``
+    where ``_scaled_pays``), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of the
     matmul kernels)."""
     return CompiledLoss(rule, **options)
 
@@ -543,7 +579,8 @@ def kernel_sources(
     scaled schedule's, where the rule has one (GPU tiles, no bias, a hidden size that is a
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
     twice, with and without tensor descriptors, where they take them (16-bit inputs; for
-    the gradient kernel, rules whose gradient calls only exp) and ``tiles`` is not given); with
+    the gradient kernel, rules whose gradient calls only exp) and ``tiles`` is not given;
+    then the scaled schedule's per-token and gradient-term kernels); with
     ``vocab_parallel=True``, those a call with ``process_group=`` launches: the staged
     sequence and the lean schedule's kernels."""
     f = CompiledLoss(rule, **options)
@@ -560,4 +597,5 @@ def kernel_sources(
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
         tma = f.scaled_kernel_source(dtype, scaled_tiles(dtype, True))
         scaled += [tma] if tma.digest != scaled[0].digest else []
+    scaled += list(f.scaled_token_sources(dtype)) if scaled else []
     return [f.kernel_source(dtype), *staged, *lean, *scaled]

@@ -11,12 +11,13 @@ import torch
 
 import fuser
 import fuser.losses
-from fuser.codegen.loss_matmul import scaled_exp_form
+from fuser.codegen import loss_matmul
+from fuser.codegen.loss_matmul import linear_sums, scaled_exp_form
 from fuser.ir.loss import VOCAB, Z_Y, lower_loss, reduction_symbol
 from fuser.losses import api
 from fuser.runtime.loss import scaled
 
-from .reference import V, make_inputs, reference
+from .reference import V, assert_within, make_inputs, reference
 from .test_loss_schedules import TMA_CASES, TMA_TILES, record_launches
 from .test_loss_values import USER_RULES, check, run
 
@@ -106,6 +107,27 @@ def test_user_rule():
     check(got, reference(per_token, hidden, weight, None, target, grad_out=torch.tensor(0.6)))
 
 
+def test_sums_linear_in_the_logit():
+    # sum(alpha * z + beta) over the vocabulary is alpha * (hidden . sum(W)) + beta * V; the
+    # sum of exp(z) stays a reduction of the kernel's tiles
+    rule = fuser.loss(
+        "loss = logsumexp(z) - z[y] + k * mean(s * z + 1) + q * log(sum(exp(z)))",
+        name="linear_sums",
+        hyper=dict(s=1.7, k=0.3, q=0.05),
+    )
+    plan = lower_loss(rule, "fp32")
+    assert len(linear_sums(plan)) == 1 and scaled_exp_form(plan) is not None
+
+    def per_token(z, y):
+        lse = torch.logsumexp(z, 1)
+        return lse - z.gather(1, y[:, None])[:, 0] + 0.3 * (1.7 * z + 1).mean(1) + 0.05 * lse
+
+    hidden, weight, _, target = make_inputs(bias=False)
+    f = fuser.compile(rule, chunk_size=16, schedule="scaled")
+    got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.8))
+    check(got, reference(per_token, hidden, weight, None, target, grad_out=torch.tensor(0.8)))
+
+
 def test_all_ignored():
     hidden, weight, _, target = make_inputs(bias=False, ignore="all")
     f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule="scaled")
@@ -155,30 +177,64 @@ def test_refusals_say_why(rule, kw, message):
         f(hidden.requires_grad_(), weight, target, b, **kw)
 
 
-def test_only_the_schedule_option_picks_it():
-    f = fuser.compile(fuser.losses.CROSS_ENTROPY)
+def test_auto_picks_it_where_it_pays():
+    # 16-bit inputs on a GPU with H up to SCALED_MAX_HIDDEN, and only calls it can run
     w = torch.empty(0)
 
-    def pick(loss, hid, **kw):
-        call = api._Call("bf16", torch.device("cuda"), None, -100, 32768, hid, 128256, 2)
+    def pick(rule=fuser.losses.CROSS_ENTROPY, hid=768, es=2, device="cuda", **kw):
+        loss = fuser.compile(rule)
+        call = api._Call("bf16", torch.device(device), None, -100, 32768, hid, 128256, es)
         args = dict(
             memory="auto", want_grad=True, main_grad=False, weight=w, group=None, bias=None, reduction="mean"
         )
         return loss._schedule_of(call, **{**args, **kw})
 
-    assert pick(f, 768) == "chunks" and pick(f, 768, memory="fast") == "chunks"
-    assert pick(fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="scaled"), 768) == "scaled"
+    assert pick() == "scaled" and pick(memory="fast") == "scaled"
+    assert pick(hid=api.SCALED_MAX_HIDDEN) == "scaled" and pick(fuser.losses.CROSS_ENTROPY_FULL) == "scaled"
+    assert pick(hid=4096) == "chunks"  # (cuBLAS's logits matmul outruns the scaled kernel)
+    assert pick(es=4) == "chunks" and pick(device="cpu") == "chunks"
+    assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"
+    assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
+    assert pick(main_grad=True) == "vocab" and pick(memory="lean") == "fused"
+    assert pick(want_grad=False) == "chunks"
 
 
-def test_add_rows_sums_repeated_indices():
-    index = torch.randint(0, 7, (41,))
-    index[:5] = 3  # a run of one index at the start, and at the end below
-    index[-3:] = 6
-    values = torch.randn(41, 5)
-    out = torch.randn(9, 5)
-    expected = out.double().index_add(0, index, values.double())
-    scaled.add_rows(out, index, values)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("piece", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_targets_sum_into_their_weight_rows(dtype, piece, monkeypatch):
+    # grad_weight's target term sums B * hidden over each run of one target (tokens sorted
+    # by target): runs of one to ~40 tokens, the first and the last vocabulary rows among
+    # them, across chunks, with ignored tokens (their key sorts past the vocabulary); with
+    # pieces of 3 tokens, every run but one is summed in pieces, their sums then in order
+    if piece is not None:
+        monkeypatch.setattr(loss_matmul, "TARGET_PIECE", piece)
+    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(101,), ignore="some")
+    live = target != -100
+    g = torch.Generator().manual_seed(torch.randint(2**62, ()).item())
+    pool = torch.tensor([0, V - 1, 7, 100])
+    target[live] = pool[torch.randint(0, 4, (int(live.sum()),), generator=g)]
+    target[live.nonzero()[-1]] = 3  # (a run of one)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, chunk_size=40, schedule="scaled")
+    got = run(f, hidden, weight, None, target, grad_out=torch.tensor(1.1), **opts)
+    ref = reference(full_ce(0.1, 1e-3, 0.7), hidden, weight, None, target, grad_out=torch.tensor(1.1))
+    check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight"])
+def test_gradient_of_one_input(needs):
+    # grad_weight alone takes s * hidden from torch, grad_hidden alone skips grad_weight
+    hidden, weight, _, target = make_inputs(bias=False)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, chunk_size=16, schedule="scaled")
+    x = hidden.clone().requires_grad_(needs == "hidden")
+    w = weight.clone().requires_grad_(needs == "weight")
+    f(x, w, target, label_smoothing=0.1, z_loss=1e-3).backward()
+    ref = reference(full_ce(0.1, 1e-3, 1.0), hidden, weight, None, target)
+    got, expected, bound = (
+        (x.grad, ref[1], ref.bounds[1]) if needs == "hidden" else (w.grad, ref[2], ref.bounds[2])
+    )
+    assert_within(got, expected, bound, f"grad {needs}")
+    assert (w.grad if needs == "hidden" else x.grad) is None
 
 
 def test_buffers_poisoned_with_nan_leak_nothing(monkeypatch):
