@@ -6,9 +6,11 @@ only, no synchronisation), the device time of every kernel summed (the profiler'
 number of launches, and the kernels that take the most device time. Events minus device
 time is time the GPU sat idle inside the step, waiting for the host.
 
-    python benchmarks/profile_loss.py [gist llama8b] [--variants default main_grad chunks scaled] [--top 12]
+    python benchmarks/profile_loss.py [gist llama8b] [--variants default main_grad chunks scaled z_loss]
+                                       [--top 12]
 
-(`chunks`, `scaled`: the built-in cross-entropy with that schedule forced.)
+(`chunks`, `scaled`: the built-in cross-entropy with that schedule forced; `z_loss`: the
+built-in with `z_loss=1e-4`, the schedule `memory="auto"` picks.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def step_fn(variant):
         return lambda x, w, y: fuser.losses.cross_entropy(x, w, y, accumulate_into="main_grad")
     if variant in ("chunks", "scaled"):
         return fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=variant)
+    if variant == "z_loss":
+        return lambda x, w, y: fuser.losses.cross_entropy(x, w, y, z_loss=1e-4)
     return fuser.losses.cross_entropy
 
 
@@ -136,7 +140,7 @@ def main(argv=None):
         "--variants",
         nargs="*",
         default=["default", "main_grad"],
-        choices=["default", "main_grad", "chunks", "scaled"],
+        choices=["default", "main_grad", "chunks", "scaled", "z_loss"],
     )
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
