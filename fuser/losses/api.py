@@ -51,6 +51,10 @@ SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
 # chunks of logits on a GPU, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
 SCALED_MAX_HIDDEN = 2048
+# The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
+# weight gradient into main_grad (H100, 16-bit inputs: 50.8 against 54.3 ms at H = 768,
+# within the spread at 2048, 55.6 against 54.3 at 4096; benchmarks/NOTES.md).
+LEAN_MAIN_GRAD_MAX_HIDDEN = 1024
 
 
 class CompiledLoss:
@@ -328,7 +332,8 @@ class CompiledLoss:
         chunks of tokens with ``group`` or without gradients, else the one
         ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
         pays (``_scaled_pays``: 16-bit inputs on a GPU, H up to ``SCALED_MAX_HIDDEN``) and
-        can run the call."""
+        can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``) where it
+        pays (``_lean_pays``)."""
         if self.schedule == "scaled":
             why = self._scaled_refusal(call, main_grad, group, bias, reduction)
             if why:
@@ -340,6 +345,8 @@ class CompiledLoss:
         if group is not None or not want_grad:
             return "chunks"
         chosen = self._auto_schedule(call, main_grad, memory, weight)
+        if chosen == "vocab" and self._lean_pays(call):
+            return "fused"
         if (
             chosen == "chunks"
             and self._scaled_pays(call)
@@ -347,6 +354,11 @@ class CompiledLoss:
         ):
             return "scaled"
         return chosen
+
+    @staticmethod
+    def _lean_pays(call: _Call) -> bool:
+        """Whether the lean schedule outruns ``vocab`` into ``main_grad`` for a call's sizes."""
+        return call.device.type == "cuda" and call.es == 2 and call.hid <= LEAN_MAIN_GRAD_MAX_HIDDEN
 
     @staticmethod
     def _scaled_pays(call: _Call) -> bool:

@@ -195,7 +195,8 @@ def test_auto_picks_it_where_it_pays():
     assert pick(es=4) == "chunks" and pick(device="cpu") == "chunks"
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"
     assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
-    assert pick(main_grad=True) == "vocab" and pick(memory="lean") == "fused"
+    assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"  # (_lean_pays)
+    assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
 
 
