@@ -48,7 +48,7 @@ SCALED_TILES = Tiles(group_m=16)
 # alternating processes: llama8b 47.3-47.8 -> 46.5-46.6 ms, gist 43.5-44.0 -> 43.0-43.4).
 SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
 # The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
-# chunks of logits on a GPU, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
+# chunks of logits on sm_90 or later, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
 SCALED_MAX_HIDDEN = 2048
 # The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
@@ -331,7 +331,7 @@ class CompiledLoss:
         ``_scaled_refusal`` has nothing against it), or the one ``memory`` names, or (auto)
         chunks of tokens with ``group`` or without gradients, else the one
         ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
-        pays (``_scaled_pays``: 16-bit inputs on a GPU, H up to ``SCALED_MAX_HIDDEN``) and
+        pays (``_scaled_pays``: 16-bit inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
         can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``) where it
         pays (``_lean_pays``)."""
         if self.schedule == "scaled":
@@ -357,13 +357,15 @@ class CompiledLoss:
 
     @staticmethod
     def _lean_pays(call: _Call) -> bool:
-        """Whether the lean schedule outruns ``vocab`` into ``main_grad`` for a call's sizes."""
-        return call.device.type == "cuda" and call.es == 2 and call.hid <= LEAN_MAIN_GRAD_MAX_HIDDEN
+        """Whether the lean schedule outruns ``vocab`` into ``main_grad`` for a call's sizes
+        (measured on sm_90, where its gradient kernel takes tensor descriptors)."""
+        return _measured_faster(call, LEAN_MAIN_GRAD_MAX_HIDDEN)
 
     @staticmethod
     def _scaled_pays(call: _Call) -> bool:
-        """Whether the scaled schedule outruns chunks of logits for a call's sizes."""
-        return call.device.type == "cuda" and call.es == 2 and call.hid <= SCALED_MAX_HIDDEN
+        """Whether the scaled schedule outruns chunks of logits for a call's sizes (measured
+        on sm_90, where its kernel takes tensor descriptors)."""
+        return _measured_faster(call, SCALED_MAX_HIDDEN)
 
     def _scaled_refusal(self, call: _Call, main_grad: bool, group, bias, reduction: str) -> str | None:
         """Why the scaled schedule cannot run a call, or ``None``."""
@@ -503,6 +505,18 @@ class CompiledLoss:
         from fuser.display import loss_html
 
         return loss_html(self)
+
+
+def _measured_faster(call: _Call, max_hidden: int) -> bool:
+    """16-bit inputs on a GPU whose kernels take tensor descriptors (``descriptors_pay``),
+    with H up to ``max_hidden``: where ``auto``'s matmul-kernel schedules were measured
+    faster than the cuBLAS ones."""
+    return (
+        call.device.type == "cuda"
+        and call.es == 2
+        and call.hid <= max_hidden
+        and descriptors_pay(call.device)
+    )
 
 
 def scaled_tiles(dtype: str, tma: bool) -> Tiles:

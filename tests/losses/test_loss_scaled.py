@@ -177,8 +177,11 @@ def test_refusals_say_why(rule, kw, message):
         f(hidden.requires_grad_(), weight, target, b, **kw)
 
 
-def test_auto_picks_it_where_it_pays():
-    # 16-bit inputs on a GPU with H up to SCALED_MAX_HIDDEN, and only calls it can run
+def test_auto_picks_it_where_it_pays(monkeypatch):
+    # 16-bit inputs on sm_90 or later with H up to SCALED_MAX_HIDDEN, and only calls it can
+    # run (a CUDA device of a given capability stood in for on this CPU machine)
+    capability = [9]
+    monkeypatch.setattr(api, "descriptors_pay", lambda device: capability[0] >= 9)
     w = torch.empty(0)
 
     def pick(rule=fuser.losses.CROSS_ENTROPY, hid=768, es=2, device="cuda", **kw):
@@ -198,6 +201,8 @@ def test_auto_picks_it_where_it_pays():
     assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"  # (_lean_pays)
     assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
+    capability[0] = 8  # (an A100: measured on neither schedule)
+    assert pick() == "chunks" and pick(main_grad=True) == "vocab"
 
 
 @pytest.mark.parametrize("piece", [None, 3])
