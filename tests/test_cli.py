@@ -265,6 +265,11 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "ce_loss_rows_mm_grad_tma",
         "ce_loss_rows_mm_scaled",
         "ce_loss_rows_mm_scaled_tma",
+        "ce_loss_rows_scaled_prepare",
+        "ce_loss_rows_scaled_tokens",
+        "scaled_hidden_grad",
+        "scaled_target_pieces",
+        "scaled_target_runs",
     ]
 
 
