@@ -187,9 +187,10 @@ class CompiledLoss:
         return self._scaled[key]
 
     def scaled_token_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...] | None:
-        """The scaled schedule's kernels around its matmul kernel for ``dtype``: the per-token
-        kernel of a chunk, then the two gradient-term kernels (``render_scaled_tokens``,
-        ``render_scaled_terms``); ``None`` where the rule has no scaled-exponential form."""
+        """The scaled schedule's kernels around its matmul kernel for ``dtype``: the per-call
+        and per-chunk token kernels (``render_scaled_tokens``), then the three gradient-term
+        kernels (``render_scaled_terms``); ``None`` where the rule has no scaled-exponential
+        form."""
         key = ("tokens", dtype)
         if key not in self._scaled:
             plan = lower_loss(self.rule, dtype)

@@ -61,8 +61,8 @@ TERM_ROWS = 4096
 
 class TokenValues:
     """What the driver needs of a ``ScaledExp`` form besides its kernels: whether the
-    gradient has a target term and a constant term, and the partials' columns (built once
-    per rule and dtype)."""
+    gradient has a target term and a constant term, whether a sum is linear in ``z``, and
+    the partials' width per token and tile (built once per rule and dtype)."""
 
     def __init__(self, plan, form, layout):
         self.form = form
@@ -70,7 +70,7 @@ class TokenValues:
         self.has_target = form.target != 0
         self.has_const = form.const != 0
         self.linear = bool(linear_sums(plan))  # (the prepare kernel reads the weight's row sum)
-        self.part_width, self.part_cols = scaled_part_columns(plan)
+        self.part_width = scaled_part_columns(plan)[0]
 
 
 class ScaledExp:
