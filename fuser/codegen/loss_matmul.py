@@ -232,13 +232,14 @@ def matmul_entry(plan: LossPlan, stage: int | None, tma: bool = False) -> str:
 
 @dataclass(frozen=True)
 class ScaledExp:
-    """A rule whose logit gradient factors as ``A * exp(a(z) - r) + B * [z is the target] + C``,
-    with ``r`` its one logsumexp of ``a(z)`` and ``A``, ``B``, ``C`` per-token values (sympy, in
-    ``z_y``, the reductions ``r$i``, ``vocab$`` and hyperparameters). Then the forward matmul
-    can store ``E = exp(a(z) - a(z_y))`` before ``r`` is known, and the gradient is
-    ``s * E + B * [target] + C`` with ``s = A * exp(a(z_y) - r)`` per token: the gradient
-    matmuls read ``E`` and apply ``s`` to their output rows (``grad_hidden``) or to ``hidden``'s
-    rows (``grad_weight``)."""
+    """A rule whose logit gradient factors as ``D(z) * A * exp(a(z) - r) + B * [z is the target]
+    + C``, with ``r`` its one logsumexp of ``a(z)``, ``A``, ``B``, ``C`` per-token values
+    (sympy, in ``z_y``, the reductions ``r$i``, ``vocab$`` and hyperparameters) and ``D``
+    (``factor``) 1, or ``a'(z)`` where ``a`` is not linear (a softcap's ``1 - tanh**2``; then
+    ``C`` is 0). Then the forward matmul can store ``E = D(z) * exp(a(z) - a(z_y))`` before
+    ``r`` is known, and the gradient is ``s * E + B * [target] + C`` with ``s = A * exp(a(z_y)
+    - r)`` per token: the gradient matmuls read ``E`` and apply ``s`` to their output rows
+    (``grad_hidden``) or to ``hidden``'s rows (``grad_weight``)."""
 
     lse: int  # the logsumexp's reduction index
     arg: sympy.Expr  # a(z), in z and hyperparameters
@@ -246,6 +247,7 @@ class ScaledExp:
     scale: sympy.Expr  # A
     target: sympy.Expr  # B
     const: sympy.Expr  # C
+    factor: sympy.Expr = sympy.Integer(1)  # D(z), in z and hyperparameters
 
 
 def _inlined(e: sympy.Expr, *definitions) -> sympy.Expr:
@@ -260,8 +262,9 @@ def _inlined(e: sympy.Expr, *definitions) -> sympy.Expr:
 def scaled_exp_form(plan: LossPlan) -> ScaledExp | None:
     """``plan``'s gradient in the form ``ScaledExp`` describes, or ``None``: it must have one
     reduction pass, of one logsumexp and any sums, and a gradient whose ``z``-dependence is
-    the softmax term alone (a softcap's ``1 - tanh**2`` factor, a max or a second pass rule
-    it out)."""
+    the softmax term alone, or the softmax term times ``a'(z)`` with no constant term (a
+    max, a second pass, or a softcap beside label smoothing's mean rule it out). The target
+    term's coefficient is taken at ``z = z_y``, where it applies."""
     if len(plan.passes) != 1:
         return None
     (p,) = plan.passes
@@ -272,14 +275,36 @@ def scaled_exp_form(plan: LossPlan) -> ScaledExp | None:
     if Z not in arg.free_symbols:
         return None
     g = _inlined(plan.grad_value, plan.grad.body, plan.epilogue)
-    target = sympy.simplify(g.subs(IS_Y, 1) - g.subs(IS_Y, 0))
+    target = _tidy((g.subs(IS_Y, 1) - g.subs(IS_Y, 0)).subs(Z, Z_Y))
     rest = g.subs(IS_Y, 0)
     softmax = sympy.exp(arg - reduction_symbol(lses[0].index))
-    scale = sympy.simplify(sympy.diff(rest, Z) / sympy.diff(softmax, Z))
-    const = sympy.simplify(rest - scale * softmax)
-    if any(Z in e.free_symbols or IS_Y in e.free_symbols for e in (target, scale, const)) or scale == 0:
+    factor = sympy.Integer(1)
+    terms = _softmax_terms(rest, softmax)
+    if terms is None:  # a(z) not linear: every term of the rest may carry a'(z)
+        factor = sympy.diff(arg, Z)
+        terms = _softmax_terms(sympy.simplify(rest / factor), softmax) if Z in factor.free_symbols else None
+        if terms is not None and terms[1] != 0:  # (C * a'(z) would be a per-logit term)
+            terms = None
+    if terms is None or any(Z in e.free_symbols or IS_Y in e.free_symbols for e in (target, *terms)):
         return None
-    return ScaledExp(lses[0].index, arg, arg.subs(Z, Z_Y), scale, target, const)
+    return ScaledExp(lses[0].index, arg, arg.subs(Z, Z_Y), *terms[:1], target, terms[1], factor)
+
+
+def _tidy(e: sympy.Expr) -> sympy.Expr:
+    """``e`` simplified, unless that brings in functions ``e`` does not call (``1 - tanh**2``
+    becomes ``cosh**-2``, which no kernel spells)."""
+    s = sympy.simplify(e)
+    kinds = lambda x: {type(f) for f in x.atoms(sympy.Function)}  # noqa: E731
+    return s if kinds(s) <= kinds(e) else e
+
+
+def _softmax_terms(rest: sympy.Expr, softmax: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """``(A, C)`` with ``rest = A * softmax + C``, both free of ``z``, or ``None``."""
+    scale = _tidy(sympy.diff(rest, Z) / sympy.diff(softmax, Z))
+    const = _tidy(rest - scale * softmax)
+    if scale == 0 or any(Z in e.free_symbols for e in (scale, const)):
+        return None
+    return scale, const
 
 
 def linear_sums(plan: LossPlan) -> dict[int, tuple[sympy.Expr, sympy.Expr]]:
@@ -317,17 +342,19 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
     ``ev`` (E) and each reduction's partials of the tile."""
     (p,) = plan.passes
     width, cols = scaled_part_columns(plan)
+    form = scaled_exp_form(plan)
     finish, exp_lines = [], []
     for acc in p.accumulators:
         if acc.op == "logsumexp":
+            shared, arg, factor = _arg_and_factor(acc.arg, p, form, printer)
             # (the columns past the vocabulary through a [1, BN] penalty rather than a
             # [BM, BN] mask; rows with no live target have r_ref = +inf, so E is 0 there)
-            exp_lines = [
-                f'a_lse = {printer.doprint_expr(acc.arg)} + tl.where(lcols < n_cols, 0.0, float("-inf"))',
+            exp_lines = shared + [
+                f'a_lse = {arg} + tl.where(lcols < n_cols, 0.0, float("-inf"))',
                 f"t_max = {_max('a_lse')}",
                 't_max = tl.where(t_max == float("-inf"), 0.0, t_max)',
                 "u = tl.exp(a_lse - t_max[:, None])",
-                "ev = u * tl.exp(t_max[:, None] - r_ref)",
+                "ev = u * tl.exp(t_max[:, None] - r_ref)" + (f" * ({factor})" if factor else ""),
             ]
             finish += [
                 f"tl.store(out + {cols[acc.index]}, {_sum('u')}, mask=row_ok)",
@@ -346,6 +373,17 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
         part_width=width,
         store=store_cast("ev", plan.dtype),
     )
+
+
+def _arg_and_factor(arg: sympy.Expr, p, form: ScaledExp, printer) -> tuple[list[str], str, str | None]:
+    """The lines of what ``a(z)`` and its derivative ``D(z)`` share (a softcap's ``tanh``, once
+    per logit), and the two printed; ``None`` for ``D`` where the form has none."""
+    if form.factor == 1:
+        return [], printer.doprint_expr(arg), None
+    whole = _inlined(arg, p.body)  # (in z and the prologue's values)
+    shared, (a, d) = sympy.cse([whole, sympy.diff(whole, Z)], symbols=sympy.numbered_symbols("sf$"))
+    lines = [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in shared]
+    return lines, printer.doprint_expr(a), printer.doprint_expr(d)
 
 
 def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool = False) -> KernelSource:

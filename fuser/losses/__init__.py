@@ -19,6 +19,7 @@ from fuser.losses.builtins import (
     CROSS_ENTROPY_FULL,
     ENTROPY_REGULARIZED_CROSS_ENTROPY,
     SOFTCAP_CROSS_ENTROPY,
+    SOFTCAP_CROSS_ENTROPY_UNSMOOTHED,
     cross_entropy,
     entropy_regularized_cross_entropy,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "CompiledLoss",
     "ENTROPY_REGULARIZED_CROSS_ENTROPY",
     "SOFTCAP_CROSS_ENTROPY",
+    "SOFTCAP_CROSS_ENTROPY_UNSMOOTHED",
     "cross_entropy",
     "entropy_regularized_cross_entropy",
     "kernel_sources",

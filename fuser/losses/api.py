@@ -47,6 +47,11 @@ SCALED_TILES = Tiles(group_m=16)
 # kernel alone on one chunk: llama8b 7.47 -> 6.76 ms, gist 0.95 -> 0.97 ms; end to end,
 # alternating processes: llama8b 47.3-47.8 -> 46.5-46.6 ms, gist 43.5-44.0 -> 43.0-43.4).
 SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
+# The scaled kernel's tiles for a rule whose E carries a'(z) (a softcap's tanh, shared by
+# a(z) and a'(z)): beside a [128, 256] fp32 tile its temporaries spill (sm_90, 8 warps: 255
+# registers a thread and 200 bytes of stack; [128, 128]: 224 registers, no stack).
+SCALED_TILES_NARROW = Tiles(bn=128, group_m=16)
+SCALED_TILES_NARROW_TMA = Tiles(bn=128, group_m=16, tma=True)
 # The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
 # chunks of logits on sm_90 or later, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
@@ -177,14 +182,22 @@ class CompiledLoss:
 
     def scaled_kernel_source(self, dtype: str = "bf16", tiles: Tiles | None = None) -> KernelSource | None:
         """The scaled schedule's matmul kernel for ``dtype`` (tiles: ``tiles``, else the compile
-        option ``tiles``, else ``SCALED_TILES`` for ``dtype``), or ``None`` for a rule whose
-        gradient has no scaled-exponential form (``scaled_exp_form``)."""
-        tiles = tiles or self.tiles or SCALED_TILES.for_dtype(dtype)
+        option ``tiles``, else ``scaled_tiles`` without descriptors), or ``None`` for a rule
+        whose gradient has no scaled-exponential form (``scaled_exp_form``)."""
+        tiles = tiles or self.tiles or self._scaled_tiles(dtype, False)
         key = (dtype, tiles)
         if key not in self._scaled:
             plan = lower_loss(self.rule, dtype)
             self._scaled[key] = render_loss_scaled(plan, tiles) if scaled_exp_form(plan) else None
         return self._scaled[key]
+
+    def _scaled_tiles(self, dtype: str, tma: bool) -> Tiles:
+        """``scaled_tiles`` for this rule: narrow where its ``E`` carries ``a'(z)``."""
+        key = ("tiles", dtype)
+        if key not in self._scaled:
+            form = scaled_exp_form(lower_loss(self.rule, dtype))
+            self._scaled[key] = form is not None and form.factor != 1
+        return scaled_tiles(dtype, tma, self._scaled[key])
 
     def scaled_token_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...] | None:
         """The scaled schedule's kernels around its matmul kernel for ``dtype``: the per-call
@@ -372,7 +385,10 @@ class CompiledLoss:
         """Why the scaled schedule cannot run a call, or ``None``."""
         if self.scaled_kernel_source(call.dtype) is None:
             name = self.rule.name
-            return f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token"
+            return (
+                f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token, "
+                "nor a'(z) * (A * softmax + B * [target]) for the logsumexp's argument a(z)"
+            )
         if reduction == "none":
             return (
                 "reduction='none' scales each token's gradient in backward; it takes the gradient in forward"
@@ -417,7 +433,7 @@ class CompiledLoss:
         aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
         descriptors = aligned and call.hid * call.es % 16 == 0
         if self.tiles is None and call.device.type == "cuda":
-            tiles = scaled_tiles(call.dtype, descriptors and descriptors_pay(call.device))
+            tiles = self._scaled_tiles(call.dtype, descriptors and descriptors_pay(call.device))
         else:
             tiles = self.tiles or INTERPRETER_TILES
             if tiles.tma and not descriptors:
@@ -520,10 +536,13 @@ def _measured_faster(call: _Call, max_hidden: int) -> bool:
     )
 
 
-def scaled_tiles(dtype: str, tma: bool) -> Tiles:
+def scaled_tiles(dtype: str, tma: bool, narrow: bool = False) -> Tiles:
     """The scaled kernel's tiles on a GPU; ``tma``: where tensor descriptors are TMA, taken
-    for 16-bit inputs (fp32 tiles through descriptors overflow sm_90's shared memory)."""
-    return SCALED_TILES_TMA if tma and dtype != "fp32" else SCALED_TILES.for_dtype(dtype)
+    for 16-bit inputs (fp32 tiles through descriptors overflow sm_90's shared memory);
+    ``narrow``: for a form whose ``E`` carries ``a'(z)`` (``SCALED_TILES_NARROW``)."""
+    if tma and dtype != "fp32":
+        return SCALED_TILES_NARROW_TMA if narrow else SCALED_TILES_TMA
+    return (SCALED_TILES_NARROW if narrow else SCALED_TILES).for_dtype(dtype)
 
 
 def descriptors_pay(device: torch.device) -> bool:
@@ -622,7 +641,7 @@ def kernel_sources(
     scaled = f.scaled_kernel_source(dtype)
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
-        tma = f.scaled_kernel_source(dtype, scaled_tiles(dtype, True))
+        tma = f.scaled_kernel_source(dtype, f._scaled_tiles(dtype, True))
         scaled += [tma] if tma.digest != scaled[0].digest else []
     scaled += list(f.scaled_token_sources(dtype)) if scaled else []
     return [f.kernel_source(dtype), *staged, *lean, *scaled]

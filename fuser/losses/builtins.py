@@ -40,6 +40,21 @@ SOFTCAP_CROSS_ENTROPY = loss(
     hyper=dict(softcap=30.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0),
 )
 
+# The same without label smoothing (what `cross_entropy(softcap=...)` runs when
+# `label_smoothing` is 0): its logit gradient is then the softmax term and the target term,
+# each times the cap's derivative, which the scaled schedule takes (label smoothing's mean
+# of the capped logits would add a term per logit).
+SOFTCAP_CROSS_ENTROPY_UNSMOOTHED = loss(
+    """
+    z = softcap * tanh(z / softcap)
+    z = z / temperature
+    lse = logsumexp(z)
+    loss = lse - z[y] + z_loss * lse**2
+""",
+    name="softcap_cross_entropy_unsmoothed",
+    hyper=dict(softcap=30.0, z_loss=0.0, temperature=1.0),
+)
+
 # Cross-entropy minus `entropy_coef` times the entropy of softmax(z / temperature): the
 # entropy bonus of policy-gradient RL, in one fused pass (the entropy needs the lse first).
 ENTROPY_REGULARIZED_CROSS_ENTROPY = loss(
@@ -53,7 +68,13 @@ ENTROPY_REGULARIZED_CROSS_ENTROPY = loss(
     hyper=dict(entropy_coef=0.01, temperature=1.0),
 )
 
-RULES = (CROSS_ENTROPY, CROSS_ENTROPY_FULL, SOFTCAP_CROSS_ENTROPY, ENTROPY_REGULARIZED_CROSS_ENTROPY)
+RULES = (
+    CROSS_ENTROPY,
+    CROSS_ENTROPY_FULL,
+    SOFTCAP_CROSS_ENTROPY,
+    SOFTCAP_CROSS_ENTROPY_UNSMOOTHED,
+    ENTROPY_REGULARIZED_CROSS_ENTROPY,
+)
 
 
 @functools.cache
@@ -82,7 +103,9 @@ def cross_entropy(
 
     ``label_smoothing`` as in torch; ``z_loss`` adds ``z_loss * logsumexp(z)**2`` per token;
     ``softcap`` applies ``softcap * tanh(z / softcap)`` to the logits, then ``temperature``
-    divides them. Plain cross-entropy runs the leanest kernel. With ``process_group``,
+    divides them. Plain cross-entropy runs the leanest kernel, and a softcap without label
+    smoothing a rule of its own (``SOFTCAP_CROSS_ENTROPY_UNSMOOTHED``), which the scaled
+    schedule takes. With ``process_group``,
     ``weight`` and ``bias`` are this rank's slice of the vocabulary; ``memory="lean"`` keeps
     no logits in memory (see ``CompiledLoss`` for both).
     """
@@ -101,6 +124,17 @@ def cross_entropy(
     if softcap is not None:
         if softcap <= 0:
             raise ValueError(f"softcap must be positive, not {softcap}")
+        if label_smoothing == 0.0:
+            return _compiled("softcap_cross_entropy_unsmoothed")(
+                hidden,
+                weight,
+                target,
+                bias,
+                softcap=softcap,
+                z_loss=z_loss,
+                temperature=temperature,
+                **common,
+            )
         return _compiled("softcap_cross_entropy")(
             hidden, weight, target, bias, softcap=softcap, **common, **extras
         )

@@ -264,6 +264,34 @@ def test_scaled_schedule_on_gpu_against_float64(h, dtype):
     assert _norm_err(w.grad, ref[2]) < tol, _norm_err(w.grad, ref[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_schedule_with_a_softcap_on_gpu_against_float64(dtype):
+    # E carries the cap's derivative per logit (its tanh shared with the capped logit); the
+    # target term its own at z[y]; logits of ~+-6 against a cap of 4
+    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(603,), v=5003, h=128, scale=3.0)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    out = fuser.losses.cross_entropy(x, w, target.cuda(), softcap=4.0, z_loss=1e-3, temperature=0.7)
+    f = fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, schedule="scaled", chunk_size=256)
+    x2, w2 = (t.cuda().requires_grad_() for t in (hidden, weight))
+    out2 = f(x2, w2, target.cuda(), softcap=4.0, z_loss=1e-3, temperature=0.7)
+    (out2 * 0.7).backward()
+
+    def per_token(z, y):
+        z = 4.0 * torch.tanh(z / 4.0) / 0.7
+        lse = torch.logsumexp(z, 1)
+        return lse - z.gather(1, y[:, None])[:, 0] + 1e-3 * lse**2
+
+    ref = reference(
+        per_token, hidden, weight, None, target, grad_out=torch.tensor(0.7), round_logits_to=torch.float32
+    )
+    assert out.dtype == out2.dtype == torch.float32
+    assert_close(out.detach().cpu(), ref[0], 1e-5, "loss")
+    assert_close(out2.detach().cpu(), ref[0], 1e-5, "loss")
+    tol = 1e-4 if dtype == torch.float32 else 2**-7
+    assert _norm_err(x2.grad, ref[1]) < tol, _norm_err(x2.grad, ref[1])
+    assert _norm_err(w2.grad, ref[2]) < tol, _norm_err(w2.grad, ref[2])
+
+
 def test_scaled_schedule_takes_gradients_again_beyond_its_range():
     hidden, weight, _, target = make_inputs(
         torch.bfloat16, bias=False, ignore="none", shape=(300,), v=5003, h=128

@@ -47,9 +47,72 @@ def test_form_of_the_builtins():
         assert sympy.simplify(g - e.xreplace(subs)) == 0, (g, e)
     for rule in (fuser.losses.SOFTCAP_CROSS_ENTROPY, fuser.losses.ENTROPY_REGULARIZED_CROSS_ENTROPY):
         assert scaled_exp_form(lower_loss(rule, "bf16")) is None
-    for name in ("softcap_zloss", "max_margin", "lse_of_lse"):
+    for name in ("max_margin", "lse_of_lse"):
         text, hyper, _ = USER_RULES[name]
         assert scaled_exp_form(lower_loss(fuser.loss(text, name=name, hyper=hyper), "fp32")) is None
+
+
+def test_form_of_a_softcap():
+    # a(z) = c * tanh(z / c) / t is not linear: every term carries a'(z), the target term
+    # taken at z = z_y; with label smoothing's mean the constant term would be per logit
+    form = scaled_exp_form(lower_loss(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, "bf16"))
+    c, zl, t = sympy.symbols("softcap z_loss temperature", real=True)
+    z, zy, r = sympy.Symbol("z", real=True), sympy.Symbol("z_y", real=True), reduction_symbol(form.lse)
+    subs = {
+        s: sympy.Symbol(s.name, real=True)
+        for e in (form.scale, form.target, form.factor)
+        for s in e.free_symbols
+    }
+    expected = (
+        1 + 2 * zl * r,  # A
+        -(1 - sympy.tanh(zy / c) ** 2) / t,  # B: the target's own a'(z_y)
+        sympy.Integer(0),  # C
+        (1 - sympy.tanh(z / c) ** 2) / t,  # D(z)
+    )
+    got = (form.scale, form.target, form.const, form.factor)
+    for g, e in zip(got, expected):
+        assert sympy.simplify(g.xreplace(subs) - e.xreplace(subs)) == 0, (g, e)
+    text, hyper, _ = USER_RULES["softcap_zloss"]
+    user = scaled_exp_form(lower_loss(fuser.loss(text, name="softcap_zloss", hyper=hyper), "fp32"))
+    assert user is not None and user.const == 0 and Z_Y in user.target.free_symbols
+
+
+def softcap_ce(cap, z_loss, temperature):
+    def per_token(z, y):
+        z = cap * torch.tanh(z / cap) / temperature
+        lse = torch.logsumexp(z, 1)
+        return lse - z.gather(1, y[:, None])[:, 0] + z_loss * lse**2
+
+    return per_token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_softcap(dtype, reduction):
+    # logits of ~+-6 against a cap of 3: the cap's derivative spans ~0.1 to 1
+    hidden, weight, _, target = make_inputs(dtype, bias=False, scale=3.0)
+    opts = dict(softcap=3.0, z_loss=1e-3, temperature=0.7)
+    f = fuser.compile(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, chunk_size=16, schedule="scaled")
+    grad_out = torch.tensor(1.3)
+    got = run(f, hidden, weight, None, target, reduction=reduction, grad_out=grad_out, **opts)
+    ref = reference(
+        softcap_ce(3.0, 1e-3, 0.7), hidden, weight, None, target, reduction=reduction, grad_out=grad_out
+    )
+    check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)
+
+
+@pytest.mark.parametrize("dtype, h, descriptors", TMA_CASES)
+def test_softcap_through_tensor_descriptors(dtype, h, descriptors):
+    # a user rule: the cap's tanh once per logit, shared by a(z) and its derivative
+    text, hyper, per_token = USER_RULES["softcap_zloss"]
+    rule = fuser.loss(text, name="softcap_zloss", hyper=hyper)
+    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(101,))
+    f = fuser.compile(rule, chunk_size=40, tiles=TMA_TILES, schedule="scaled")
+    got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.8))
+    ref = reference(per_token, hidden, weight, None, target, grad_out=torch.tensor(0.8))
+    check(got, ref, None if dtype == torch.float32 else 2e-2, dtype)
+    assert f.scaled_kernel_source("bf16", TMA_TILES).text.count("_tanh(") == 3
+    # (the helper, and once per logit in the interpreter's loop and the compiled one)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -196,7 +259,8 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick(hid=api.SCALED_MAX_HIDDEN) == "scaled" and pick(fuser.losses.CROSS_ENTROPY_FULL) == "scaled"
     assert pick(hid=4096) == "chunks"  # (cuBLAS's logits matmul outruns the scaled kernel)
     assert pick(es=4) == "chunks" and pick(device="cpu") == "chunks"
-    assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"
+    assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"  # (label smoothing's mean: no form)
+    assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED) == "scaled"
     assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
     assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"  # (_lean_pays)
     assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"

@@ -3,7 +3,8 @@ matmul and the row kernel.
 
 For a rule whose logit gradient is ``A * exp(a(z) - r) + B * [target] + C`` (``r`` its one
 logsumexp of ``a(z)``; ``A``, ``B``, ``C`` per token: ``fuser.codegen.loss_matmul.ScaledExp``),
-the schedule runs, with every per-token value computed in generated kernels
+or ``a'(z)`` times the first two terms (a softcap; ``E`` below then carries ``a'(z)``), the
+schedule runs, with every per-token value computed in generated kernels
 (``fuser.codegen.loss_matmul.render_scaled_tokens`` and ``render_scaled_terms``):
 
 1. once per call, ``z[y]`` (a gathered dot product, fp32) and ``ref = a(z[y])`` per token;
