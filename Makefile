@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PYTHON) examples/demo.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n logical
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check fuser tests examples benchmarks
