@@ -112,7 +112,8 @@ def run(cfg: str, rows: list, shapes=TILES) -> None:
                     )
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            grad_args = (x, w, w, y, red, scale, 0, logits, logits.stride(0), *tail)
+            resid = torch.zeros(t, device="cuda")  # (the target column's residue, unread here)
+            grad_args = (x, w, w, y, red, scale, 0, logits, logits.stride(0), resid, *tail)
             logits.fill_(float("nan"))
             ms = timed(grad, (min(tm * tn, sms) if tiles.tma else tm * tn,), *grad_args)
             # every 97th token's row of d loss / d logits against the first shape's

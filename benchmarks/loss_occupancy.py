@@ -125,7 +125,8 @@ def gradient(cfg, f, x, w, y, sms) -> None:
         dz = logits_buffer(t, cols, x)
         dz.fill_(float("nan"))
         grid = (min(-(-t // tiles.bm) * -(-cols // tiles.bn), per_sm * sms),)
-        args = (grid, x, ws, ws, y, red, scale, 0, dz, dz.stride(0), hyper, t, h, cols, 0, v, -100)
+        resid = torch.zeros(t, device="cuda")  # (the target column's residue, unread here)
+        args = (grid, x, ws, ws, y, red, scale, 0, dz, dz.stride(0), resid, hyper, t, h, cols, 0, v, -100)
         ms = event_ms(lambda: kernel(*args), warmup=3, rep=10)  # noqa: B023
         sample = dz[::97].float()
         first = sample if first is None else first

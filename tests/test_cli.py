@@ -268,8 +268,11 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "ce_loss_rows_scaled_prepare",
         "ce_loss_rows_scaled_tokens",
         "scaled_hidden_grad",
-        "scaled_target_pieces",
-        "scaled_target_runs",
+        "target_rows_pieces",
+        "target_rows_runs",
+        "target_rows_pieces",  # (the target column's residue: coefficients one per token)
+        "target_rows_runs",
+        "target_rows_gather",
     ]
 
 

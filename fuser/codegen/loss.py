@@ -31,6 +31,7 @@ DEFAULT_WARPS = 8
 SIGNATURE_TAIL = (
     ("target", "*i64"),
     ("loss", "*fp32"),
+    ("resid", "*fp32"),
     ("scale", "*fp32"),
     ("scale_stride", "i32"),
     ("hyper", "*fp32"),
@@ -311,6 +312,7 @@ def rule_context(plan: LossPlan) -> dict:
         hyper=plan.hyper,
         hyper_names=", ".join(plan.hyper) or "(none)",
         hyper_loads=[f"h_{h} = tl.load(hyper + {j})" for j, h in enumerate(plan.hyper)],
+        sum_of=lambda v, axis: f"{SUM}({v}, {axis}, {SUM_COMBINE})",
     )
 
 
@@ -337,7 +339,17 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         grad=dict(body=grad_body),
         grad_value=printer.doprint_expr(plan.grad_value),
         store=store_cast("dz", plan.dtype),
+        residue=has_residue(plan),
+        rounded=f"{store_cast('d_y', plan.dtype)}.to(tl.float32)",
     )
+
+
+def has_residue(plan: LossPlan) -> bool:
+    """Whether the gradient kernels of ``plan`` write the target column's residue: the
+    logit gradient at the target less its rounding to 16 bits (``fuser.runtime.loss.residue``
+    adds it back in fp32). Not for fp32 storage, nor for a gradient without a target term."""
+    exprs = [e for _, e in plan.grad.body] + [plan.grad_value]
+    return plan.dtype != "fp32" and any(IS_Y in e.free_symbols for e in exprs)
 
 
 def _grad_body(plan: LossPlan, printer) -> list[str]:

@@ -28,6 +28,7 @@ from fuser.codegen.loss import (
     LossNames,
     LossPrinter,
     comment_text,
+    has_residue,
     indicator_lines,
     loss_entry,
     pass_context,
@@ -53,7 +54,9 @@ COMMON_TAIL = (
 )
 SWEEP_ARGS = (("part", "*fp32"),)
 SCALED_ARGS = (("ref", "*fp32"), ("part", "*fp32"), ("e", None), ("e_stride", "i32"))
-GRAD_ARGS = (("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_stride", "i32"))
+GRAD_ARGS = (
+    ("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_stride", "i32"), ("resid", "*fp32"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -216,12 +219,31 @@ def _grad_context(plan: LossPlan, printer) -> dict:
         ]
     body += indicator_lines(exprs, printer)
     body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.grad.body]
+    target_lines, target_value = _at_target(plan, printer)
     return dict(
         epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
         grad_body=body,
         grad_value=printer.doprint_expr(plan.grad_value),
         store=store_cast("d", plan.dtype),
+        residue=has_residue(plan),
+        target_lines=target_lines,
+        target_value=target_value,
+        rounded=f"{store_cast('d_y', plan.dtype)}.to(tl.float32)",
     )
+
+
+def _at_target(plan: LossPlan, printer) -> tuple[list[str], str]:
+    """d loss / d logits at the target's column, per row (``[BM, 1]``): the gradient with
+    its body inlined, ``z`` at ``z_y``, the target indicator 1 and each argmax indicator
+    whether the target is the argmax. Returns (indicator lines, value)."""
+    e = _inlined(plan.grad_value, plan.grad.body).subs({Z: Z_Y, IS_Y: 1})
+    lines, subs = [], {}
+    for s in sorted((s for s in e.free_symbols if s.name.startswith("is_max$")), key=lambda s: s.name):
+        i = s.name.split("$")[1]
+        at_y = sympy.Symbol(f"is_max_y${i}", real=True)
+        subs[s] = at_y
+        lines.append(f"{printer.names[at_y]} = (y == am{i}).to(tl.float32)")
+    return lines, printer.doprint_expr(e.subs(subs))
 
 
 def matmul_entry(plan: LossPlan, stage: int | None, tma: bool = False) -> str:
@@ -438,12 +460,14 @@ HIDDEN_TERMS_ARGS = (
     ("prod", "*fp32"), ("coef", "*fp32"), ("target", "*i64"), ("w", None), ("wsum", "*fp32"),
     ("gx", None), ("x", None), ("xs", None), ("hid", "i32"), ("vocab_total", "i64"),
 )  # fmt: skip
-_RUN_ARGS = (
-    ("starts", "*i64"), ("ends", "*i64"), ("slot", "*i64"), ("pieces", "*fp32"), ("gw", "*fp32"),
-    ("hid", "i32"), ("vocab_total", "i64"),
-)  # fmt: skip
-TARGET_PIECES_ARGS = (("x", None), ("coef", "*fp32"), ("key", "*i64"), ("order", "*i64"), *_RUN_ARGS)
-TARGET_RUNS_ARGS = (("key", "*i64"), *_RUN_ARGS)
+
+
+def _run_args(out_dtype: str) -> tuple:
+    return (
+        ("starts", "*i64"), ("ends", "*i64"), ("slot", "*i64"), ("pieces", "*fp32"),
+        ("out", TRITON_DTYPES[out_dtype]), ("pos0", "i32"), ("key0", "i64"), ("hid", "i32"),
+        ("n_keys", "i64"),
+    )  # fmt: skip
 
 
 def _small_source(text: str, entry: str, dtype: str, args, constexprs, num_stages: int, meta) -> KernelSource:
@@ -511,14 +535,12 @@ def render_scaled_tokens(plan: LossPlan) -> tuple[KernelSource, KernelSource]:
     )
 
 
-def render_scaled_terms(
-    dtype: str, *, has_target: bool, has_const: bool
-) -> tuple[KernelSource, KernelSource, KernelSource]:
+def render_scaled_terms(dtype: str, *, has_target: bool, has_const: bool) -> tuple[KernelSource, ...]:
     """The scaled schedule's gradient-term kernels for ``dtype`` inputs (any rule):
     ``grad_hidden`` from the fp32 product ``E @ W`` and the per-token ``s``, ``B``, ``C`` (and
-    ``s * hidden``, ``grad_weight``'s right operand); then the two phases of ``grad_weight``'s
-    target term over the tokens sorted by target (runs of one target in pieces of at most
-    ``TARGET_PIECE`` tokens, then each long run's pieces in order)."""
+    ``s * hidden``, ``grad_weight``'s right operand); then ``grad_weight``'s target term,
+    ``B * hidden`` into row ``y`` in fp32 (``render_target_rows``, ``B`` read from ``coef``'s
+    second column)."""
     text = (
         environment()
         .get_template("loss_scaled_tokens.py.jinja")
@@ -526,12 +548,56 @@ def render_scaled_terms(
     )
     meta = (("kind", "loss-scaled-terms"), ("dtypes", f"hidden:{dtype}"))
     flags = (("BH", TERM_BLOCK), ("HAS_TARGET", has_target), ("HAS_CONST", has_const))
-    runs = (("BH", TERM_BLOCK), ("L", TARGET_PIECE))
     return (
         _small_source(text, "scaled_hidden_grad", dtype, HIDDEN_TERMS_ARGS, flags, 1, meta),
-        _small_source(text, "scaled_target_pieces", dtype, TARGET_PIECES_ARGS, runs, 3, meta),
-        _small_source(text, "scaled_target_runs", dtype, TARGET_RUNS_ARGS, runs, 3, meta),
+        *render_target_rows(dtype, "fp32", coef=(3, 1)),
     )
+
+
+def _target_rows_text(dtype: str, out_dtype: str) -> str:
+    return (
+        environment()
+        .get_template("loss_target_rows.py.jinja")
+        .render(dtype=dtype, out_dtype=out_dtype, helpers=helpers_source(), store=store_cast("v", out_dtype))
+    )
+
+
+def render_target_rows(
+    dtype: str, out_dtype: str, *, coef: tuple[int, int] = (1, 0)
+) -> tuple[KernelSource, KernelSource]:
+    """The two kernels that add ``c[t] * hidden[t]`` (``dtype`` inputs) to row ``key[t]`` of
+    an ``out_dtype`` matrix, in fp32 with one rounding per row and no atomics, over the tokens
+    sorted by key (runs of one key in pieces of at most ``TARGET_PIECE`` tokens, then each
+    long run's pieces in order); token ``t``'s coefficient at ``coef[0] * t + coef[1]``."""
+    text = _target_rows_text(dtype, out_dtype)
+    meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype},out:{out_dtype}"))
+    runs = (("BH", TERM_BLOCK), ("L", TARGET_PIECE))
+    head = (("x", None), ("coef", "*fp32"), ("key", "*i64"), ("order", "*i64"))
+    return (
+        _small_source(
+            text, "target_rows_pieces", dtype, (*head, *_run_args(out_dtype)),
+            (*runs, ("CS", coef[0]), ("CC", coef[1])), 3, meta,
+        ),
+        _small_source(
+            text, "target_rows_runs", dtype, (("key", "*i64"), *_run_args(out_dtype)), runs, 3, meta
+        ),
+    )  # fmt: skip
+
+
+def render_target_gather(dtype: str, *, coef: tuple[int, int] = (1, 0)) -> KernelSource:
+    """The kernel that adds ``c[t] * weight[key[t]]`` (``dtype`` weight) to row ``t`` of an
+    fp32 ``[T, H]`` matrix (no key: nothing), one program per (token, ``TERM_BLOCK`` columns)."""
+    args = (
+        ("w", None),
+        ("coef", "*fp32"),
+        ("key", "*i64"),
+        ("out", "*fp32"),
+        ("hid", "i32"),
+        ("n_keys", "i64"),
+    )
+    meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype}"))
+    flags = (("BH", TERM_BLOCK), ("CS", coef[0]), ("CC", coef[1]))
+    return _small_source(_target_rows_text(dtype, "fp32"), "target_rows_gather", dtype, args, flags, 1, meta)
 
 
 def _matmul_source(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, render_loss, shard_layout
+from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, has_residue, render_loss, shard_layout
 from fuser.codegen.loss_matmul import (
     Tiles,
     gradient_tiles,
@@ -15,6 +15,8 @@ from fuser.codegen.loss_matmul import (
     render_loss_scaled,
     render_scaled_terms,
     render_scaled_tokens,
+    render_target_gather,
+    render_target_rows,
     scaled_exp_form,
 )
 from fuser.codegen.source import KernelSource
@@ -22,6 +24,7 @@ from fuser.ir.loss import Z_Y, lower_loss
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
 from fuser.runtime.loss.fused import Fused, slice_cols
+from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
 from fuser.runtime.loss.staged import (
     MAIN_GRAD_BUDGET,
@@ -217,6 +220,25 @@ class CompiledLoss:
                 )
             )
         return self._scaled[key]
+
+    def residue_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...]:
+        """The kernels that add the target column's residue to ``grad_weight``'s rows (fp32,
+        then ``dtype`` rows: ``render_target_rows``) where ``dtype``'s gradient kernels write
+        one (``has_residue``); else none."""
+        key = ("residue", dtype)
+        if key not in self._scaled:
+            keep = has_residue(lower_loss(self.rule, dtype))
+            self._scaled[key] = (
+                (*render_target_rows(dtype, "fp32"), render_target_gather(dtype)) if keep else ()
+            )
+        return self._scaled[key]
+
+    def _residue(self, call: _Call) -> Residue | None:
+        """What a call's runs need to add the target column's residue, or ``None``."""
+        sources = self.residue_sources(call.dtype)
+        if not sources:
+            return None
+        return Residue(sources, call.device, call.ignore_index, call.dtype)
 
     def _gradient_tiles(self, dtype: str, tma: bool = False) -> Tiles:
         if (dtype, tma) not in self._grad_tiles:
@@ -420,12 +442,14 @@ class CompiledLoss:
         tokens, or a staged schedule."""
         chunk = self._chunk(call)
         if not want_grad or plan == "chunks":
-            return Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
-        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
-        if plan == "vocab":
-            chunk = min(chunk, forward_rows(call.vocab, call.es))
-        run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
-        run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
+            run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
+        else:
+            sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+            if plan == "vocab":
+                chunk = min(chunk, forward_rows(call.vocab, call.es))
+            run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
+            run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
+        run.residue = self._residue(call) if want_grad else None
         return run
 
     def _scaled_run(self, call: _Call, x, weight) -> ScaledExp:
@@ -442,6 +466,7 @@ class CompiledLoss:
         sources, layout, _ = self.sharded_kernel_sources(call.dtype)
         chunk = self._chunk(call)
         fallback = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
+        fallback.residue = self._residue(call)
         if call.dtype not in self._token_values:
             plan = lower_loss(self.rule, call.dtype)
             self._token_values[call.dtype] = TokenValues(plan, scaled_exp_form(plan), layout)
@@ -472,6 +497,7 @@ class CompiledLoss:
         cols = slice_cols(call.n_tokens, call.hid, call.es, max(tiles.bn, grad_tiles.bn), MAIN_GRAD_BUDGET)
         kernels = (sweeps, grad, sources[-1])
         run = Fused(kernels, layout, (tiles, grad_tiles), call.device, call.hyper, call.ignore_index, cols)
+        run.residue = self._residue(call)
         if group is not None:
             run.shard(group, *self._shards(call, group))
         return run
@@ -501,7 +527,7 @@ class CompiledLoss:
         # the largest slice, the same on every rank.
         chunk = self.chunk_size or chunk_rows(call.n_tokens, call.hid, max(sizes), call.es)
         sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
-        return ShardedChunked(
+        run = ShardedChunked(
             sources,
             layout,
             zy_first,
@@ -513,6 +539,8 @@ class CompiledLoss:
             sum(sizes[:rank]),
             total,
         )
+        run.residue = self._residue(call)
+        return run
 
     def __repr__(self) -> str:
         return f"<fuser compiled loss {self.rule.name!r}>"
@@ -626,9 +654,10 @@ def kernel_sources(
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
     twice, with and without tensor descriptors, where they take them (16-bit inputs; for
     the gradient kernel, rules whose gradient calls only exp) and ``tiles`` is not given;
-    then the scaled schedule's per-token and gradient-term kernels); with
+    then the scaled schedule's per-token and gradient-term kernels), and last the kernels
+    that add the target column's residue (``residue_sources``: 16-bit inputs); with
     ``vocab_parallel=True``, those a call with ``process_group=`` launches: the staged
-    sequence and the lean schedule's kernels."""
+    sequence, the lean schedule's kernels and the residue's."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
@@ -636,12 +665,13 @@ def kernel_sources(
     if f.tiles is None:  # (sm_90 takes the gradient kernel with descriptors: descriptors_pay)
         tma = f.matmul_kernel_sources(dtype, grad_tiles=f._gradient_tiles(dtype, True))[1]
         lean += [tma] if tma.digest != grad.digest else []
+    residue = list(f.residue_sources(dtype))
     if vocab_parallel:
-        return [*staged, *lean]
+        return [*staged, *lean, *residue]
     scaled = f.scaled_kernel_source(dtype)
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
         tma = f.scaled_kernel_source(dtype, f._scaled_tiles(dtype, True))
         scaled += [tma] if tma.digest != scaled[0].digest else []
     scaled += list(f.scaled_token_sources(dtype)) if scaled else []
-    return [f.kernel_source(dtype), *staged, *lean, *scaled]
+    return [f.kernel_source(dtype), *staged, *lean, *scaled, *residue]

@@ -30,26 +30,30 @@ def _rows(out: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_builtins_precompile_for_sm80_and_sm90(cache_root, capsys):
+@pytest.mark.parametrize("capability", [80, 90])  # (two tests: a parallel run takes them apart)
+def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
     rules = _builtin_rules()
     assert rules, "no built-in rules found"
-    args = ["precompile", "--builtins", "--target", "cuda:80", "--target", "cuda:90"]
+    args = ["precompile", "--builtins", "--target", f"cuda:{capability}"]
     assert cli.main(args) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
     assert {r[0] for r in rows} == {r.name for r in rules}
     assert {r[5] for r in rows} == {"compiled"}
     for rule in rules:
-        # each dtype plan of each kernel, for both targets
+        # each dtype plan of each kernel, for the target
         mine = [r for r in rows if r[0] == rule.name]
-        assert {r[2] for r in mine} == {"cuda:80", "cuda:90"}
+        assert {r[2] for r in mine} == {f"cuda:{capability}"}
         for kernel in {r[1] for r in mine}:  # fp32, bf16, fp16 parameters (or logits, hidden)
             shown = {r[3] for r in mine if r[1] == kernel}
             # matrix kernels (bf16 whatever the parameters): one row per variant, under
             # the first rule that launches them; a loss's gradient and scaled kernels through
-            # tensor descriptors: 16-bit inputs only
+            # tensor descriptors: 16-bit inputs only; the target column's residue kernels:
+            # 16-bit inputs (and the scaled schedule's target term, fp32 too)
             tma = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma"))
-            expected = 4 if kernel in ("ns_gram", "ns_poly") else 2 if tma else 3
-            assert len(shown) == expected, (kernel, shown)
+            expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if tma else {3}
+            if kernel.startswith("target_rows"):
+                expected = {2, 3}
+            assert len(shown) in expected, (kernel, shown)
     for cubin in cache_root.rglob("*.cubin"):
         assert cubin.read_bytes()[:4] == b"\x7fELF"
 

@@ -234,3 +234,13 @@ def assert_close(actual, expected, tol, what=""):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} * {scale:.3e}"
+
+
+def assert_norm_close(actual, expected, tol, what=""):
+    """||actual - expected|| <= tol * ||expected|| (Frobenius): the relative error of a
+    whole gradient, as the benchmarks report it; fails on NaN."""
+    actual = actual.detach().double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = ((actual - expected).norm() / expected.norm()).item()
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"

@@ -136,8 +136,9 @@ def _norm_err(a, ref):
 
 def _weight_grad_of_rounded_dz(hidden, weight, bias, target, grad_out):
     """Mean cross-entropy's grad_weight in float64 from ``d loss / d logits`` rounded once to
-    bf16, as the lean schedule feeds it to its weight-gradient matmul; and how far a kernel
-    that forms ``d loss / d logits`` in fp32 may land from it by rounding the other way.
+    bf16 but at the target's column, as the lean schedule feeds it to its weight-gradient
+    matmul (and adds the target column's residue in fp32); and how far a kernel that forms
+    ``d loss / d logits`` in fp32 may land from it by rounding the other way.
 
     The kernel's fp32 logits err by up to (H + 2) u (|x| @ |w|.T + |b|) (Higham (3.13), u =
     2^-24), which moves each softmax value by up to p (2 dz + 8 u) and the rest of the
@@ -156,13 +157,17 @@ def _weight_grad_of_rounded_dz(hidden, weight, bias, target, grad_out):
     dz = dz * scale * live[:, None]
     bf16 = dz.to(torch.bfloat16)
     rounded = bf16.double()
-    gw = rounded.T @ x
+    kept = rounded.clone()
+    rows = live.nonzero()[:, 0]
+    kept[rows, target[rows]] = dz[rows, target[rows]]
+    gw = kept.T @ x
     z_err = (x.shape[1] + 2) * u * (x.abs() @ w.abs().T + abs(b)).amax(1, keepdim=True)
     reach = (p * (2 * z_err + 8 * u) + 8 * u * dz.abs() / scale) * scale * live[:, None]
     # the bf16 neighbour on dz's side of its rounding, and the boundary between the two
     other = torch.nextafter(bf16, torch.where(dz > rounded, 1.0, -1.0).to(torch.bfloat16) * float("inf"))
     boundary = (rounded + other.double()) / 2
     flips = torch.where((dz - boundary).abs() <= reach, (other.double() - rounded).abs(), 0.0)
+    flips[rows, target[rows]] = 0.0
     return gw, float((flips.T @ x.abs()).norm() / gw.norm())
 
 

@@ -33,6 +33,11 @@ from fuser.cache import load_kernel
 from fuser.codegen.source import KernelSource
 
 MIB = 1 << 20
+# Bytes of the fp32 block a 16-bit gradient passes through to take the target column's
+# residue before its one rounding (cuBLAS's C of a 16-bit addmm may meet a product already
+# rounded to 16 bits: H100, torch 2.11); large enough for the block's product to run at
+# the rate of the whole one.
+BLOCK_BUDGET = 64 * MIB
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -104,6 +109,20 @@ def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out[r0 : r0 + step].addmm_(a[r0 : r0 + step].float(), bf)
 
 
+def product_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` with ``out`` fp32 (``accumulate_mm`` on a zeroed ``out`` where CUDA's
+    ``addmm`` with ``beta=0`` cannot write fp32 from the inputs' dtype)."""
+    key = (a.device.type, a.dtype)
+    if a.is_cuda and a.dtype != out.dtype and _addmm_out_dtype_ok.get(key, True):
+        try:
+            torch.addmm(out, a, b, beta=0, out_dtype=out.dtype, out=out)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _addmm_out_dtype_ok[key] = False
+    out.zero_()
+    accumulate_mm(out, a, b)
+
+
 def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
     """``gw += dlogits.T @ x`` with ``gw`` fp32 (``accumulate_mm``)."""
     accumulate_mm(gw, dlogits.t(), x)
@@ -111,7 +130,10 @@ def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Ten
 
 class Chunked:
     """Everything one call needs besides its tensors: the kernel, the hyperparameter row,
-    the target's ignore index, the chunk length."""
+    the target's ignore index, the chunk length; ``residue``, a ``Residue`` where the kernel
+    writes the target column's residue (16-bit logits)."""
+
+    residue = None
 
     def __init__(
         self, source: KernelSource, device: torch.device, hyper: torch.Tensor, ignore_index: int, chunk: int
@@ -130,6 +152,8 @@ class Chunked:
         grad = scale is not None
         buf = logits_buffer(min(self.chunk, n_tokens), vocab, x)
         scale_stride = 0 if not grad or scale.numel() == 1 else 1
+        residue = self.residue if grad else None
+        resid = residue.buffer(n_tokens, x.device) if residue else loss_tok
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
             xc, logits = x[s:e], buf[: e - s]
@@ -139,26 +163,46 @@ class Chunked:
                 torch.mm(xc, weight.t(), out=logits)
             row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
             self.kernel(
-                (e - s,),
-                logits,
-                logits.stride(0),
-                target[s:e],
-                loss_tok[s:e],
-                row_scale,
-                scale_stride,
-                self.hyper,
-                vocab,
-                self.ignore_index,
-                int(grad),
-            )
+                (e - s,), logits, logits.stride(0), target[s:e], loss_tok[s:e], resid[s:e], row_scale,
+                scale_stride, self.hyper, vocab, self.ignore_index, int(grad),
+            )  # fmt: skip
             if not grad:
                 continue
             if gx is not None:
-                torch.mm(logits, weight, out=gx[s:e])
+                hidden_grad(gx[s:e], logits, weight, residue, resid[s:e], target[s:e], 0)
             if gw is not None:
                 accumulate_weight_grad(gw, logits, xc)
             if gb is not None:
                 gb.add_(logits.sum(0, dtype=torch.float32))
+        if residue and (gw is not None or gb is not None):
+            residue_rows(residue, x, target, resid, 0, vocab, gw, gb)
+
+
+def hidden_grad(gx, dlogits, weight, residue, resid, target, col_offset: int) -> None:
+    """``gx = dlogits @ weight`` (``gx`` of the inputs' dtype); with ``residue``, through
+    fp32 blocks of rows that take the target column's term ``resid[t] * W[y_t]`` before
+    their one rounding."""
+    if residue is None:
+        torch.mm(dlogits, weight, out=gx)
+        return
+    n, hid = gx.shape
+    rows = max(1, BLOCK_BUDGET // max(4 * hid, 1))
+    block = torch.empty(min(rows, n), hid, dtype=torch.float32, device=gx.device)
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        part = block[: e - s]
+        product_fp32(part, dlogits[s:e], weight)
+        residue.hidden(resid[s:e], weight, target[s:e], col_offset, part)
+        gx[s:e].copy_(part)
+
+
+def residue_rows(residue, x, target, resid, col_offset: int, n_cols: int, gw, gb) -> None:
+    """The residue's terms of the fp32 ``gw`` (``[n_cols, H]``, or ``None``) and ``gb``."""
+    runs = residue.runs(target, col_offset, n_cols)
+    if gw is not None:
+        residue.weight_rows(gw, x, resid, runs)
+    if gb is not None:
+        residue.bias_rows(gb, resid, runs)
 
 
 def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:

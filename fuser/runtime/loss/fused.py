@@ -13,7 +13,8 @@ weight tiles; with ``Tiles.tma``, one persistent program per processor taking th
 that order, through tensor descriptors), forms ``scale * d loss / d logits`` in fp32 and
 stores it rounded once into a ``[T, slice]`` buffer, which the two gradient matmuls read:
 ``grad_hidden`` accumulated in fp32 over slices, ``grad_weight`` written once per slice (or
-added into ``weight.main_grad``).
+added into ``weight.main_grad``). The kernel also writes each token's target-column residue
+(its fp32 value less the rounding), which ``residue.SliceTerms`` adds to both in fp32.
 
 Vocabulary-parallel (``Fused.shard``): each rank runs the same kernels over its slice of
 the vocabulary rows; ``z[y]`` is summed across the group and each sweep's partials are
@@ -30,6 +31,7 @@ import torch
 
 from fuser.cache import load_kernel
 from fuser.runtime.loss.chunked import MIB, accumulate_mm, accumulate_weight_grad, logits_buffer
+from fuser.runtime.loss.residue import SliceTerms
 
 # Bytes of the fp32 temporaries of the gathered z[y] dot product.
 ZY_BUDGET = 64 * MIB
@@ -92,6 +94,7 @@ class Fused:
         self.cols = cols  # vocabulary rows per backward slice
         self.processors = processor_count(device)
         self.group, self.col_offset, self.vocab_total, self.widest = None, 0, None, None
+        self.residue = None  # a Residue where the gradient kernel writes the target's residue
 
     def shard(self, group, sizes: tuple[int, ...], rank: int) -> None:
         """Run over rank ``rank``'s rows of a vocabulary split over ``group`` in rank order
@@ -144,7 +147,7 @@ class Fused:
                 self._empty_partials(stage, part)
             self._combine(stage, self._gather(part), red)
         rest = (self.hyper, vocab, self.ignore_index, 0, red, red, self.col_offset, total)
-        self.final((n,), x, 0, target, loss_tok, loss_tok, 0, *rest)
+        self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
         return red
 
     def _empty_partials(self, stage: int, part: torch.Tensor) -> None:
@@ -194,6 +197,10 @@ class Fused:
         buf = logits_buffer(n, cols, x)
         scale_stride = 0 if scale.numel() == 1 else 1
         tiles_m = -(-n // self.grad_tiles.bm)
+        terms = self.residue and SliceTerms(
+            self.residue, x, target, self.col_offset, vocab, cols, gw is not None
+        )
+        resid = terms.resid if terms else scale
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
             dz, w = buf[:, : v1 - v0], weight[v0:v1]
@@ -202,17 +209,21 @@ class Fused:
             if self.grad_tiles.tma:  # persistent programs, one per processor
                 grid = (min(grid[0], self.processors),)
             self.grad_kernel(
-                grid, x, w, b, target, red, scale, scale_stride, dz, dz.stride(0), self.hyper,
+                grid, x, w, b, target, red, scale, scale_stride, dz, dz.stride(0), resid, self.hyper,
                 n, x.shape[1], v1 - v0, self.col_offset + v0, total, self.ignore_index,
             )  # fmt: skip
             if gx is not None:
                 accumulate_mm(gx, dz, w)
             if main_grad:
                 accumulate_weight_grad(weight.main_grad[v0:v1], dz, x)
+            elif gw is not None and terms:
+                terms.weight_slice(gw, v0, v1, dz, x)
             elif gw is not None:
                 torch.mm(dz.t(), x, out=gw[v0:v1])
             if gb is not None:
                 torch.sum(dz, 0, dtype=torch.float32, out=gb[v0:v1])
+        if terms:
+            terms.finish(x, weight, gx, weight.main_grad if main_grad else None, gb)
 
 
 def _as_input(gx, x):

@@ -52,6 +52,7 @@ from fuser.codegen.loss_matmul import (
 )
 from fuser.runtime.loss.chunked import Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
 from fuser.runtime.loss.fused import processor_count
+from fuser.runtime.loss.residue import TargetRows
 
 # The largest r - ref (in a-units) a token may have: the sums of E over 128256 columns of
 # exp(60) and the fp32 products E' @ W stay far from fp32's limit (exp(88.7)).
@@ -78,7 +79,7 @@ class ScaledExp:
     """The scaled schedule's kernels and what a call needs: ``kernel`` (the scaled-exponential
     matmul kernel), ``prepare`` and ``tokens`` (per call, each token's ``z[y]`` and ``ref``;
     per chunk, its per-token work: ``render_scaled_tokens``),
-    ``hidden_terms``, ``target_pieces`` and ``target_runs`` (``render_scaled_terms``), ``final`` (the staged
+    ``hidden_terms`` and ``target_rows`` (``render_scaled_terms``), ``final`` (the staged
     sequence's loss kernel), ``values`` (``TokenValues``), ``fallback`` (the row kernel's
     run, for a call out of range)."""
 
@@ -92,9 +93,7 @@ class ScaledExp:
         self.prepare = load_kernel(prepare, device)
         self.tokens = load_kernel(tokens, device)
         self.hidden_terms = load_kernel(hidden_terms, device)
-        self.target_pieces = load_kernel(target_pieces, device)
-        self.target_runs = load_kernel(target_runs, device)
-        self.piece = dict(target_pieces.constexprs)["L"]
+        self.target_rows = TargetRows({"fp32": (target_pieces, target_runs)}, device)
         self.final = load_kernel(final, device)
         self.values = values
         self.form, self.layout = values.form, values.layout
@@ -146,7 +145,7 @@ class ScaledExp:
                 self._gradient(s, e, x, weight, target, coef[s:e], e_buf, gx, gw, wsum)
         del e_buf, part_buf  # (their memory serves the terms below)
         rest = (self.hyper, vocab, self.ignore_index, 0, red, red, 0, vocab)
-        self.final((n,), x, 0, target, loss_tok, loss_tok, 0, *rest)
+        self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
         if scale is None:
             return
         if gw is not None:
@@ -202,25 +201,13 @@ class ScaledExp:
             accumulate_weight_grad(gw, E, xs)
 
     def _weight_terms(self, x, target, live, coef, gw) -> None:
-        """``grad_weight``'s target term (``B * x`` into row ``y``: two kernels over the tokens
-        sorted by target) and constant term (the sum of ``C * x`` into every row, over pieces
+        """``grad_weight``'s target term (``B * x`` into row ``y``: ``TargetRows``, over the
+        tokens sorted by target) and constant term (the sum of ``C * x`` into every row, over pieces
         of ``TERM_ROWS`` tokens), in fp32."""
         vocab, hid = gw.shape
         if self.has_target:
-            n, piece = x.shape[0], self.piece
-            key, order = torch.sort(torch.where(live, target, vocab), stable=True)
-            starts = torch.searchsorted(key, key)
-            ends = torch.searchsorted(key, key, right=True)
-            # a run longer than `piece` is summed in pieces: every piece-th position starts
-            # one, its sum in row `slot` of `pieces` (at most 2 n / piece of them)
-            pos = torch.arange(n, device=x.device)
-            starts_piece = (ends - starts > piece) & ((pos - starts) % piece == 0) & (key < vocab)
-            slot = torch.cumsum(starts_piece, 0) - 1
-            pieces = torch.empty(2 * -(-n // piece), hid, dtype=torch.float32, device=x.device)
-            grid = (n, -(-hid // TERM_BLOCK))
-            args = (starts, ends, slot, pieces, gw, hid, vocab)
-            self.target_pieces(grid, x, coef, key, order, *args)
-            self.target_runs(grid, key, *args)
+            runs = self.target_rows.runs(torch.where(live, target, vocab), vocab)
+            self.target_rows.add(gw, x, coef, runs)
         if self.has_const:
             xsum = torch.zeros(1, hid, dtype=torch.float32, device=x.device)
             for s in range(0, x.shape[0], TERM_ROWS):

@@ -12,7 +12,8 @@ row kernel's:
 - *whole* (``Staged.forward_whole`` / ``backward_whole``): all ``[T, V]`` logits in one
   buffer from forward to backward, which then scales them into the gradient in place and
   takes the two gradient matmuls over every token at once: ``grad_weight`` comes out of
-  one matmul with fp32 accumulation, rounded once, with no fp32 ``[V, H]`` buffer. Chosen
+  one matmul with fp32 accumulation, rounded once, with no fp32 ``[V, H]`` buffer (16-bit
+  weights: fp32 blocks that take the target column's residue, ``residue.SliceTerms``). Chosen
   when the logits take no more memory than the chunked schedule's buffers would.
 - *vocabulary chunks* (``forward_reductions`` / ``backward_vocab``): forward keeps only
   ``red``; backward recomputes the logits one slice of vocabulary rows at a time over every
@@ -27,7 +28,16 @@ from __future__ import annotations
 import torch
 
 from fuser.cache import load_kernel
-from fuser.runtime.loss.chunked import MIB, Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
+from fuser.runtime.loss.chunked import (
+    MIB,
+    Chunked,
+    accumulate_mm,
+    accumulate_weight_grad,
+    hidden_grad,
+    logits_buffer,
+    residue_rows,
+)
+from fuser.runtime.loss.residue import SliceTerms
 
 
 class Staged(Chunked):
@@ -135,18 +145,31 @@ class Staged(Chunked):
                 r[:, rc : rc + width] = part[:, c : c + width]
         self.kernels[-1]((n,), *args, 0, r, r, 0, vocab)
 
-    def _differentiate(self, logits, target, loss, r, scale, col_offset: int, total: int) -> None:
+    def _differentiate(self, logits, target, loss, r, scale, col_offset: int, total: int, resid) -> None:
         """Overwrite ``logits`` (columns ``[col_offset, ...)`` of the vocabulary) with
-        ``scale * d loss / d logits`` from the combined values ``r``."""
+        ``scale * d loss / d logits`` from the combined values ``r``; ``resid``: the target
+        column's residue out, where these columns hold it (with ``residue``; else unused)."""
         n = logits.shape[0]
         scale_stride = 0 if scale.numel() == 1 else 1
-        args = self._args(logits, target, loss, scale, scale_stride)
+        args = self._args(logits, target, loss, scale, scale_stride, resid)
         self.kernels[-1]((n,), *args, 1, r, r, col_offset, total)
 
-    def _args(self, logits, target, loss, scale, scale_stride):
+    def _args(self, logits, target, loss, scale, scale_stride, resid=None):
         vocab = logits.shape[1]
         stride = logits.stride(0)
-        return (logits, stride, target, loss, scale, scale_stride, self.hyper, vocab, self.ignore_index)
+        resid = loss if resid is None else resid
+        return (
+            logits,
+            stride,
+            target,
+            loss,
+            resid,
+            scale,
+            scale_stride,
+            self.hyper,
+            vocab,
+            self.ignore_index,
+        )
 
     def _total(self, vocab: int) -> int:
         return vocab if self.vocab_total is None else self.vocab_total
@@ -166,6 +189,8 @@ class Staged(Chunked):
         buf = logits_buffer(rows, vocab, x)
         red, parts = self._buffers(rows, x.device)
         per_token = grad and scale.numel() > 1
+        residue = self.residue if grad else None
+        resid = residue.buffer(n_tokens, x.device) if residue else loss_tok
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
             xc, logits, r = x[s:e], buf[: e - s], red[: e - s]
@@ -182,13 +207,16 @@ class Staged(Chunked):
                 scale[s:e] if per_token else scale,
                 self.col_offset,
                 total,
+                resid[s:e],
             )
             if gx is not None:
-                torch.mm(logits, weight, out=gx[s:e])
+                hidden_grad(gx[s:e], logits, weight, residue, resid[s:e], target[s:e], self.col_offset)
             if gw is not None:
                 accumulate_weight_grad(gw, logits, xc)
             if gb is not None:
                 gb.add_(logits.sum(0, dtype=torch.float32))
+        if residue and (gw is not None or gb is not None):
+            residue_rows(residue, x, target, resid, self.col_offset, vocab, gw, gb)
         if grad and gx is not None:
             self._all_reduce(gx)
 
@@ -208,19 +236,30 @@ class Staged(Chunked):
         the scaled logit gradient). ``grad_weight`` in the weight's dtype, or added into
         ``weight.main_grad`` (then ``None``); ``grad_bias`` fp32."""
         gx = gw = gb = None
-        loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        if x.shape[0]:
-            total = self._total(logits.shape[1])
-            self._differentiate(logits, target, loss, red, scale, self.col_offset, total)
+        n, vocab = logits.shape
+        loss = torch.empty(n, dtype=torch.float32, device=x.device)
+        residue = self.residue if n and vocab else None
+        terms = residue and SliceTerms(
+            residue, x, target, self.col_offset, vocab, vocab, need_w and not main_grad
+        )
+        if n:
+            resid = terms.resid if terms else None
+            self._differentiate(logits, target, loss, red, scale, self.col_offset, self._total(vocab), resid)
         if need_x:
-            gx = torch.mm(logits, weight)
+            gx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            hidden_grad(gx, logits, weight, residue, terms and terms.resid, target, self.col_offset)
             self._all_reduce(gx)
         if need_w and main_grad:
             accumulate_weight_grad(weight.main_grad, logits, x)
+        elif need_w and terms:
+            gw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
+            terms.weight_slice(gw, 0, vocab, logits, x)
         elif need_w:
             gw = torch.mm(logits.t(), x)
         if need_b:
             gb = logits.sum(0, dtype=torch.float32)
+        if terms:
+            terms.finish(x, weight, None, weight.main_grad if need_w and main_grad else None, gb)
         return gx, gw, gb
 
     # -- vocabulary chunks: forward keeps the reductions, backward recomputes by slices ---
@@ -249,12 +288,14 @@ class Staged(Chunked):
         gx = gw = gb = None
         if need_x:
             gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        residue = self.residue if n_tokens and vocab else None
         if need_w and not main_grad:
             gw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
         if need_b:
             gb = torch.empty(vocab, dtype=torch.float32, device=x.device)
         if n_tokens == 0 or vocab == 0:
             return self._finish_x(gx, x), gw, gb.zero_() if gb is not None else None
+        terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, cols, gw is not None)
         buf = logits_buffer(n_tokens, min(cols, vocab), x)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
         layout = self.layout
@@ -268,16 +309,21 @@ class Staged(Chunked):
             for c in argmax_cols:  # argmax columns are local to the columns swept
                 am = red[:, c]
                 r[:, c] = torch.where((am >= v0) & (am < v1), am - v0, -1.0)
-            self._differentiate(logits, target, loss, r, scale, self.col_offset + v0, total)
+            resid = terms.resid if terms else None
+            self._differentiate(logits, target, loss, r, scale, self.col_offset + v0, total, resid)
             if need_x:
                 accumulate_mm(gx, logits, weight[v0:v1])
             if need_w and main_grad:
                 accumulate_weight_grad(weight.main_grad[v0:v1], logits, x)
+            elif need_w and terms:
+                terms.weight_slice(gw, v0, v1, logits, x)
             elif need_w:
                 torch.mm(logits.t(), x, out=gw[v0:v1])
             if need_b:
                 torch.sum(logits, 0, dtype=torch.float32, out=gb[v0:v1])
         del buf, logits  # before grad_hidden takes the input dtype
+        if terms:
+            terms.finish(x, weight, gx, weight.main_grad if need_w and main_grad else None, gb)
         if gx is not None:
             self._all_reduce(gx)
         return self._finish_x(gx, x), gw, gb

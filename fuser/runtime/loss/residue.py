@@ -1,0 +1,178 @@
+"""The target column's rounding residue, and rows of per-token terms added without atomics.
+
+The schedules that store ``d loss / d logits`` in 16 bits (the row kernel's chunks, the
+staged ``whole`` and ``vocab`` schedules, the lean gradient kernel) round the target's
+column like every other. That column carries the target term (``p - 1`` for
+cross-entropy), which every token of one target adds to the same row of ``grad_weight``:
+where a token's gradient scale is not a power of two (a mean over 27 live tokens), the
+rounding errors of one row agree in sign and add up instead of averaging out (1 token in
+7 ignored at 32768 x 768 x 128256: ``main_grad`` 2.25e-3 off float64 where the rest of it
+is ~1e-6). So the kernels also write, per token, ``resid = d - rounded(d)`` at the target's
+column, in fp32 (``fuser.codegen.loss.has_residue``), and this module adds
+``resid[t] * W[y_t]`` to ``grad_hidden``, ``resid[t] * hidden[t]`` to row ``y_t`` of
+``grad_weight`` (in fp32, before its one rounding) and ``resid[t]`` to ``grad_bias[y_t]``:
+the target's column then enters every gradient as if it had been stored in fp32.
+
+``grad_weight``'s rows come from ``target_rows_pieces`` / ``target_rows_runs``
+(``fuser.codegen.loss_matmul.render_target_rows``): the tokens sorted by target once per
+call (``KeyRuns``), each run of one target summed in token order, so the result does not
+depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuser.cache import load_kernel
+from fuser.codegen.loss_matmul import TERM_BLOCK
+from fuser.runtime.loss.chunked import BLOCK_BUDGET, product_fp32
+
+
+class KeyRuns:
+    """Tokens sorted by key (``n_keys`` for a token without one; ties in token order) and
+    the runs of one key: what the target-row kernels read. ``piece``: the kernels' ``L``."""
+
+    def __init__(self, keys: torch.Tensor, n_keys: int, piece: int):
+        n = keys.shape[0]
+        self.n_keys = n_keys
+        self.key, self.order = torch.sort(keys, stable=True)
+        self.starts = torch.searchsorted(self.key, self.key)
+        self.ends = torch.searchsorted(self.key, self.key, right=True)
+        # a run longer than `piece` is summed in pieces: every piece-th position starts one,
+        # its sum in row `slot` of `pieces` (at most 2 n / piece of them)
+        pos = torch.arange(n, device=keys.device)
+        long_piece = (self.ends - self.starts > piece) & ((pos - self.starts) % piece == 0)
+        self.slot = torch.cumsum(long_piece & (self.key < n_keys), 0) - 1
+        self.pieces_rows = 2 * -(-n // piece)
+
+    def positions(self, edges: list[int]) -> list[int]:
+        """The first sorted position whose key is at least each of ``edges`` (one host read)."""
+        at = torch.tensor(edges, dtype=self.key.dtype, device=self.key.device)
+        return torch.searchsorted(self.key, at).tolist()
+
+
+class TargetRows:
+    """``out[key[t]] += c[t] * x[t]`` for every token ``t`` with a key, in fp32, rounded once
+    per row to ``out``'s dtype: the kernels of ``render_target_rows`` for each output dtype
+    (``sources``: ``{dtype name: (pieces, runs)}``), ``c[t]`` read from ``coef`` where those
+    kernels' ``CS``, ``CC`` say."""
+
+    def __init__(self, sources: dict, device: torch.device):
+        self.kernels = {
+            name: (load_kernel(pieces, device), load_kernel(runs, device))
+            for name, (pieces, runs) in sources.items()
+        }
+        first = next(iter(sources.values()))[0]
+        self.piece = dict(first.constexprs)["L"]
+
+    def runs(self, keys: torch.Tensor, n_keys: int) -> KeyRuns:
+        return KeyRuns(keys, n_keys, self.piece)
+
+    def add(self, out, x, coef, runs: KeyRuns, lo: int = 0, hi: int | None = None, key0: int = 0) -> None:
+        """The rows of the tokens at sorted positions ``[lo, hi)`` (every key of them whole),
+        into ``out`` whose first row is key ``key0``."""
+        n, hid = x.shape
+        hi = n if hi is None else hi
+        if hi <= lo:
+            return
+        pieces_kernel, runs_kernel = self.kernels[_dtype_name(out.dtype)]
+        pieces = torch.empty(runs.pieces_rows, hid, dtype=torch.float32, device=x.device)
+        grid = (hi - lo, -(-hid // TERM_BLOCK))
+        args = (runs.starts, runs.ends, runs.slot, pieces, out, lo, key0, hid, runs.n_keys)
+        pieces_kernel(grid, x, coef, runs.key, runs.order, *args)
+        runs_kernel(grid, runs.key, *args)
+
+
+class Residue:
+    """What the gradients need of the residues a call's kernels wrote (``buffer``: one fp32
+    value per token, 0 where none is written): ``TargetRows`` into fp32 rows (``main_grad``,
+    fp32 buffers and blocks, ``grad_bias``) and the gather kernel for ``grad_hidden``."""
+
+    def __init__(self, sources, device: torch.device, ignore_index: int, dtype: str):
+        pieces, runs, gather = sources  # (CompiledLoss.residue_sources)
+        self.rows = TargetRows({"fp32": (pieces, runs)}, device)
+        self.gather = load_kernel(gather, device)
+        self.ignore_index = int(ignore_index)
+        self.dtype = _DTYPES[dtype]  # the inputs'
+
+    @staticmethod
+    def buffer(n: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=device)
+
+    def local(self, target, col_offset: int, n_cols: int) -> torch.Tensor:
+        """Each token's target as a row of this call's ``n_cols`` weight rows (from
+        ``col_offset``), ``n_cols`` where it has none there."""
+        y = target - col_offset
+        ok = (target != self.ignore_index) & (y >= 0) & (y < n_cols)
+        return torch.where(ok, y, n_cols)
+
+    def runs(self, target, col_offset: int, n_cols: int) -> KeyRuns:
+        return self.rows.runs(self.local(target, col_offset, n_cols), n_cols)
+
+    def hidden(self, resid, weight, target, col_offset: int, out: torch.Tensor) -> None:
+        """``resid[t] * W[y_t]`` added to the fp32 ``out`` (``[T, H]``)."""
+        n, hid = out.shape
+        if n:
+            key = self.local(target, col_offset, weight.shape[0])
+            self.gather((n, -(-hid // TERM_BLOCK)), weight, resid, key, out, hid, weight.shape[0])
+
+    def weight_rows(self, out, x, resid, runs: KeyRuns, lo: int = 0, hi: int | None = None, key0: int = 0):
+        """``resid[t] * x[t]`` added to row ``y_t - key0`` of ``out``, for the tokens at sorted
+        positions ``[lo, hi)``."""
+        self.rows.add(out, x, resid, runs, lo, hi, key0)
+
+    def bias_rows(self, gb, resid, runs: KeyRuns) -> None:
+        """``resid[t]`` added to ``grad_bias[y_t]`` (fp32)."""
+        ones = torch.ones(resid.shape[0], 1, dtype=self.dtype, device=resid.device)
+        self.rows.add(gb.view(-1, 1), ones, resid, runs)
+
+
+class SliceTerms:
+    """The residue's terms in a backward over slices of ``cols`` of this call's ``n_cols``
+    weight rows (the lean and ``vocab`` schedules; ``whole``: one slice): ``resid`` for the
+    kernels (each slice's launch writes the tokens whose target it holds); ``weight_slice``
+    writes a slice of a 16-bit ``grad_weight`` (``rounded_rows``); ``finish`` adds the rest
+    once every slice has run."""
+
+    def __init__(
+        self, residue: Residue, x, target, col_offset: int, n_cols: int, cols: int, rounded_rows: bool
+    ):
+        self.residue = residue
+        self.resid = residue.buffer(x.shape[0], x.device)
+        self.target, self.col_offset = target, col_offset
+        self.runs = residue.runs(target, col_offset, n_cols)
+        self.rows = max(1, BLOCK_BUDGET // max(4 * x.shape[1], 1))
+        self.at = {}
+        if rounded_rows:  # each block's first sorted position (one host read)
+            edges = [a for v0 in range(0, n_cols, cols) for a in range(v0, min(v0 + cols, n_cols), self.rows)]
+            edges.append(n_cols)
+            self.at = dict(zip(edges, self.runs.positions(edges)))
+
+    def weight_slice(self, gw, v0: int, v1: int, dz, x) -> None:
+        """``gw[v0:v1] = dz.T @ x`` with the slice's residue rows, through fp32 blocks of
+        ``rows`` rows rounded once (``dz``: the slice's ``[T, v1 - v0]`` columns). (Taking
+        the product in 16 bits and only the target rows again in fp32, from their gathered
+        columns, ran slower: the gather; H100, benchmarks/NOTES.md.)"""
+        block = torch.empty(min(self.rows, v1 - v0), x.shape[1], dtype=torch.float32, device=x.device)
+        for a in range(v0, v1, self.rows):
+            b = min(a + self.rows, v1)
+            part = block[: b - a]
+            product_fp32(part, dz[:, a - v0 : b - v0].t(), x)
+            self.residue.weight_rows(part, x, self.resid, self.runs, self.at[a], self.at[b], key0=a)
+            gw[a:b].copy_(part)
+
+    def finish(self, x, weight, gx, main_grad, gb) -> None:
+        """The fp32 ``gx`` (``[T, H]``), ``main_grad`` and ``gb`` terms (each may be ``None``)."""
+        if gx is not None:
+            self.residue.hidden(self.resid, weight, self.target, self.col_offset, gx)
+        if main_grad is not None:
+            self.residue.weight_rows(main_grad, x, self.resid, self.runs)
+        if gb is not None:
+            self.residue.bias_rows(gb, self.resid, self.runs)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
