@@ -550,26 +550,27 @@ def render_scaled_terms(dtype: str, *, has_target: bool, has_const: bool) -> tup
     flags = (("BH", TERM_BLOCK), ("HAS_TARGET", has_target), ("HAS_CONST", has_const))
     return (
         _small_source(text, "scaled_hidden_grad", dtype, HIDDEN_TERMS_ARGS, flags, 1, meta),
-        *render_target_rows(dtype, "fp32", coef=(3, 1)),
+        *render_target_rows(dtype, coef=(3, 1)),
     )
 
 
-def _target_rows_text(dtype: str, out_dtype: str) -> str:
+def _target_rows_text(dtype: str) -> str:
+    """The target-row kernels' module for ``dtype`` inputs (their output rows fp32; the
+    template also takes 16-bit ones, with one rounding per row)."""
     return (
         environment()
         .get_template("loss_target_rows.py.jinja")
-        .render(dtype=dtype, out_dtype=out_dtype, helpers=helpers_source(), store=store_cast("v", out_dtype))
+        .render(dtype=dtype, out_dtype="fp32", helpers=helpers_source(), store=store_cast("v", "fp32"))
     )
 
 
-def render_target_rows(
-    dtype: str, out_dtype: str, *, coef: tuple[int, int] = (1, 0)
-) -> tuple[KernelSource, KernelSource]:
+def render_target_rows(dtype: str, *, coef: tuple[int, int] = (1, 0)) -> tuple[KernelSource, KernelSource]:
     """The two kernels that add ``c[t] * hidden[t]`` (``dtype`` inputs) to row ``key[t]`` of
-    an ``out_dtype`` matrix, in fp32 with one rounding per row and no atomics, over the tokens
-    sorted by key (runs of one key in pieces of at most ``TARGET_PIECE`` tokens, then each
-    long run's pieces in order); token ``t``'s coefficient at ``coef[0] * t + coef[1]``."""
-    text = _target_rows_text(dtype, out_dtype)
+    an fp32 matrix, with no atomics, over the tokens sorted by key (runs of one key in pieces
+    of at most ``TARGET_PIECE`` tokens, then each long run's pieces in order); token ``t``'s
+    coefficient at ``coef[0] * t + coef[1]``."""
+    text = _target_rows_text(dtype)
+    out_dtype = "fp32"
     meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype},out:{out_dtype}"))
     runs = (("BH", TERM_BLOCK), ("L", TARGET_PIECE))
     head = (("x", None), ("coef", "*fp32"), ("key", "*i64"), ("order", "*i64"))
@@ -597,7 +598,7 @@ def render_target_gather(dtype: str, *, coef: tuple[int, int] = (1, 0)) -> Kerne
     )
     meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype}"))
     flags = (("BH", TERM_BLOCK), ("CS", coef[0]), ("CC", coef[1]))
-    return _small_source(_target_rows_text(dtype, "fp32"), "target_rows_gather", dtype, args, flags, 1, meta)
+    return _small_source(_target_rows_text(dtype), "target_rows_gather", dtype, args, flags, 1, meta)
 
 
 def _matmul_source(

@@ -222,15 +222,14 @@ class CompiledLoss:
         return self._scaled[key]
 
     def residue_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...]:
-        """The kernels that add the target column's residue to ``grad_weight``'s rows (fp32,
-        then ``dtype`` rows: ``render_target_rows``) where ``dtype``'s gradient kernels write
-        one (``has_residue``); else none."""
+        """The kernels that add the target column's residue where ``dtype``'s gradient
+        kernels write one (``has_residue``; else none): the two that add it to fp32 rows of
+        ``grad_weight`` (``render_target_rows``), then the one that adds it to ``grad_hidden``
+        (``render_target_gather``)."""
         key = ("residue", dtype)
         if key not in self._scaled:
             keep = has_residue(lower_loss(self.rule, dtype))
-            self._scaled[key] = (
-                (*render_target_rows(dtype, "fp32"), render_target_gather(dtype)) if keep else ()
-            )
+            self._scaled[key] = (*render_target_rows(dtype), render_target_gather(dtype)) if keep else ()
         return self._scaled[key]
 
     def _residue(self, call: _Call) -> Residue | None:
@@ -238,7 +237,7 @@ class CompiledLoss:
         sources = self.residue_sources(call.dtype)
         if not sources:
             return None
-        return Residue(sources, call.device, call.ignore_index, call.dtype)
+        return Residue(sources, call.device, call.ignore_index)
 
     def _gradient_tiles(self, dtype: str, tma: bool = False) -> Tiles:
         if (dtype, tma) not in self._grad_tiles:

@@ -202,7 +202,7 @@ def residue_rows(residue, x, target, resid, col_offset: int, n_cols: int, gw, gb
     if gw is not None:
         residue.weight_rows(gw, x, resid, runs)
     if gb is not None:
-        residue.bias_rows(gb, resid, runs)
+        residue.bias_rows(gb, resid, runs, x.dtype)
 
 
 def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from fuser.cache import load_kernel
 from fuser.codegen.loss_matmul import TERM_BLOCK
+from fuser.codegen.source import KernelSource
 from fuser.runtime.loss.chunked import BLOCK_BUDGET, product_fp32
 
 
@@ -52,18 +53,13 @@ class KeyRuns:
 
 
 class TargetRows:
-    """``out[key[t]] += c[t] * x[t]`` for every token ``t`` with a key, in fp32, rounded once
-    per row to ``out``'s dtype: the kernels of ``render_target_rows`` for each output dtype
-    (``sources``: ``{dtype name: (pieces, runs)}``), ``c[t]`` read from ``coef`` where those
-    kernels' ``CS``, ``CC`` say."""
+    """``out[key[t]] += c[t] * x[t]`` for every token ``t`` with a key, ``out`` fp32: the two
+    kernels of ``render_target_rows``, ``c[t]`` read from ``coef`` where their ``CS``, ``CC``
+    say."""
 
-    def __init__(self, sources: dict, device: torch.device):
-        self.kernels = {
-            name: (load_kernel(pieces, device), load_kernel(runs, device))
-            for name, (pieces, runs) in sources.items()
-        }
-        first = next(iter(sources.values()))[0]
-        self.piece = dict(first.constexprs)["L"]
+    def __init__(self, pieces: KernelSource, runs: KernelSource, device: torch.device):
+        self.pieces, self.run_sums = load_kernel(pieces, device), load_kernel(runs, device)
+        self.piece = dict(pieces.constexprs)["L"]
 
     def runs(self, keys: torch.Tensor, n_keys: int) -> KeyRuns:
         return KeyRuns(keys, n_keys, self.piece)
@@ -75,12 +71,11 @@ class TargetRows:
         hi = n if hi is None else hi
         if hi <= lo:
             return
-        pieces_kernel, runs_kernel = self.kernels[_dtype_name(out.dtype)]
         pieces = torch.empty(runs.pieces_rows, hid, dtype=torch.float32, device=x.device)
         grid = (hi - lo, -(-hid // TERM_BLOCK))
         args = (runs.starts, runs.ends, runs.slot, pieces, out, lo, key0, hid, runs.n_keys)
-        pieces_kernel(grid, x, coef, runs.key, runs.order, *args)
-        runs_kernel(grid, runs.key, *args)
+        self.pieces(grid, x, coef, runs.key, runs.order, *args)
+        self.run_sums(grid, runs.key, *args)
 
 
 class Residue:
@@ -88,12 +83,11 @@ class Residue:
     value per token, 0 where none is written): ``TargetRows`` into fp32 rows (``main_grad``,
     fp32 buffers and blocks, ``grad_bias``) and the gather kernel for ``grad_hidden``."""
 
-    def __init__(self, sources, device: torch.device, ignore_index: int, dtype: str):
+    def __init__(self, sources, device: torch.device, ignore_index: int):
         pieces, runs, gather = sources  # (CompiledLoss.residue_sources)
-        self.rows = TargetRows({"fp32": (pieces, runs)}, device)
+        self.rows = TargetRows(pieces, runs, device)
         self.gather = load_kernel(gather, device)
         self.ignore_index = int(ignore_index)
-        self.dtype = _DTYPES[dtype]  # the inputs'
 
     @staticmethod
     def buffer(n: int, device: torch.device) -> torch.Tensor:
@@ -121,9 +115,9 @@ class Residue:
         positions ``[lo, hi)``."""
         self.rows.add(out, x, resid, runs, lo, hi, key0)
 
-    def bias_rows(self, gb, resid, runs: KeyRuns) -> None:
-        """``resid[t]`` added to ``grad_bias[y_t]`` (fp32)."""
-        ones = torch.ones(resid.shape[0], 1, dtype=self.dtype, device=resid.device)
+    def bias_rows(self, gb, resid, runs: KeyRuns, dtype: torch.dtype) -> None:
+        """``resid[t]`` added to ``grad_bias[y_t]`` (fp32); ``dtype``: the inputs'."""
+        ones = torch.ones(resid.shape[0], 1, dtype=dtype, device=resid.device)
         self.rows.add(gb.view(-1, 1), ones, resid, runs)
 
 
@@ -168,11 +162,4 @@ class SliceTerms:
         if main_grad is not None:
             self.residue.weight_rows(main_grad, x, self.resid, self.runs)
         if gb is not None:
-            self.residue.bias_rows(gb, self.resid, self.runs)
-
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}[dtype]
+            self.residue.bias_rows(gb, self.resid, self.runs, x.dtype)

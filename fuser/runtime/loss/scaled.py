@@ -93,7 +93,7 @@ class ScaledExp:
         self.prepare = load_kernel(prepare, device)
         self.tokens = load_kernel(tokens, device)
         self.hidden_terms = load_kernel(hidden_terms, device)
-        self.target_rows = TargetRows({"fp32": (target_pieces, target_runs)}, device)
+        self.target_rows = TargetRows(target_pieces, target_runs, device)
         self.final = load_kernel(final, device)
         self.values = values
         self.form, self.layout = values.form, values.layout
