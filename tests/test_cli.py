@@ -273,6 +273,9 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "target_rows_pieces",  # (the target column's residue: coefficients one per token)
         "target_rows_runs",
         "target_rows_gather",
+        "target_rows_pieces",  # (the residue's rows written into a 16-bit grad_weight)
+        "target_rows_runs",
+        "weight_grad_tma",
     ]
 
 

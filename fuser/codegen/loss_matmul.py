@@ -554,23 +554,26 @@ def render_scaled_terms(dtype: str, *, has_target: bool, has_const: bool) -> tup
     )
 
 
-def _target_rows_text(dtype: str) -> str:
-    """The target-row kernels' module for ``dtype`` inputs (their output rows fp32; the
-    template also takes 16-bit ones, with one rounding per row)."""
+def _target_rows_text(dtype: str, out_dtype: str = "fp32", assign: bool = False) -> str:
+    """The target-row kernels' module for ``dtype`` inputs and ``out_dtype`` rows (one
+    rounding per row); ``assign``: each key's row is written, not added to."""
     return (
         environment()
         .get_template("loss_target_rows.py.jinja")
-        .render(dtype=dtype, out_dtype="fp32", helpers=helpers_source(), store=store_cast("v", "fp32"))
-    )
+        .render(dtype=dtype, out_dtype=out_dtype, assign=assign, helpers=helpers_source(),
+                store=store_cast("v", out_dtype))
+    )  # fmt: skip
 
 
-def render_target_rows(dtype: str, *, coef: tuple[int, int] = (1, 0)) -> tuple[KernelSource, KernelSource]:
+def render_target_rows(
+    dtype: str, *, coef: tuple[int, int] = (1, 0), out_dtype: str = "fp32", assign: bool = False
+) -> tuple[KernelSource, KernelSource]:
     """The two kernels that add ``c[t] * hidden[t]`` (``dtype`` inputs) to row ``key[t]`` of
-    an fp32 matrix, with no atomics, over the tokens sorted by key (runs of one key in pieces
-    of at most ``TARGET_PIECE`` tokens, then each long run's pieces in order); token ``t``'s
-    coefficient at ``coef[0] * t + coef[1]``."""
-    text = _target_rows_text(dtype)
-    out_dtype = "fp32"
+    an ``out_dtype`` matrix (``assign``: write each key's sum there instead), with no atomics,
+    over the tokens sorted by key (runs of one key in pieces of at most ``TARGET_PIECE``
+    tokens, then each long run's pieces in order); token ``t``'s coefficient at
+    ``coef[0] * t + coef[1]``."""
+    text = _target_rows_text(dtype, out_dtype, assign)
     meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype},out:{out_dtype}"))
     runs = (("BH", TERM_BLOCK), ("L", TARGET_PIECE))
     head = (("x", None), ("coef", "*fp32"), ("key", "*i64"), ("order", "*i64"))
@@ -599,6 +602,55 @@ def render_target_gather(dtype: str, *, coef: tuple[int, int] = (1, 0)) -> Kerne
     meta = (("kind", "loss-target-rows"), ("dtypes", f"hidden:{dtype}"))
     flags = (("BH", TERM_BLOCK), ("CS", coef[0]), ("CC", coef[1]))
     return _small_source(_target_rows_text(dtype), "target_rows_gather", dtype, args, flags, 1, meta)
+
+
+# The weight-gradient kernel's tiles: [128 vocabulary rows, 256 hidden columns], BK tokens
+# a step, persistent programs (``render_weight_grad``).
+WEIGHT_GRAD_TILES = Tiles(bm=128, bn=256, bk=64, group_m=8, num_warps=8, num_stages=3, tma=True)
+WEIGHT_GRAD_FLATTEN = False
+WEIGHT_GRAD_ARGS = (
+    ("dz", None), ("dz_stride", "i32"), ("x", None), ("gw", None), ("flag", "*i8"), ("key0", "i64"),
+    ("n_tok", "i32"), ("hid", "i32"), ("n_cols", "i32"),
+)  # fmt: skip
+
+
+def render_weight_grad(
+    dtype: str, tiles: Tiles = WEIGHT_GRAD_TILES, flatten: bool = WEIGHT_GRAD_FLATTEN
+) -> tuple[KernelSource, ...]:
+    """The kernels that write a slice of a 16-bit ``grad_weight``, ``dz.T @ hidden`` with the
+    target column's residue rows (``resid[t] * hidden[t]`` into row ``y_t``), accumulated in
+    fp32 and rounded once: the target-row kernels, which write each target's residue row into
+    ``grad_weight`` (rounded once to ``dtype``), then ``weight_grad_tma``
+    (``templates/loss_weight_grad.py.jinja``), persistent programs whose tiles move through
+    tensor descriptors and which add those rows to their product (``flatten``: the tile loop
+    flattened with the token loop, so that the next tile's loads start under this one's
+    epilogue; that takes one more stage of shared memory)."""
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError(
+            f"the weight-gradient kernel writes a 16-bit grad_weight (bf16 or fp16), not {dtype}"
+        )
+    text = (
+        environment()
+        .get_template("loss_weight_grad.py.jinja")
+        .render(dtype=dtype, helpers=helpers_source(), store=store_cast("acc", dtype), flatten=flatten)
+    )
+    ptr = TRITON_DTYPES[dtype]
+    kernel = KernelSource(
+        text=text,
+        entry="weight_grad_tma",
+        signature=tuple((n, t or ptr) for n, t in WEIGHT_GRAD_ARGS),
+        constexprs=(
+            ("BM", tiles.bm),
+            ("BN", tiles.bn),
+            ("BK", tiles.bk),
+            ("GROUP_M", tiles.group_m),
+            ("INTERPRETED", False),
+        ),  # fmt: skip
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        meta=(("kind", "loss-weight-grad"), ("dtypes", f"hidden:{dtype}")),
+    )
+    return (*render_target_rows(dtype, out_dtype=dtype, assign=True), kernel)
 
 
 def _matmul_source(

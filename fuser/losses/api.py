@@ -17,6 +17,7 @@ from fuser.codegen.loss_matmul import (
     render_scaled_tokens,
     render_target_gather,
     render_target_rows,
+    render_weight_grad,
     scaled_exp_form,
 )
 from fuser.codegen.source import KernelSource
@@ -232,12 +233,30 @@ class CompiledLoss:
             self._scaled[key] = (*render_target_rows(dtype), render_target_gather(dtype)) if keep else ()
         return self._scaled[key]
 
+    def weight_grad_sources(self, dtype: str, tiles: Tiles | None = None) -> tuple[KernelSource, ...]:
+        """The kernels that write a 16-bit ``grad_weight`` with the target column's residue
+        rows in it (``render_weight_grad``; ``tiles``: the product's block shape, else the
+        GPU's), where ``dtype``'s gradient kernels write a residue; else none."""
+        key = ("weight_grad", dtype, tiles)
+        if key not in self._scaled:
+            keep = bool(self.residue_sources(dtype))
+            self._scaled[key] = (render_weight_grad(dtype, *([tiles] if tiles else []))) if keep else ()
+        return self._scaled[key]
+
     def _residue(self, call: _Call) -> Residue | None:
-        """What a call's runs need to add the target column's residue, or ``None``."""
+        """What a call's runs need to add the target column's residue, or ``None``. A 16-bit
+        ``grad_weight`` takes its rows in the weight-gradient kernel where tensor descriptors
+        pay (``descriptors_pay``) or ``tiles`` asks for them (``tma``), else through fp32
+        blocks of cuBLAS's products (``residue.SliceTerms``)."""
         sources = self.residue_sources(call.dtype)
         if not sources:
             return None
-        return Residue(sources, call.device, call.ignore_index)
+        weight_grad = None
+        if self.tiles is None and call.device.type == "cuda" and descriptors_pay(call.device):
+            weight_grad = self.weight_grad_sources(call.dtype)
+        elif self.tiles is not None and self.tiles.tma:
+            weight_grad = self.weight_grad_sources(call.dtype, self.tiles)
+        return Residue(sources, call.device, call.ignore_index, weight_grad)
 
     def _gradient_tiles(self, dtype: str, tma: bool = False) -> Tiles:
         if (dtype, tma) not in self._grad_tiles:
@@ -654,9 +673,11 @@ def kernel_sources(
     twice, with and without tensor descriptors, where they take them (16-bit inputs; for
     the gradient kernel, rules whose gradient calls only exp) and ``tiles`` is not given;
     then the scaled schedule's per-token and gradient-term kernels), and last the kernels
-    that add the target column's residue (``residue_sources``: 16-bit inputs); with
-    ``vocab_parallel=True``, those a call with ``process_group=`` launches: the staged
-    sequence, the lean schedule's kernels and the residue's."""
+    that add the target column's residue (``residue_sources``: 16-bit inputs) and, where
+    ``tiles`` is not given, those that write a 16-bit ``grad_weight`` with it on sm_90
+    (``weight_grad_sources``); with ``vocab_parallel=True``, those a call with
+    ``process_group=`` launches: the staged sequence, the lean schedule's kernels and the
+    residue's."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
@@ -665,6 +686,8 @@ def kernel_sources(
         tma = f.matmul_kernel_sources(dtype, grad_tiles=f._gradient_tiles(dtype, True))[1]
         lean += [tma] if tma.digest != grad.digest else []
     residue = list(f.residue_sources(dtype))
+    if residue and f.tiles is None:  # (sm_90 writes a 16-bit grad_weight with it: descriptors_pay)
+        residue += f.weight_grad_sources(dtype)
     if vocab_parallel:
         return [*staged, *lean, *residue]
     scaled = f.scaled_kernel_source(dtype)

@@ -79,11 +79,12 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
     # kernels, the lean schedule's 3 matmul kernels (one sweep, the gradient without and
     # with tensor descriptors), the scaled schedule's kernel (without and with them) and its
-    # 5 kernels around it (per token, per chunk, the gradient's terms), and the target
-    # column's residue's 2 more (its row sums' second phase is the scaled schedule's)
-    assert len(rows) == 4 + 2 * 15 and {r[5] for r in rows} == {"compiled"}
+    # 5 kernels around it (per token, per chunk, the gradient's terms), the target
+    # column's residue's 2 more (its row sums' second phase is the scaled schedule's) and the
+    # 3 that write a 16-bit grad_weight with the residue's rows in it
+    assert len(rows) == 4 + 2 * 18 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 30
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 36
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -115,6 +116,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
             scaled_tma,
             *loss.scaled_token_sources(dtype),
             *loss.residue_sources(dtype),
+            *loss.weight_grad_sources(dtype),
         ]
         assert loss.residue_sources(dtype)  # (16-bit logits: the target column's residue)
         assert _missing(sources) == []

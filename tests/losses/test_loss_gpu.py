@@ -309,3 +309,44 @@ def test_scaled_schedule_takes_gradients_again_beyond_its_range():
     ref = reference(cross_entropy, hidden, weight, None, target)
     assert_close(out.cpu(), ref[0], 1e-5, "loss")
     assert _norm_err(x.grad, ref[1]) < 2**-7 and _norm_err(w.grad, ref[2]) < 2**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("schedule", ["whole", "vocab", "fused"])
+def test_weight_gradient_kernel_on_gpu_against_float64(dtype, schedule, monkeypatch):
+    # A 16-bit grad_weight whose slice has tiles for every processor twice takes the target
+    # column's residue rows in the weight-gradient kernel (sm_90: tensor descriptors). Slices
+    # of 4352 rows: the first takes the kernel (272 tiles of [128, 256] at H = 2048), the last
+    # (4096 rows, 256 tiles) fp32 blocks on an H100's 132 processors; 300 tokens of one target
+    # make a run summed in pieces.
+    from fuser.runtime.loss import residue
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the weight-gradient kernel runs where tensor descriptors are TMA (sm_90)")
+    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 4352)
+    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 4352)
+    launched, call = [], residue.WeightGrad.__call__
+
+    def recording(self, gw, *args):
+        launched.append(gw.shape[0])
+        return call(self, gw, *args)
+
+    monkeypatch.setattr(residue.WeightGrad, "__call__", recording)
+    t, h, v = 1203, 2048, 8448
+    hidden = (torch.randn(t, h, device="cuda") * 0.1).to(dtype)
+    weight = (torch.randn(v, h, device="cuda") * 0.02).to(dtype)
+    target = torch.randint(0, v, (t,), device="cuda")
+    target[torch.randperm(t, device="cuda")[:300]] = 4099
+    target[::7] = -100
+    # (fp16: a sum, whose logit gradients stay clear of fp16's subnormals)
+    reduction = "mean" if dtype == torch.bfloat16 else "sum"
+    x64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    torch.nn.functional.cross_entropy(x64 @ w64.T, target, reduction=reduction).backward()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule=schedule)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    f(x, w, target, reduction=reduction).backward()
+    assert launched == ([v] if schedule == "whole" else [4352])
+    gw, gx = w64.grad.cpu(), x64.grad.cpu()
+    assert _norm_err(w.grad, gw) < 2e-3, _norm_err(w.grad, gw)
+    assert _norm_err(w.grad[4099], gw[4099]) < 2e-3, _norm_err(w.grad[4099], gw[4099])
+    assert _norm_err(x.grad, gx) < 2e-3, _norm_err(x.grad, gx)

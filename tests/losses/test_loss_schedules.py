@@ -89,9 +89,12 @@ def test_main_grad_every_schedule(schedule, reduction, short_slices):
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
 
 
-@pytest.mark.parametrize("schedule", [*SCHEDULES, "scaled"])
+@pytest.mark.parametrize(
+    "schedule, tiles",
+    [(s, None) for s in (*SCHEDULES, "scaled")] + [(s, "tma") for s in ("whole", "vocab", "fused")],
+)
 @pytest.mark.parametrize("classes", [5, 97])
-def test_target_column_errors_do_not_add_up(schedule, classes, short_slices):
+def test_target_column_errors_do_not_add_up(schedule, tiles, classes, short_slices, monkeypatch):
     # Every token of one target adds its target column's gradient ((p - 1) / 52 live tokens:
     # not a power of two) to one row of grad_weight. Rounded to bf16 with the rest of the
     # logit gradient, those errors agree in sign and add up: 2.6e-3 of main_grad and 2.9e-3
@@ -105,8 +108,15 @@ def test_target_column_errors_do_not_add_up(schedule, classes, short_slices):
     target[::7] = -100
     x, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
     torch.nn.functional.cross_entropy(x @ w.T, target).backward()
-    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    # tiles="tma": a 16-bit grad_weight's slices take their residue rows in the weight-gradient
+    # kernel where they have tiles for every processor twice, else through fp32 blocks
+    from fuser.runtime.loss import residue
+
+    launched = record_launches(monkeypatch, residue, "weight_grad")
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule,
+                      tiles=TMA_TILES if tiles else None)  # fmt: skip
     _, gx, gw, _ = run(f, hidden, weight, None, target)
+    assert bool(launched) == bool(tiles)
     assert_norm_close(gw, w.grad, 2e-3, "grad weight")
     assert_norm_close(gx, x.grad, 2e-3, "grad hidden")
     if schedule != "scaled":  # (which takes the gradient in forward: no main_grad)
@@ -115,6 +125,29 @@ def test_target_column_errors_do_not_add_up(schedule, classes, short_slices):
         f(hidden, ww, target, accumulate_into="main_grad").backward()
         # (97 classes: the other columns' roundings weigh more against a smaller gradient)
         assert_norm_close(ww.main_grad, w.grad, 1e-4 if classes == 5 else 5e-4, "main_grad")
+
+
+@pytest.mark.parametrize("schedule", ["whole", "fused"])
+def test_weight_gradient_kernel_sums_long_runs(schedule, short_slices, monkeypatch):
+    # 150 of 181 tokens share one target: its residue row is summed in pieces of 64 tokens,
+    # then the pieces in order, before the weight-gradient kernel adds it to its product.
+    from fuser.runtime.loss import residue
+
+    launched = record_launches(monkeypatch, residue, "weight_grad")
+    t, h, v = 181, 40, 97
+    hidden = (torch.randn(t, h) * 0.25).bfloat16()
+    weight = (torch.randn(v, h) * 0.25).bfloat16()
+    target = torch.randint(0, v, (t,))
+    target[torch.randperm(t)[:150]] = 61
+    target[::9] = -100
+    x, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    torch.nn.functional.cross_entropy(x @ w.T, target).backward()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=64, schedule=schedule, tiles=TMA_TILES)
+    _, gx, gw, _ = run(f, hidden, weight, None, target)
+    assert launched
+    assert_norm_close(gw, w.grad, 2e-3, "grad weight")
+    assert_norm_close(gw[61], w.grad[61], 2e-3, "the long run's row")
+    assert_norm_close(gx, x.grad, 2e-3, "grad hidden")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

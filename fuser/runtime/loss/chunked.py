@@ -68,6 +68,14 @@ def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int
     return int(max(1, min(n_tokens, max(rows, 16))))
 
 
+def processor_count(device: torch.device) -> int:
+    """The programs that run at once on ``device``, for persistent grids: its streaming
+    multiprocessors (4 in Triton's interpreter, so that tests cross several tiles each)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised ``[rows, cols]`` buffer in ``like``'s dtype and device whose rows are
     a multiple of 8 elements apart, so that every row is 16-byte aligned (the loss kernels

@@ -30,7 +30,13 @@ from __future__ import annotations
 import torch
 
 from fuser.cache import load_kernel
-from fuser.runtime.loss.chunked import MIB, accumulate_mm, accumulate_weight_grad, logits_buffer
+from fuser.runtime.loss.chunked import (
+    MIB,
+    accumulate_mm,
+    accumulate_weight_grad,
+    logits_buffer,
+    processor_count,
+)
 from fuser.runtime.loss.residue import SliceTerms
 
 # Bytes of the fp32 temporaries of the gathered z[y] dot product.
@@ -53,14 +59,6 @@ def target_logits(x, weight, bias, target, out) -> None:
         if bias is not None:
             v += bias.index_select(0, ys).float()
         out[s:e] = torch.where(ok, v, 0.0)
-
-
-def processor_count(device: torch.device) -> int:
-    """The programs that run at once on ``device``, for persistent grids: its streaming
-    multiprocessors (4 in Triton's interpreter, so that tests cross several tiles each)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def shares(tiles_m: int, tiles_n: int, processors: int) -> int:
@@ -197,9 +195,7 @@ class Fused:
         buf = logits_buffer(n, cols, x)
         scale_stride = 0 if scale.numel() == 1 else 1
         tiles_m = -(-n // self.grad_tiles.bm)
-        terms = self.residue and SliceTerms(
-            self.residue, x, target, self.col_offset, vocab, cols, gw is not None
-        )
+        terms = self.residue and SliceTerms(self.residue, x, target, self.col_offset, vocab, cols)
         resid = terms.resid if terms else scale
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)

@@ -26,7 +26,7 @@ import torch
 from fuser.cache import load_kernel
 from fuser.codegen.loss_matmul import TERM_BLOCK
 from fuser.codegen.source import KernelSource
-from fuser.runtime.loss.chunked import BLOCK_BUDGET, product_fp32
+from fuser.runtime.loss.chunked import BLOCK_BUDGET, processor_count, product_fp32
 
 
 class KeyRuns:
@@ -45,6 +45,15 @@ class KeyRuns:
         long_piece = (self.ends - self.starts > piece) & ((pos - self.starts) % piece == 0)
         self.slot = torch.cumsum(long_piece & (self.key < n_keys), 0) - 1
         self.pieces_rows = 2 * -(-n // piece)
+        self.counted = False
+
+    def count_pieces(self) -> None:
+        """``pieces_rows`` as the pieces there are, at least 1, in place of the bound (one
+        host read, the first time: the bound takes 4 MiB at 8192 tokens of 4096, where most
+        calls have no run that long)."""
+        if not self.counted:
+            self.pieces_rows = max(1, int(self.slot[-1]) + 1) if self.slot.numel() else 1
+            self.counted = True
 
     def positions(self, edges: list[int]) -> list[int]:
         """The first sorted position whose key is at least each of ``edges`` (one host read)."""
@@ -78,15 +87,64 @@ class TargetRows:
         self.run_sums(grid, runs.key, *args)
 
 
+class WeightGrad:
+    """Slices of a 16-bit ``grad_weight``, ``dz.T @ x`` with their residue rows, rounded once:
+    the kernels of ``render_weight_grad``. The target-row kernels write each target's
+    residue row into ``grad_weight``; the weight-gradient kernel (persistent programs,
+    tensor descriptors) adds the rows ``flag`` marks to its product."""
+
+    def __init__(self, sources, device: torch.device):
+        pieces, runs, kernel = sources
+        self.rows = TargetRows(pieces, runs, device)
+        self.kernel = load_kernel(kernel, device)
+        c = dict(kernel.constexprs)
+        self.bm, self.bn = c["BM"], c["BN"]
+        self.processors = processor_count(device)
+
+    def fits(self, gw, dz, x) -> bool:
+        """Whether tensor descriptors can address the three (16-byte aligned, rows of 16-byte
+        multiples, the last dimension contiguous) and the slice has tiles for every
+        processor twice (fewer ran slower than cuBLAS's products through fp32 blocks:
+        T=32768, H=768, 2304 rows, 54 tiles: 0.49 against 0.26 ms; H100)."""
+        es = x.element_size()
+        tiles = -(-gw.shape[0] // self.bm) * -(-gw.shape[1] // self.bn)
+        return (
+            all(
+                t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(0) * es % 16 == 0
+                for t in (gw, dz, x)
+            )
+            and gw.stride(0) == x.stride(0) == x.shape[1]
+            and tiles >= 2 * self.processors
+        )
+
+    @staticmethod
+    def flags(runs: KeyRuns) -> torch.Tensor:
+        """``[n_keys + 1]`` int8: 1 at every key some token has (the last: no key)."""
+        flag = torch.zeros(runs.n_keys + 1, dtype=torch.int8, device=runs.key.device)
+        return flag.index_fill_(0, runs.key, 1)
+
+    def __call__(self, gw, dz, x, resid, runs: KeyRuns, flag, key0: int, lo: int = 0, hi: int | None = None):
+        """``gw = dz.T @ x`` plus ``resid[t] * x[t]`` in row ``y_t - key0`` for the tokens at
+        sorted positions ``[lo, hi)``: those whose target is one of gw's rows."""
+        (n_cols, hid), n_tok = gw.shape, x.shape[0]
+        runs.count_pieces()  # (the whole schedule's peak, at llama8b's 3 GiB, holds its pieces)
+        self.rows.add(gw, x, resid, runs, lo, hi, key0)
+        grid = (min(-(-n_cols // self.bm) * -(-hid // self.bn), self.processors),)
+        self.kernel(grid, dz, dz.stride(0), x, gw, flag, key0, n_tok, hid, n_cols)
+
+
 class Residue:
     """What the gradients need of the residues a call's kernels wrote (``buffer``: one fp32
     value per token, 0 where none is written): ``TargetRows`` into fp32 rows (``main_grad``,
-    fp32 buffers and blocks, ``grad_bias``) and the gather kernel for ``grad_hidden``."""
+    fp32 buffers and blocks, ``grad_bias``), the gather kernel for ``grad_hidden`` and, where
+    given, the kernel that writes a 16-bit ``grad_weight`` with its rows (``WeightGrad``)."""
 
-    def __init__(self, sources, device: torch.device, ignore_index: int):
+    def __init__(self, sources, device: torch.device, ignore_index: int, weight_grad=None):
         pieces, runs, gather = sources  # (CompiledLoss.residue_sources)
         self.rows = TargetRows(pieces, runs, device)
         self.gather = load_kernel(gather, device)
+        # (CompiledLoss.weight_grad_sources)
+        self.weight_grad = WeightGrad(weight_grad, device) if weight_grad is not None else None
         self.ignore_index = int(ignore_index)
 
     @staticmethod
@@ -125,34 +183,49 @@ class SliceTerms:
     """The residue's terms in a backward over slices of ``cols`` of this call's ``n_cols``
     weight rows (the lean and ``vocab`` schedules; ``whole``: one slice): ``resid`` for the
     kernels (each slice's launch writes the tokens whose target it holds); ``weight_slice``
-    writes a slice of a 16-bit ``grad_weight`` (``rounded_rows``); ``finish`` adds the rest
-    once every slice has run."""
+    writes a slice of a 16-bit ``grad_weight``; ``finish`` adds the rest once every slice
+    has run."""
 
-    def __init__(
-        self, residue: Residue, x, target, col_offset: int, n_cols: int, cols: int, rounded_rows: bool
-    ):
+    def __init__(self, residue: Residue, x, target, col_offset: int, n_cols: int, cols: int):
         self.residue = residue
         self.resid = residue.buffer(x.shape[0], x.device)
         self.target, self.col_offset = target, col_offset
         self.runs = residue.runs(target, col_offset, n_cols)
         self.rows = max(1, BLOCK_BUDGET // max(4 * x.shape[1], 1))
-        self.at = {}
-        if rounded_rows:  # each block's first sorted position (one host read)
-            edges = [a for v0 in range(0, n_cols, cols) for a in range(v0, min(v0 + cols, n_cols), self.rows)]
-            edges.append(n_cols)
+        self.n_cols, self.cols = n_cols, cols
+        self.at = self.flag = None
+
+    def _positions(self) -> dict:
+        """The first sorted position of every slice's and every block's first key (one host
+        read, the first time)."""
+        if self.at is None:
+            n_cols, cols = self.n_cols, self.cols
+            edges = [a for s in range(0, n_cols, cols) for a in range(s, min(s + cols, n_cols), self.rows)]
+            edges += [s for s in range(0, n_cols, cols)] + [n_cols]
+            edges = sorted(set(edges))
             self.at = dict(zip(edges, self.runs.positions(edges)))
+        return self.at
 
     def weight_slice(self, gw, v0: int, v1: int, dz, x) -> None:
-        """``gw[v0:v1] = dz.T @ x`` with the slice's residue rows, through fp32 blocks of
-        ``rows`` rows rounded once (``dz``: the slice's ``[T, v1 - v0]`` columns). (Taking
-        the product in 16 bits and only the target rows again in fp32, from their gathered
+        """``gw[v0:v1] = dz.T @ x`` with the slice's residue rows (``dz``: the slice's
+        ``[T, v1 - v0]`` columns), rounded once: by the residue's ``WeightGrad`` kernels where
+        it has them and they fit, else through fp32 blocks of ``rows`` rows. (Taking the
+        product in 16 bits and only the target rows again in fp32, from their gathered
         columns, ran slower: the gather; H100, benchmarks/NOTES.md.)"""
+        kernel = self.residue.weight_grad
+        if kernel is not None and kernel.fits(gw[v0:v1], dz, x):
+            if self.flag is None:
+                self.flag = kernel.flags(self.runs)
+            lo, hi = (0, None) if v1 - v0 == self.n_cols else (self._positions()[v0], self._positions()[v1])
+            kernel(gw[v0:v1], dz, x, self.resid, self.runs, self.flag, v0, lo, hi)
+            return
+        at = self._positions()
         block = torch.empty(min(self.rows, v1 - v0), x.shape[1], dtype=torch.float32, device=x.device)
         for a in range(v0, v1, self.rows):
             b = min(a + self.rows, v1)
             part = block[: b - a]
             product_fp32(part, dz[:, a - v0 : b - v0].t(), x)
-            self.residue.weight_rows(part, x, self.resid, self.runs, self.at[a], self.at[b], key0=a)
+            self.residue.weight_rows(part, x, self.resid, self.runs, at[a], at[b], key0=a)
             gw[a:b].copy_(part)
 
     def finish(self, x, weight, gx, main_grad, gb) -> None:

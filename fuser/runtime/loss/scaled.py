@@ -50,8 +50,13 @@ from fuser.codegen.loss_matmul import (
     linear_sums,
     scaled_part_columns,
 )
-from fuser.runtime.loss.chunked import Chunked, accumulate_mm, accumulate_weight_grad, logits_buffer
-from fuser.runtime.loss.fused import processor_count
+from fuser.runtime.loss.chunked import (
+    Chunked,
+    accumulate_mm,
+    accumulate_weight_grad,
+    logits_buffer,
+    processor_count,
+)
 from fuser.runtime.loss.residue import TargetRows
 
 # The largest r - ref (in a-units) a token may have: the sums of E over 128256 columns of

@@ -239,9 +239,7 @@ class Staged(Chunked):
         n, vocab = logits.shape
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         residue = self.residue if n and vocab else None
-        terms = residue and SliceTerms(
-            residue, x, target, self.col_offset, vocab, vocab, need_w and not main_grad
-        )
+        terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, vocab)
         if n:
             resid = terms.resid if terms else None
             self._differentiate(logits, target, loss, red, scale, self.col_offset, self._total(vocab), resid)
@@ -295,7 +293,7 @@ class Staged(Chunked):
             gb = torch.empty(vocab, dtype=torch.float32, device=x.device)
         if n_tokens == 0 or vocab == 0:
             return self._finish_x(gx, x), gw, gb.zero_() if gb is not None else None
-        terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, cols, gw is not None)
+        terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, cols)
         buf = logits_buffer(n_tokens, min(cols, vocab), x)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
         layout = self.layout
