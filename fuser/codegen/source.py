@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,10 @@ class KernelSource:
     # Shown by `fuser cache ls`: rule name, kind, dtype plan...
     meta: tuple[tuple[str, str], ...] = ()
 
-    @property
+    @cached_property
     def digest(self) -> str:
-        """Hash of the text and the launch options: the identity of this kernel."""
+        """Hash of the text and the launch options: the identity of this kernel (computed
+        once per instance: every launcher lookup reads it)."""
         h = hashlib.sha256(self.text.encode())
         h.update(
             repr((self.entry, self.signature, self.constexprs, self.num_warps, self.num_stages)).encode()

@@ -21,6 +21,8 @@ depend on scheduling.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from fuser.cache import load_kernel
@@ -143,9 +145,13 @@ class Residue:
         pieces, runs, gather = sources  # (CompiledLoss.residue_sources)
         self.rows = TargetRows(pieces, runs, device)
         self.gather = load_kernel(gather, device)
-        # (CompiledLoss.weight_grad_sources)
-        self.weight_grad = WeightGrad(weight_grad, device) if weight_grad is not None else None
+        self._weight_grad = weight_grad  # (CompiledLoss.weight_grad_sources; loaded when used)
+        self.device = device
         self.ignore_index = int(ignore_index)
+
+    @cached_property
+    def weight_grad(self) -> WeightGrad | None:
+        return WeightGrad(self._weight_grad, self.device) if self._weight_grad else None
 
     @staticmethod
     def buffer(n: int, device: torch.device) -> torch.Tensor:
