@@ -47,12 +47,21 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
             shown = {r[3] for r in mine if r[1] == kernel}
             # matrix kernels (bf16 whatever the parameters): one row per variant, under
             # the first rule that launches them; a loss's gradient and scaled kernels through
-            # tensor descriptors: 16-bit inputs only; the target column's residue kernels:
-            # 16-bit inputs (and the scaled schedule's target term, fp32 too)
-            tma = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma"))
-            expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if tma else {3}
-            if kernel.startswith("target_rows"):
-                expected = {2, 3}
+            # tensor descriptors, its weight-gradient kernel and the residue's gather into
+            # grad_hidden: 16-bit inputs only; the target-row kernels: fp32 rows from 16-bit
+            # inputs (the target column's residue), from fp32 ones too (the scaled schedule's
+            # target term), and 16-bit rows from 16-bit inputs (the residue's rows written
+            # into a 16-bit grad_weight)
+            only16 = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma")) or kernel in (
+                "weight_grad_tma",
+                "target_rows_gather",
+            )
+            expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if only16 else {3}
+            if kernel in ("target_rows_pieces", "target_rows_runs"):
+                rows16 = {"hidden:bf16,out:bf16", "hidden:fp16,out:fp16"}
+                fp32 = {"hidden:bf16,out:fp32", "hidden:fp16,out:fp32"}
+                assert fp32 <= shown <= fp32 | rows16 | {"hidden:fp32,out:fp32"}, (kernel, shown)
+                expected = {len(shown)}
             assert len(shown) in expected, (kernel, shown)
     for cubin in cache_root.rglob("*.cubin"):
         assert cubin.read_bytes()[:4] == b"\x7fELF"
