@@ -22,8 +22,9 @@ import (a row says why where they do not), and `torch.compile` of the full-logit
 `--sweep` also times a few (chunk, block, warps) settings of fuser's kernel, to pick the
 defaults; `--schedules` times fuser with each schedule forced (`auto` picks one by memory);
 `--lean` adds `memory="lean"` with and without `main_grad`; `--ignore7` runs each config
-again with 1 token in 7 ignored (fuser, lean, CCE); `--options` times softcap, z-loss,
-label smoothing and temperature against plain cross-entropy, `memory="auto"` and `"lean"`,
+again with 1 token in 7 ignored (fuser, lean, CCE); `--options` times softcap (its tanh exact,
+and `approx_tanh=True`), z-loss, label smoothing and temperature against plain
+cross-entropy, `memory="auto"` and `"lean"`,
 in 3 rounds with the order rotated (time only: their values are checked against float64
 in tests/losses).
 Writes `loss_<date><tag>.json` and `.md` under --out (default benchmarks/results).
@@ -62,6 +63,7 @@ TARGETS = {  # ms, GiB of extra peak on an H100, per workload
 OPTIONS = {
     "plain": {},
     "softcap=30": dict(softcap=30.0),
+    "softcap=30,approx_tanh": dict(softcap=30.0, approx_tanh=True),
     "z_loss=1e-4": dict(z_loss=1e-4),
     "label_smoothing=0.1": dict(label_smoothing=0.1),
     "temperature=0.7": dict(temperature=0.7),

@@ -37,6 +37,7 @@ expm1 = _FUNCTIONS["expm1"]
 abs = _FUNCTIONS["abs"]  # noqa: A001 - the rule language's name
 sign = _FUNCTIONS["sign"]
 tanh = _FUNCTIONS["tanh"]
+approx_tanh = _FUNCTIONS["approx_tanh"]
 sigmoid = _FUNCTIONS["sigmoid"]
 minimum = _FUNCTIONS["minimum"]
 maximum = _FUNCTIONS["maximum"]
@@ -108,6 +109,7 @@ __all__ = [
     "abs",
     "sign",
     "tanh",
+    "approx_tanh",
     "sigmoid",
     "minimum",
     "maximum",

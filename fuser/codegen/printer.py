@@ -141,6 +141,10 @@ class TritonPrinter(PythonCodePrinter):
     _print_log1p = _print_Function
     _print_expm1 = _print_Function
 
+    def _print_ApproxTanh(self, expr):
+        # (every kernel that prints a rule takes INTERPRETED: the interpreter runs no assembly)
+        return f"_approx_tanh({self._print(expr.args[0])}, INTERPRETED)"
+
     def _minmax(self, expr, fn):
         args = [self._print(a) for a in expr.args]
         out = args[-1]

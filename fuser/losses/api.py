@@ -594,7 +594,7 @@ def scaled_tiles(dtype: str, tma: bool, narrow: bool = False) -> Tiles:
 def descriptors_pay(device: torch.device) -> bool:
     """Whether tensor descriptors pay on ``device``: from sm_90 they are TMA, and the lean
     schedule's gradient kernel takes them where ``gradient_tiles`` allows (16-bit inputs,
-    rules whose gradient calls only exp), its programs persistent (H100, the kernel alone:
+    rules whose gradient calls only exp and approx_tanh), its programs persistent (H100, the kernel alone:
     gist 17.7 -> 14.7 ms, llama8b 16.0 -> 13.4 ms; benchmarks/NOTES.md). Before sm_90
     Triton lowers descriptors to pointer loads, and the kernel keeps its own."""
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -671,7 +671,8 @@ def kernel_sources(
     scaled schedule's, where the rule has one (GPU tiles, no bias, a hidden size that is a
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
     twice, with and without tensor descriptors, where they take them (16-bit inputs; for
-    the gradient kernel, rules whose gradient calls only exp) and ``tiles`` is not given;
+    the gradient kernel, rules whose gradient calls only exp and approx_tanh) and ``tiles``
+    is not given;
     then the scaled schedule's per-token and gradient-term kernels), and last the kernels
     that add the target column's residue (``residue_sources``: 16-bit inputs) and, where
     ``tiles`` is not given, those that write a 16-bit ``grad_weight`` with it on sm_90

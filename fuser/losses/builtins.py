@@ -29,13 +29,14 @@ CROSS_ENTROPY_FULL = loss(
 )
 
 # Logit soft-capping (Gemma 2's final_logit_softcapping) before the temperature.
-SOFTCAP_CROSS_ENTROPY = loss(
-    """
+_SOFTCAP = """
     z = softcap * tanh(z / softcap)
     z = z / temperature
     lse = logsumexp(z)
     loss = lse - (1 - label_smoothing) * z[y] - label_smoothing * mean(z) + z_loss * lse**2
-""",
+"""
+SOFTCAP_CROSS_ENTROPY = loss(
+    _SOFTCAP,
     name="softcap_cross_entropy",
     hyper=dict(softcap=30.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0),
 )
@@ -44,14 +45,28 @@ SOFTCAP_CROSS_ENTROPY = loss(
 # `label_smoothing` is 0): its logit gradient is then the softmax term and the target term,
 # each times the cap's derivative, which the scaled schedule takes (label smoothing's mean
 # of the capped logits would add a term per logit).
-SOFTCAP_CROSS_ENTROPY_UNSMOOTHED = loss(
-    """
+_SOFTCAP_UNSMOOTHED = """
     z = softcap * tanh(z / softcap)
     z = z / temperature
     lse = logsumexp(z)
     loss = lse - z[y] + z_loss * lse**2
-""",
+"""
+SOFTCAP_CROSS_ENTROPY_UNSMOOTHED = loss(
+    _SOFTCAP_UNSMOOTHED,
     name="softcap_cross_entropy_unsmoothed",
+    hyper=dict(softcap=30.0, z_loss=0.0, temperature=1.0),
+)
+
+# Both with the cap's tanh through the GPU's one-instruction approximation (`approx_tanh`):
+# what `cross_entropy(softcap=..., approx_tanh=True)` runs.
+SOFTCAP_CROSS_ENTROPY_APPROX = loss(
+    _SOFTCAP.replace("tanh(", "approx_tanh("),
+    name="softcap_cross_entropy_approx",
+    hyper=dict(softcap=30.0, label_smoothing=0.0, z_loss=0.0, temperature=1.0),
+)
+SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX = loss(
+    _SOFTCAP_UNSMOOTHED.replace("tanh(", "approx_tanh("),
+    name="softcap_cross_entropy_unsmoothed_approx",
     hyper=dict(softcap=30.0, z_loss=0.0, temperature=1.0),
 )
 
@@ -73,6 +88,8 @@ RULES = (
     CROSS_ENTROPY_FULL,
     SOFTCAP_CROSS_ENTROPY,
     SOFTCAP_CROSS_ENTROPY_UNSMOOTHED,
+    SOFTCAP_CROSS_ENTROPY_APPROX,
+    SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX,
     ENTROPY_REGULARIZED_CROSS_ENTROPY,
 )
 
@@ -97,6 +114,7 @@ def cross_entropy(
     accumulate_into: str | None = None,
     process_group=None,
     memory: str = "auto",
+    approx_tanh: bool = False,
 ) -> torch.Tensor:
     """Fused ``cross_entropy(hidden @ weight.T + bias, target)`` with autograd, never holding
     the full logits: ``torch.nn.functional.linear_cross_entropy`` where the two overlap.
@@ -105,14 +123,13 @@ def cross_entropy(
     ``softcap`` applies ``softcap * tanh(z / softcap)`` to the logits, then ``temperature``
     divides them. Plain cross-entropy runs the leanest kernel, and a softcap without label
     smoothing a rule of its own (``SOFTCAP_CROSS_ENTROPY_UNSMOOTHED``), which the scaled
-    schedule takes. With ``process_group``,
-    ``weight`` and ``bias`` are this rank's slice of the vocabulary; ``memory="lean"`` keeps
-    no logits in memory (see ``CompiledLoss`` for both).
+    schedule takes. ``approx_tanh=True`` computes the softcap's ``tanh`` with the GPU's
+    one-instruction approximation (``fuser.approx_tanh``: relative error within 2**-10.987),
+    as FlashAttention-style softcaps do; the default is the exact ``tanh``. With
+    ``process_group``, ``weight`` and ``bias`` are this rank's slice of the vocabulary;
+    ``memory="lean"`` keeps no logits in memory (see ``CompiledLoss`` for both).
     """
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], not {label_smoothing}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, not {temperature}")
+    _check_options(label_smoothing, temperature, softcap, approx_tanh)
     common = dict(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -122,25 +139,30 @@ def cross_entropy(
     )
     extras = dict(label_smoothing=label_smoothing, z_loss=z_loss, temperature=temperature)
     if softcap is not None:
-        if softcap <= 0:
-            raise ValueError(f"softcap must be positive, not {softcap}")
+        approx = "_approx" if approx_tanh else ""
         if label_smoothing == 0.0:
-            return _compiled("softcap_cross_entropy_unsmoothed")(
-                hidden,
-                weight,
-                target,
-                bias,
-                softcap=softcap,
-                z_loss=z_loss,
-                temperature=temperature,
-                **common,
+            hyper = dict(softcap=softcap, z_loss=z_loss, temperature=temperature)
+            return _compiled("softcap_cross_entropy_unsmoothed" + approx)(
+                hidden, weight, target, bias, **hyper, **common
             )
-        return _compiled("softcap_cross_entropy")(
-            hidden, weight, target, bias, softcap=softcap, **common, **extras
-        )
+        f = _compiled("softcap_cross_entropy" + approx)
+        return f(hidden, weight, target, bias, softcap=softcap, **common, **extras)
     if label_smoothing == 0.0 and z_loss == 0.0 and temperature == 1.0:
         return _compiled("cross_entropy")(hidden, weight, target, bias, **common)
     return _compiled("cross_entropy_full")(hidden, weight, target, bias, **common, **extras)
+
+
+def _check_options(label_smoothing: float, temperature: float, softcap: float | None, approx_tanh: bool):
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], not {label_smoothing}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, not {softcap}")
+    if approx_tanh and softcap is None:
+        raise ValueError(
+            "approx_tanh applies to a softcap's tanh: pass softcap= as well, or drop approx_tanh"
+        )
 
 
 def entropy_regularized_cross_entropy(

@@ -26,6 +26,33 @@ class Sigmoid(sympy.Function):
         return 1 / (1 + sympy.exp(-x))
 
 
+class ApproxTanh(sympy.Function):
+    """``tanh`` through the GPU's one-instruction approximation (``tanh.approx.f32``, sm_75
+    and later: a relative error within 2**-10.987 by the PTX ISA). Its derivative is
+    ``1 - approx_tanh(x)**2``, so a derived gradient reuses the value. The interpreter,
+    which runs no assembly, computes the exact ``tanh``."""
+
+    nargs = 1
+    is_real = True
+
+    @classmethod
+    def eval(cls, x):
+        return sympy.S.Zero if x.is_zero else None
+
+    def fdiff(self, argindex=1):
+        return 1 - ApproxTanh(self.args[0]) ** 2
+
+    def _eval_rewrite_as_tanh(self, x, **kwargs):
+        return sympy.tanh(x)
+
+    def _sympystr(self, printer):
+        return f"approx_tanh({printer._print(self.args[0])})"
+
+    def _latex(self, printer, exp=None):
+        text = rf"\operatorname{{approx\_tanh}}{{\left({printer._print(self.args[0])} \right)}}"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
 class Reduction(sympy.Function):
     """A reduction of an expression to one number (per tensor, per device or per token).
 
@@ -173,6 +200,7 @@ ELEMENTWISE: dict[str, tuple] = {
     "abs": (sympy.Abs, 1),
     "sign": (sympy.sign, 1),
     "tanh": (sympy.tanh, 1),
+    "approx_tanh": (ApproxTanh, 1),
     "sigmoid": (Sigmoid, 1),
     "minimum": (sympy.Min, 2),
     "maximum": (sympy.Max, 2),

@@ -28,7 +28,7 @@ RULES = {
         mu_product = mu_product * mu
         m = beta1 * m + (1 - beta1) * g
         u = tanh(m) + sigmoid(g) + log1p(abs(g)) + expm1(-abs(g)) + exp(-g * g) + log(1 + g * g)
-        u = u + rsqrt(1 + g * g) + clamp(g, -1, 1) + minimum(g, m) * maximum(g, m) + sign(g)
+        u = u + rsqrt(1 + g * g) + approx_tanh(m) + clamp(g, -1, 1) + minimum(g, m) * maximum(g, m) + sign(g)
         u = where(g > 0 and m < 1, u, -u) + g ** 1.5 * 0
         p = p - lr * (1 - mu) * u / (1 - mu_product)
     """,

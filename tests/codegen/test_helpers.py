@@ -11,8 +11,9 @@ EPS = torch.finfo(torch.float32).eps
 BLOCK = 1024
 
 
-def helper_kernel(name: str) -> KernelSource:
-    """A kernel that writes ``name(x)`` of each fp32 element of ``x`` into ``out``."""
+def helper_kernel(name: str, extra: str = "") -> KernelSource:
+    """A kernel that writes ``name(x)`` (``name(x, extra)``) of each fp32 element of ``x``
+    into ``out``."""
     text = f"""import triton
 import triton.language as tl
 
@@ -22,7 +23,7 @@ import triton.language as tl
 @triton.jit
 def apply(x, out, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out + i, {name}(tl.load(x + i, mask=i < n, other=0.0)), mask=i < n)
+    tl.store(out + i, {name}(tl.load(x + i, mask=i < n, other=0.0){extra}), mask=i < n)
 """
     return KernelSource(
         text=text,
@@ -34,9 +35,9 @@ def apply(x, out, n, BLOCK: tl.constexpr):
     )
 
 
-def run_helper(name: str, x: torch.Tensor) -> torch.Tensor:
+def run_helper(name: str, x: torch.Tensor, extra: str = "") -> torch.Tensor:
     out = torch.full_like(x, 1234.5)  # poisoned: every element must be written
-    kernel = load_kernel(helper_kernel(name), x.device)
+    kernel = load_kernel(helper_kernel(name, extra), x.device)
     kernel(((x.numel() + BLOCK - 1) // BLOCK,), x, out, x.numel())
     return out
 
@@ -78,3 +79,27 @@ def test_tanh_at_the_edges(where):
     finite = ~want.isnan()
     assert torch.allclose(got[finite], want[finite], rtol=4 * EPS, atol=0.0)
     assert got[-1].isnan()
+
+
+# tanh.approx.f32's relative error (PTX ISA: "maximum relative error 2^-10.987")
+APPROX_TANH_BOUND = 2**-10.987
+
+
+@pytest.mark.gpu
+def test_approx_tanh_is_within_its_documented_error_on_gpu():
+    x = tanh_inputs("cuda")
+    got = run_helper("_approx_tanh", x, ", False").double().cpu()
+    want = torch.tanh(x.double().cpu())
+    rel = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    assert rel <= APPROX_TANH_BOUND, rel
+    # not the exact helper under another name: the one instruction's error shows
+    assert not torch.equal(got.float(), run_helper("_tanh", x).cpu())
+    edges = torch.tensor([0.0, 30.0, -30.0, float("inf"), -float("inf"), float("nan")], device="cuda")
+    out = run_helper("_approx_tanh", edges, ", False").cpu()
+    assert out[:5].tolist() == [0.0, 1.0, -1.0, 1.0, -1.0] and out[5].isnan()
+
+
+def test_approx_tanh_is_the_exact_helper_in_the_interpreter():
+    # (the interpreter runs no assembly)
+    x = tanh_inputs("cpu")
+    assert torch.equal(run_helper("_approx_tanh", x, ", True"), run_helper("_tanh", x))

@@ -1,8 +1,11 @@
 """Every loss kernel compiles ahead of time for sm_80 and sm_90 on a machine with no GPU."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
+import triton
 
 import fuser
 import fuser.losses
@@ -10,7 +13,9 @@ from fuser.cache import precompile
 
 from .test_loss_values import USER_RULES
 
-RULES = {r.name: r for r in fuser.losses.builtins.RULES}
+# (the softcap's approx_tanh twins differ from their rules only in the tanh: the built-ins'
+# precompile compiles every kernel of theirs; test_approx_tanh_is_one_instruction, below)
+RULES = {r.name: r for r in fuser.losses.builtins.RULES if not r.name.endswith("_approx")}
 RULES["max_margin"] = fuser.loss(USER_RULES["max_margin"][0], name="max_margin")
 RULES["nested"] = fuser.loss(USER_RULES["nested"][0], name="nested")
 
@@ -66,3 +71,40 @@ def test_vocab_parallel_kernels_compile_ahead_of_time(name, descriptors, capabil
     for source in sources:
         cubin = compile_for(source, capability)
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+def sass(cubin: bytes, tmp_path) -> str:
+    """The machine code of ``cubin``, through the disassembler Triton ships."""
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return subprocess.run([str(tool), str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_approx_tanh_is_one_instruction(capability, tmp_path):
+    # the softcap's kernels with approx_tanh run the special-function unit's tanh (MUFU.TANH)
+    # where the exact rule's compute it from an exponential: the lean schedule's sweep and
+    # gradient kernels (the twin's also through descriptors, its epilogue a half tile at a
+    # time: WIDE_GRAD_TMA_SUBTILE) and the scaled kernel, with pointers and descriptors
+    def kernels(rule):
+        return [s for s in fuser.losses.kernel_sources(rule, "bf16") if "_mm" in s.entry]
+
+    approx = kernels(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX)
+    exact = kernels(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED)
+    assert [s.entry.removeprefix("softcap_cross_entropy_unsmoothed_approx") for s in approx] == [
+        "_loss_rows_mm0",
+        "_loss_rows_mm_grad",
+        "_loss_rows_mm_grad_tma",
+        "_loss_rows_mm_scaled",
+        "_loss_rows_mm_scaled_tma",
+    ]
+    assert "half_1" in approx[2].text and "block_shape=[BM, BN // 2]" in approx[2].text
+    assert len(exact) == 4  # (its gradient kernel keeps pointer loads)
+    for a in approx:
+        # (every kernel carries the helpers' definitions; only the twin's calls it)
+        assert a.text.count("_approx_tanh(") > 1
+        assert "MUFU.TANH" in sass(compile_for(a, capability), tmp_path), a.entry
+    for e in exact:
+        assert e.text.count("_approx_tanh(") == 1
+        assert "MUFU.TANH" not in sass(compile_for(e, capability), tmp_path), e.entry

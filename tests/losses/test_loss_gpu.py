@@ -1,5 +1,7 @@
 """On a GPU: compiled kernels, the addmm out_dtype accumulation, and the memory contract."""
 
+import math
+
 import pytest
 import torch
 
@@ -295,6 +297,37 @@ def test_scaled_schedule_with_a_softcap_on_gpu_against_float64(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2**-7
     assert _norm_err(x2.grad, ref[1]) < tol, _norm_err(x2.grad, ref[1])
     assert _norm_err(w2.grad, ref[2]) < tol, _norm_err(w2.grad, ref[2])
+
+
+@pytest.mark.parametrize("memory", ["auto", "lean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_with_approx_tanh_on_gpu_against_float64(dtype, memory):
+    # the cap's tanh through tanh.approx.f32 (relative error within 2**-10.987): the capped
+    # logit a = cap * tanh(z / cap) / t moves by at most that times cap / t, so the loss
+    # (lse - a[y] + z_loss * lse**2) by (2 + 2 * z_loss * |lse|) times as much
+    cap, temp, zl = 4.0, 0.7, 1e-3
+    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(603,), v=5003, h=128, scale=3.0)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    out = fuser.losses.cross_entropy(
+        x, w, target.cuda(), softcap=cap, z_loss=zl, temperature=temp, memory=memory, approx_tanh=True
+    )
+    (out * 0.7).backward()
+
+    def per_token(z, y):
+        z = cap * torch.tanh(z / cap) / temp
+        lse = torch.logsumexp(z, 1)
+        return lse - z.gather(1, y[:, None])[:, 0] + zl * lse**2
+
+    ref = reference(
+        per_token, hidden, weight, None, target, grad_out=torch.tensor(0.7), round_logits_to=torch.float32
+    )
+    bound = 2**-10.987 * cap / temp
+    assert out.dtype == torch.float32
+    lse_max = cap / temp + math.log(5003)  # (|a| <= cap / t over 5003 columns)
+    assert abs(float(out) - float(ref[0])) <= (2 + 2 * zl * lse_max) * bound + 1e-5 * abs(float(ref[0]))
+    tol = 2e-3 if dtype == torch.float32 else 2**-7
+    assert _norm_err(x.grad, ref[1]) < tol, _norm_err(x.grad, ref[1])
+    assert _norm_err(w.grad, ref[2]) < tol, _norm_err(w.grad, ref[2])
 
 
 def test_scaled_schedule_takes_gradients_again_beyond_its_range():

@@ -228,6 +228,38 @@ def test_lean_gradient_kernel_through_tensor_descriptors(dtype, h, descriptors, 
         assert programs in ((min(tiles, 4), min(tiles // 2, 4)) if descriptors else (tiles, tiles // 2))
 
 
+def _softcap_smoothed(z, y):
+    z = 2.0 * torch.tanh(z / 2.0) / 0.7
+    lse = torch.logsumexp(z, 1)
+    nll = lse - z.gather(1, y[:, None])[:, 0]
+    return 0.9 * nll + 0.1 * (lse - z.mean(1)) + 1e-3 * lse**2
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["cross_entropy", "softcap_cross_entropy_approx", "max_margin"],  # (the interpreter's tanh is exact)
+)
+def test_lean_gradient_kernel_a_half_tile_at_a_time(name, short_slices, monkeypatch):
+    # Tiles(subtile=True): the gradient kernel through descriptors forms and stores each half
+    # of its tile in turn; columns, the target's, an argmax's and the vocabulary's edge in
+    # either half (slices of 64 columns, tiles of 32: the last slice's 19 columns in one half)
+    from fuser.runtime.loss import fused
+
+    launched = record_launches(monkeypatch, fused, "_mm_grad")
+    hidden, weight, _, target = make_inputs(torch.float32, bias=False, h=24, shape=(101,), scale=2.0)
+    if name == "max_margin":
+        rule, opts, per_token = fuser.loss(USER_RULES[name][0], name=name), {}, USER_RULES[name][2]
+    elif name == "softcap_cross_entropy_approx":
+        rule, per_token = fuser.losses.SOFTCAP_CROSS_ENTROPY_APPROX, _softcap_smoothed
+        opts = dict(softcap=2.0, temperature=0.7, label_smoothing=0.1, z_loss=1e-3)
+    else:
+        rule, opts, per_token = fuser.losses.CROSS_ENTROPY, {}, cross_entropy
+    f = fuser.compile(rule, tiles=Tiles(**{**TMA_TILES.__dict__, "subtile": True}), schedule="fused")
+    got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.6), **opts)
+    check(got, reference(per_token, hidden, weight, None, target, grad_out=torch.tensor(0.6)))
+    assert len(launched) == 4 and all(d for d, _, _ in launched)
+
+
 def test_whole_schedule_backward_runs_once():
     hidden, weight, b, target = make_inputs()
     w = weight.clone().requires_grad_()

@@ -115,10 +115,12 @@ def test_cross_entropy_label_smoothing_and_batched_input_match_torch():
     check((ref, x.grad, w.grad, bb.grad), want)
 
 
-# (without label smoothing a softcap runs a rule of its own: SOFTCAP_CROSS_ENTROPY_UNSMOOTHED)
+# (without label smoothing a softcap runs a rule of its own: SOFTCAP_CROSS_ENTROPY_UNSMOOTHED;
+# approx_tanh takes their approx_tanh twins, whose tanh the interpreter computes exactly)
+@pytest.mark.parametrize("approx", [False, True])
 @pytest.mark.parametrize("ls", [0.05, 0.0])
 @pytest.mark.parametrize("memory", ["auto", "lean"])
-def test_cross_entropy_all_options_against_float64(memory, ls):
+def test_cross_entropy_all_options_against_float64(memory, ls, approx):
     hidden, weight, b, target = make_inputs(scale=3.0)
     cap, temp, zl = 4.0, 0.7, 1e-3
 
@@ -138,8 +140,15 @@ def test_cross_entropy_all_options_against_float64(memory, ls):
         label_smoothing=ls,
         z_loss=zl,
         memory=memory,
+        approx_tanh=approx,
     )
     check(got, reference(per_token, hidden, weight, b, target))
+
+
+def test_approx_tanh_needs_a_softcap():
+    hidden, weight, b, target = make_inputs()
+    with pytest.raises(ValueError, match="softcap"):
+        fuser.losses.cross_entropy(hidden, weight, target, approx_tanh=True)
 
 
 # --- user rules, including ones no built-in covers ------------------------------------------------

@@ -106,6 +106,24 @@ def test_traced_function_rule_matches_float64_reference(device):
         assert_fp32_close(p, q, "p")
 
 
+def test_approx_tanh_in_an_optimizer_rule(device):
+    # tanh.approx.f32 on a GPU (relative error within 2**-10.987), the exact tanh in the
+    # interpreter, which runs no assembly (within 4 fp32 ulp: tests/codegen/test_helpers.py)
+    Soft = fuser.compile(
+        fuser.rule("p = p - lr * approx_tanh(g / c)", name="soft", hyper=dict(lr=0.5, c=2.0))
+    )
+    params = [torch.randn(s, device=device) for s in SHAPES]
+    start = [p.clone() for p in params]
+    grads = fresh_grads(params, 1)
+    run_steps(Soft(params), params, grads)
+    rel = 2**-10.987 if device.type == "cuda" else 4 * torch.finfo(torch.float32).eps
+    for p, p0, (g,) in zip(params, start, zip(*grads)):
+        u = torch.tanh(g.double() / 2.0)
+        want = p0.double() - 0.5 * u
+        bound = 0.5 * u.abs() * rel + 4 * torch.finfo(torch.float32).eps * (p0.double().abs() + 0.5 * u.abs())
+        assert ((p.double() - want).abs() <= bound).all(), (p.double() - want).abs().max()
+
+
 def test_generated_kernel_is_one_launch_and_readable():
     rule = fuser.rule(ADAMW_TEXT, name="adamw", hyper=ADAMW_HYPER, state=dict(m=0.0, v=0.0))
     src = fuser.compile(rule).source
