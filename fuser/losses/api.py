@@ -9,6 +9,7 @@ import torch
 
 from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, has_residue, render_loss, shard_layout
 from fuser.codegen.loss_matmul import (
+    WEIGHT_GRAD_TILES,
     Tiles,
     gradient_tiles,
     render_loss_matmul,
@@ -240,7 +241,7 @@ class CompiledLoss:
         key = ("weight_grad", dtype, tiles)
         if key not in self._scaled:
             keep = bool(self.residue_sources(dtype))
-            self._scaled[key] = (render_weight_grad(dtype, *([tiles] if tiles else []))) if keep else ()
+            self._scaled[key] = render_weight_grad(dtype, tiles or WEIGHT_GRAD_TILES) if keep else ()
         return self._scaled[key]
 
     def _residue(self, call: _Call) -> Residue | None:
