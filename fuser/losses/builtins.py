@@ -124,8 +124,8 @@ def cross_entropy(
     divides them. Plain cross-entropy runs the leanest kernel, and a softcap without label
     smoothing a rule of its own (``SOFTCAP_CROSS_ENTROPY_UNSMOOTHED``), which the scaled
     schedule takes. ``approx_tanh=True`` computes the softcap's ``tanh`` with the GPU's
-    one-instruction approximation (``fuser.approx_tanh``: relative error within 2**-10.987),
-    as FlashAttention-style softcaps do; the default is the exact ``tanh``. With
+    one-instruction approximation (``fuser.approx_tanh``: relative error within 2**-10.987);
+    the default is the exact ``tanh``. With
     ``process_group``, ``weight`` and ``bias`` are this rank's slice of the vocabulary;
     ``memory="lean"`` keeps no logits in memory (see ``CompiledLoss`` for both).
     """
