@@ -69,7 +69,11 @@ class Tiles:
     which needs the hidden states, the weight and the output buffer 16-byte aligned with
     rows a multiple of 16 bytes (the sweeps keep pointer loads: through descriptors they ran
     no faster, H100); ``subtile``: the gradient kernel through descriptors forms and stores
-    its output a half tile (``[bm, bn / 2]``) at a time."""
+    its output a half tile (``[bm, bn / 2]``) at a time; ``warp_specialize``: the persistent
+    programs' tile loop through descriptors is Triton's ``tl.range(warp_specialize=True)``
+    (sm_90: a producer warp group issues the tiles' loads, two consumer groups each take half
+    of a tile's rows; Triton takes it with ``num_warps`` 4, which the check below asks for,
+    and not for ``subtile``'s halves)."""
 
     bm: int = 128
     bn: int = 256
@@ -80,12 +84,18 @@ class Tiles:
     even_k: bool = True
     tma: bool = False
     subtile: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, not {v}")
+        if self.warp_specialize and (self.num_warps != 4 or self.subtile):
+            raise ValueError(
+                "warp_specialize takes num_warps=4 (Triton's Hopper pass: a producer and two consumer "
+                f"warp groups) and no subtile, not num_warps={self.num_warps}, subtile={self.subtile}"
+            )
 
     def for_dtype(self, dtype: str) -> Tiles:
         """These tiles for inputs of ``dtype``: fp32 takes ``bk`` 16. Its pipeline buffers
@@ -126,6 +136,21 @@ WIDE_GRAD_TMA = Tiles(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, tma=True
 # H100, lean schedule, softcap=30 with approx_tanh, over plain cross-entropy in the same
 # process: gist +6.9% -> +1.9%, llama8b +7.0% -> +0.3% (plain's kernel subtiled: no change).
 WIDE_GRAD_TMA_SUBTILE = replace(WIDE_GRAD_TMA, subtile=True)
+
+
+def warp_specialized(tiles: Tiles) -> Tiles:
+    """``tiles`` with warp-specialised programs where Triton 3.6 makes them on sm_90: [128, 256]
+    tiles through descriptors, whole (not ``subtile``), 4 warps a group and GROUP_M 16;
+    other tiles unchanged. Each tile's product and epilogue are the same operations, so the
+    outputs are bit for bit the default's. H100, bf16, the kernels alone, medians of three
+    alternating rounds (``benchmarks/results/loss_warp_specialized_2026-11-28.md``), ms: the
+    scaled kernel on a chunk at T, H = 2304, 768: 1.121 -> 0.937; 8192, 2048: 3.626 -> 3.463;
+    4096, 4096: 6.739 -> 6.845 (slower). The gradient kernel over 32768 tokens at H = 768:
+    14.39 -> 13.58; 16384 at 2048: 14.89 -> 14.85; 8192 at 4096: 13.64 -> 13.88 (slower).
+    The API takes them by hidden size (``fuser.losses.api``)."""
+    if tiles.tma and not tiles.subtile and (tiles.bm, tiles.bn) == (128, 256):
+        return replace(tiles, warp_specialize=True, num_warps=4, group_m=16)
+    return tiles
 
 
 def gradient_tiles(plan: LossPlan, tma: bool = False) -> Tiles:
@@ -671,7 +696,11 @@ def _matmul_source(
 ) -> KernelSource:
     """The ``KernelSource`` of one loss matmul kernel: the template rendered with ``context``,
     ``args`` (the kernel's own) between the common parameters."""
-    text = environment().get_template("loss_matmul.py.jinja").render(**context)
+    text = (
+        environment()
+        .get_template("loss_matmul.py.jinja")
+        .render(**context, warp_specialize=context["tma"] and tiles.warp_specialize)
+    )
     ptr = TRITON_DTYPES[plan.dtype]
     middle = tuple((n, t or ptr) for n, t in args)
     return KernelSource(

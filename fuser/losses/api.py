@@ -20,6 +20,7 @@ from fuser.codegen.loss_matmul import (
     render_target_rows,
     render_weight_grad,
     scaled_exp_form,
+    warp_specialized,
 )
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
@@ -65,6 +66,12 @@ SCALED_MAX_HIDDEN = 2048
 # weight gradient into main_grad (H100, 16-bit inputs: 50.8 against 54.3 ms at H = 768,
 # within the spread at 2048, 55.6 against 54.3 at 4096; benchmarks/NOTES.md).
 LEAN_MAIN_GRAD_MAX_HIDDEN = 1024
+# The largest hidden sizes for which the scaled kernel and the lean schedule's gradient
+# kernel take warp-specialised programs on sm_90 (``warp_specialized``; H100, faster at
+# H = 768 (both) and 2048 (the scaled kernel; the gradient kernel within the spread), slower
+# at 4096; benchmarks/NOTES.md).
+SCALED_WARP_SPECIALIZED_MAX_HIDDEN = 2048
+GRAD_WARP_SPECIALIZED_MAX_HIDDEN = 1024
 
 
 class CompiledLoss:
@@ -477,6 +484,7 @@ class CompiledLoss:
         descriptors = aligned and call.hid * call.es % 16 == 0
         if self.tiles is None and call.device.type == "cuda":
             tiles = self._scaled_tiles(call.dtype, descriptors and descriptors_pay(call.device))
+            tiles = _specialized(tiles, call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
         else:
             tiles = self.tiles or INTERPRETER_TILES
             if tiles.tma and not descriptors:
@@ -504,6 +512,7 @@ class CompiledLoss:
             # (the sweeps keep pointer loads: through descriptors they ran no faster, H100)
             tiles = Tiles().for_dtype(call.dtype)
             grad_tiles = self._gradient_tiles(call.dtype, rows_16 and descriptors_pay(call.device))
+            grad_tiles = _specialized(grad_tiles, call, GRAD_WARP_SPECIALIZED_MAX_HIDDEN)
         else:
             tiles = grad_tiles = self.tiles or INTERPRETER_TILES
             if tiles.tma and not rows_16:
@@ -592,6 +601,22 @@ def scaled_tiles(dtype: str, tma: bool, narrow: bool = False) -> Tiles:
     return (SCALED_TILES_NARROW if narrow else SCALED_TILES).for_dtype(dtype)
 
 
+def _specialized(tiles: Tiles, call: _Call, max_hidden: int) -> Tiles:
+    """A GPU call's ``tiles``, warp-specialised (``warp_specialized``, where they allow it)
+    on sm_90 with H up to ``max_hidden``."""
+    if call.hid <= max_hidden and warp_specialization_pays(call.device):
+        return warp_specialized(tiles)
+    return tiles
+
+
+def warp_specialization_pays(device: torch.device) -> bool:
+    """Whether the matmul kernels' warp-specialised programs (``warp_specialized``) are taken
+    on ``device``: sm_90, where Triton 3.6 makes them (a producer warp group issuing the TMA
+    loads, two consumers) and where they were measured. Blackwell's warp specialisation is
+    another pass, not measured here."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def descriptors_pay(device: torch.device) -> bool:
     """Whether tensor descriptors pay on ``device``: from sm_90 they are TMA, and the lean
     schedule's gradient kernel takes them where ``gradient_tiles`` allows (16-bit inputs,
@@ -671,9 +696,10 @@ def kernel_sources(
     ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels and the
     scaled schedule's, where the rule has one (GPU tiles, no bias, a hidden size that is a
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
-    twice, with and without tensor descriptors, where they take them (16-bit inputs; for
-    the gradient kernel, rules whose gradient calls only exp and approx_tanh) and ``tiles``
-    is not given;
+    also with tensor descriptors, where they take them (16-bit inputs; for the gradient
+    kernel, rules whose gradient calls only exp and approx_tanh) and ``tiles`` is not given,
+    and then again warp-specialised where their tiles allow it (``warp_specialized``: what
+    sm_90 takes at small hidden sizes);
     then the scaled schedule's per-token and gradient-term kernels), and last the kernels
     that add the target column's residue (``residue_sources``: 16-bit inputs) and, where
     ``tiles`` is not given, those that write a 16-bit ``grad_weight`` with it on sm_90
@@ -685,8 +711,10 @@ def kernel_sources(
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]
     if f.tiles is None:  # (sm_90 takes the gradient kernel with descriptors: descriptors_pay)
-        tma = f.matmul_kernel_sources(dtype, grad_tiles=f._gradient_tiles(dtype, True))[1]
-        lean += [tma] if tma.digest != grad.digest else []
+        tma_tiles = f._gradient_tiles(dtype, True)
+        for t in dict.fromkeys((tma_tiles, warp_specialized(tma_tiles))):
+            tma = f.matmul_kernel_sources(dtype, grad_tiles=t)[1]
+            lean += [tma] if tma.digest != grad.digest else []
     residue = list(f.residue_sources(dtype))
     if residue and f.tiles is None:  # (sm_90 writes a 16-bit grad_weight with it: descriptors_pay)
         residue += f.weight_grad_sources(dtype)
@@ -695,7 +723,9 @@ def kernel_sources(
     scaled = f.scaled_kernel_source(dtype)
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
-        tma = f.scaled_kernel_source(dtype, f._scaled_tiles(dtype, True))
-        scaled += [tma] if tma.digest != scaled[0].digest else []
+        tma_tiles = f._scaled_tiles(dtype, True)
+        for t in dict.fromkeys((tma_tiles, warp_specialized(tma_tiles))):
+            tma = f.scaled_kernel_source(dtype, t)
+            scaled += [tma] if tma.digest != scaled[0].digest else []
     scaled += list(f.scaled_token_sources(dtype)) if scaled else []
     return [f.kernel_source(dtype), *staged, *lean, *scaled, *residue]

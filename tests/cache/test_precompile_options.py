@@ -17,6 +17,7 @@ import fuser
 import fuser.optim
 from fuser import cli, clitools
 from fuser.cache import stored_binary
+from fuser.codegen.loss_matmul import warp_specialized
 from fuser.codegen.matrix import matrix_kernel_sources
 from fuser.losses import api
 from fuser.optim import builtins
@@ -77,14 +78,14 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
     # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
-    # kernels, the lean schedule's 3 matmul kernels (one sweep, the gradient without and
-    # with tensor descriptors), the scaled schedule's kernel (without and with them) and its
-    # 5 kernels around it (per token, per chunk, the gradient's terms), the target
-    # column's residue's 2 more (its row sums' second phase is the scaled schedule's) and the
-    # 3 that write a 16-bit grad_weight with the residue's rows in it
-    assert len(rows) == 4 + 2 * 18 and {r[5] for r in rows} == {"compiled"}
+    # kernels, the lean schedule's 4 matmul kernels (one sweep, the gradient without and
+    # with tensor descriptors, and warp-specialised), the scaled schedule's kernel (the same
+    # three ways) and its 5 kernels around it (per token, per chunk, the gradient's terms),
+    # the target column's residue's 2 more (its row sums' second phase is the scaled
+    # schedule's) and the 3 that write a 16-bit grad_weight with the residue's rows in it
+    assert len(rows) == 4 + 2 * 20 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 36
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 40
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -106,14 +107,19 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         scaled = loss.scaled_kernel_source(dtype)
         scaled_tma = loss.scaled_kernel_source(dtype, api.SCALED_TILES_TMA)
+        ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
+        _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
+        scaled_ws = loss.scaled_kernel_source(dtype, warp_specialized(api.SCALED_TILES_TMA))
         sources = [
             loss.kernel_source(dtype),
             *loss.sharded_kernel_sources(dtype)[0],
             *sweeps,
             grad,
             grad_tma,
+            grad_ws,
             scaled,
             scaled_tma,
+            scaled_ws,
             *loss.scaled_token_sources(dtype),
             *loss.residue_sources(dtype),
             *loss.weight_grad_sources(dtype),

@@ -67,10 +67,29 @@ def test_vocab_parallel_kernels_compile_ahead_of_time(name, descriptors, capabil
     # the gradient kernel without and, where the rule's gradient calls only exp, with tensor
     # descriptors
     grads = [s for s in sources if "_mm_grad" in s.entry]
+    # (and the one through descriptors once more, warp-specialised)
+    descriptors = descriptors + [True] * descriptors[-1]
     assert len(sources) >= 4 and ["make_tensor_descriptor" in s.text for s in grads] == descriptors
     for source in sources:
         cubin = compile_for(source, capability)
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+def test_warp_specialized_kernels_split_into_three_warp_groups():
+    # sm_90 takes the warp-specialised programs (the lean gradient kernel's and the scaled
+    # kernel's at small H, 4 warps asked): a producer warp group issuing the loads and two
+    # consumers, 12 warps a program; Triton leaves a loop it cannot split as it was
+    every = fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "bf16")
+    sources = [s for s in every if "warp_specialize=True" in s.text]
+    assert [s.entry.removeprefix("cross_entropy_loss_rows") for s in sources] == [
+        "_mm_grad_tma",
+        "_mm_scaled_tma",
+    ]
+    for source in sources:
+        assert source.num_warps == 4
+        compile_for(source, 90)
+        (result,) = precompile([source], ["cuda:90"])
+        assert json.loads(result.binary.with_suffix(".json").read_text())["num_warps"] == 12, source.entry
 
 
 def sass(cubin: bytes, tmp_path) -> str:

@@ -270,6 +270,36 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick() == "chunks" and pick(main_grad=True) == "vocab"
 
 
+def test_warp_specialized_where_measured(monkeypatch):
+    # sm_90 takes warp-specialised [128, 256] tiles through descriptors for the lean gradient
+    # kernel with H up to 1024 and the scaled kernel up to 2048; other tiles, larger H and
+    # other GPUs keep theirs (a CUDA device stood in for on this CPU machine)
+    major = [9]
+    monkeypatch.setattr(api, "warp_specialization_pays", lambda device: major[0] == 9)
+
+    def pick(tiles, hid, limit):
+        call = api._Call("bf16", torch.device("cuda"), None, -100, 32768, hid, 128256, 2)
+        return api._specialized(tiles, call, limit)
+
+    grad, scaled_tiles = loss_matmul.WIDE_GRAD_TMA, api.SCALED_TILES_TMA
+    grad_max = api.GRAD_WARP_SPECIALIZED_MAX_HIDDEN
+    ws = pick(grad, 768, grad_max)
+    assert ws.warp_specialize and (ws.bm, ws.bn, ws.num_warps, ws.group_m, ws.tma) == (128, 256, 4, 16, True)
+    assert pick(grad, 1024, grad_max) == ws and pick(grad, 2048, grad_max) == grad
+    limit = api.SCALED_WARP_SPECIALIZED_MAX_HIDDEN
+    assert pick(scaled_tiles, 2048, limit) == ws and pick(scaled_tiles, 4096, limit) == scaled_tiles
+    others = (
+        loss_matmul.WIDE_GRAD_TMA_SUBTILE,
+        api.SCALED_TILES_NARROW_TMA,
+        api.SCALED_TILES,
+        loss_matmul.TALL_GRAD,
+    )
+    for other in others:
+        assert pick(other, 768, limit) == other
+    major[0] = 10  # (Blackwell: another pass, not measured)
+    assert pick(grad, 768, grad_max) == grad
+
+
 @pytest.mark.parametrize("piece", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repeated_targets_sum_into_their_weight_rows(dtype, piece, monkeypatch):

@@ -260,6 +260,31 @@ def test_lean_gradient_kernel_a_half_tile_at_a_time(name, short_slices, monkeypa
     assert len(launched) == 4 and all(d for d, _, _ in launched)
 
 
+def test_warp_specialized_tiles(short_slices):
+    # Tiles(warp_specialize=True): the compiled tile loop of the kernels through descriptors
+    # is Triton's warp-specialised range, taken with 4 warps and whole tiles; the interpreter
+    # runs the same tiles in its own loop: the lean and the scaled schedule against float64
+    with pytest.raises(ValueError, match="num_warps=4"):
+        Tiles(tma=True, warp_specialize=True)
+    with pytest.raises(ValueError, match="subtile"):
+        Tiles(num_warps=4, tma=True, subtile=True, warp_specialize=True)
+    tiles = Tiles(**{**TMA_TILES.__dict__, "warp_specialize": True})
+    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, h=40, shape=(101,))
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=torch.tensor(0.6))
+    for schedule in ("fused", "scaled"):
+        f = fuser.compile(fuser.losses.CROSS_ENTROPY, tiles=tiles, schedule=schedule, chunk_size=40)
+        got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.6))
+        check(got, ref, 2e-2, torch.bfloat16)
+    sources = (f.matmul_kernel_sources("bf16", grad_tiles=tiles)[1], f.scaled_kernel_source("bf16", tiles))
+    for source in sources:
+        assert "warp_specialize=True" in source.text and "flatten=True" not in source.text
+    # pointer kernels have no such loop: the option leaves them as they were
+    plain = Tiles(**{**TMA_TILES.__dict__, "tma": False})
+    assert f.scaled_kernel_source("bf16", Tiles(**{**plain.__dict__, "warp_specialize": True})).text == (
+        f.scaled_kernel_source("bf16", plain).text
+    )
+
+
 def test_whole_schedule_backward_runs_once():
     hidden, weight, b, target = make_inputs()
     w = weight.clone().requires_grad_()
