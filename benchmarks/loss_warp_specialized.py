@@ -13,11 +13,15 @@ warps asked, 12 run; ``fuser.codegen.loss_matmul.warp_specialized``).
   ``memory="auto"``, ``"lean"`` and into ``main_grad``, three readings each; ``off`` sets
   the hidden sizes up to which the API takes warp-specialised kernels to 0. Run ``off`` and
   ``on`` in alternating processes, each with a fresh ``FUSER_CACHE_DIR``.
+- ``softcap on|off``: the same through ``memory="auto"`` (the scaled schedule) for plain
+  cross-entropy and ``softcap=30`` with the exact ``tanh`` and with ``approx_tanh`` (the
+  scaled kernel in [128, 256] and [128, 128] tiles).
 
 Prints one JSON line per measurement.
 
     python benchmarks/loss_warp_specialized.py kernels gist h2048 llama8b
     python benchmarks/loss_warp_specialized.py steps off
+    python benchmarks/loss_warp_specialized.py softcap off
 """
 
 from __future__ import annotations
@@ -114,14 +118,16 @@ def kernels(cfg: str, rounds: int = 3) -> None:
     torch.cuda.empty_cache()
 
 
-def steps(on: bool) -> None:
+def gist_steps(on: bool, calls: dict, key: str) -> None:
+    """Three readings of forward + backward at gist per ``calls`` entry (its keyword
+    arguments to ``cross_entropy``), warp-specialised kernels taken (``on``) or not."""
     if not on:
         api.SCALED_WARP_SPECIALIZED_MAX_HIDDEN = api.GRAD_WARP_SPECIALIZED_MAX_HIDDEN = 0
     x, w, y, _ = inputs("gist")
-    w.main_grad = torch.zeros(w.shape, device="cuda")
+    if any("accumulate_into" in kw for kw in calls.values()):
+        w.main_grad = torch.zeros(w.shape, device="cuda")
     warm_up()
-    for memory in ("auto", "lean", "main_grad"):
-        kw = dict(accumulate_into="main_grad") if memory == "main_grad" else dict(memory=memory)
+    for name, kw in calls.items():
 
         def step():
             fuser.losses.cross_entropy(x, w, y, **kw).backward()  # noqa: B023 (run in this pass)
@@ -129,7 +135,19 @@ def steps(on: bool) -> None:
         step()
         ms = [event_ms(step, warmup=2, rep=10) for _ in range(3)]
         x.grad = w.grad = None
-        report(cfg="gist", memory=memory, warp_specialized=on, ms=[round(a, 2) for a in ms])
+        report(cfg="gist", **{key: name}, warp_specialized=on, ms=[round(a, 2) for a in ms])
+
+
+STEPS = {
+    "auto": dict(memory="auto"),
+    "lean": dict(memory="lean"),
+    "main_grad": dict(accumulate_into="main_grad"),
+}
+SOFTCAPS = {
+    "plain": {},
+    "softcap": dict(softcap=30.0),
+    "softcap approx": dict(softcap=30.0, approx_tanh=True),
+}
 
 
 if __name__ == "__main__":
@@ -137,5 +155,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "kernels":
         for c in sys.argv[2:] or ["gist", "h2048", "llama8b"]:
             kernels(c)
+    elif sys.argv[1] == "softcap":
+        gist_steps(sys.argv[2] == "on", SOFTCAPS, "loss")
     else:
-        steps(sys.argv[2] == "on")
+        gist_steps(sys.argv[2] == "on", STEPS, "memory")

@@ -140,15 +140,18 @@ WIDE_GRAD_TMA_SUBTILE = replace(WIDE_GRAD_TMA, subtile=True)
 
 def warp_specialized(tiles: Tiles) -> Tiles:
     """``tiles`` with warp-specialised programs where Triton 3.6 makes them on sm_90: [128, 256]
-    tiles through descriptors, whole (not ``subtile``), 4 warps a group and GROUP_M 16;
-    other tiles unchanged. Each tile's product and epilogue are the same operations, so the
+    and [128, 128] tiles through descriptors, whole (not ``subtile``), 4 warps a group and
+    GROUP_M 16; other tiles unchanged. Each tile's product and epilogue are the same operations, so the
     outputs are bit for bit the default's. H100, bf16, the kernels alone, medians of three
     alternating rounds (``benchmarks/results/loss_warp_specialized_2026-11-28.md``), ms: the
     scaled kernel on a chunk at T, H = 2304, 768: 1.121 -> 0.937; 8192, 2048: 3.626 -> 3.463;
     4096, 4096: 6.739 -> 6.845 (slower). The gradient kernel over 32768 tokens at H = 768:
     14.39 -> 13.58; 16384 at 2048: 14.89 -> 14.85; 8192 at 4096: 13.64 -> 13.88 (slower).
-    The API takes them by hidden size (``fuser.losses.api``)."""
-    if tiles.tma and not tiles.subtile and (tiles.bm, tiles.bn) == (128, 256):
+    The scaled kernel's [128, 128] tiles (a softcap's, ``SCALED_TILES_NARROW_TMA``), end to
+    end at T, H = 32768, 768 (softcap=30, alternating processes): exact ``tanh`` 46.50-47.86
+    -> 45.12-46.35 ms, ``approx_tanh`` 41.55-42.38 -> 41.35-42.63. The API takes them by
+    hidden size (``fuser.losses.api``)."""
+    if tiles.tma and not tiles.subtile and tiles.bm == 128 and tiles.bn in (128, 256):
         return replace(tiles, warp_specialize=True, num_warps=4, group_m=16)
     return tiles
 

@@ -385,21 +385,28 @@ def test_weight_gradient_kernel_on_gpu_against_float64(dtype, schedule, monkeypa
     assert _norm_err(x.grad, gx) < 2e-3, _norm_err(x.grad, gx)
 
 
-@pytest.mark.parametrize("schedule", ["fused", "scaled"])
-def test_warp_specialized_kernels_on_gpu(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule, softcap", [("fused", None), ("scaled", None), ("scaled", 4.0)])
+def test_warp_specialized_kernels_on_gpu(schedule, softcap, monkeypatch):
     # on sm_90 at small H the lean gradient kernel and the scaled kernel run warp-specialised
-    # (a producer warp group and two consumers): the same bits as the kernels without, and
-    # within the float64 bounds
+    # (a producer warp group and two consumers; a softcap's scaled kernel in [128, 128]
+    # tiles): the same bits as the kernels without, and within the float64 bounds
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warp-specialised programs are taken on sm_90 only")
-    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, shape=(603,), v=5003, h=96)
+    scale = 1.0 if softcap is None else 3.0  # (logits of ~+-6 against a cap of 4)
+    hidden, weight, _, target = make_inputs(
+        torch.bfloat16, bias=False, shape=(603,), v=5003, h=96, scale=scale
+    )
+    if softcap is None:
+        rule, opts = fuser.losses.CROSS_ENTROPY_FULL, dict(label_smoothing=0.1, z_loss=1e-3)
+    else:
+        rule, opts = fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, dict(softcap=softcap, z_loss=1e-3)
 
     def step(max_hidden):
         monkeypatch.setattr(api, "GRAD_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
         monkeypatch.setattr(api, "SCALED_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
         x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
-        f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, schedule=schedule, chunk_size=256)
-        out = f(x, w, target.cuda(), label_smoothing=0.1, z_loss=1e-3)
+        f = fuser.compile(rule, schedule=schedule, chunk_size=256)
+        out = f(x, w, target.cuda(), **opts)
         (out * 0.7).backward()
         tiles = [k[2] for k in f._matmul] + [k[1] for k in f._scaled if k[0] == "bf16"]
         return (out, x.grad, w.grad), [t.warp_specialize for t in tiles if t.tma]
@@ -411,9 +418,11 @@ def test_warp_specialized_kernels_on_gpu(schedule, monkeypatch):
         assert torch.equal(a, b)
 
     def per_token(z, y):
+        z = z if softcap is None else softcap * torch.tanh(z / softcap)
         lse = torch.logsumexp(z, 1)
         nll = lse - z.gather(1, y[:, None])[:, 0]
-        return 0.9 * nll + 0.1 * (lse - z.mean(1)) + 1e-3 * lse**2
+        smoothing = 0.1 if softcap is None else 0.0
+        return (1 - smoothing) * nll + smoothing * (lse - z.mean(1)) + 1e-3 * lse**2
 
     ref = reference(
         per_token, hidden, weight, None, target, grad_out=torch.tensor(0.7), round_logits_to=torch.float32

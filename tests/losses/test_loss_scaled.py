@@ -271,8 +271,9 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
 
 
 def test_warp_specialized_where_measured(monkeypatch):
-    # sm_90 takes warp-specialised [128, 256] tiles through descriptors for the lean gradient
-    # kernel with H up to 1024 and the scaled kernel up to 2048; other tiles, larger H and
+    # sm_90 takes warp-specialised [128, 256] and [128, 128] tiles through descriptors for the
+    # lean gradient kernel with H up to 1024 and the scaled kernel up to 2048; other tiles
+    # (half tiles, pointer loads), larger H and
     # other GPUs keep theirs (a CUDA device stood in for on this CPU machine)
     major = [9]
     monkeypatch.setattr(api, "warp_specialization_pays", lambda device: major[0] == 9)
@@ -288,13 +289,9 @@ def test_warp_specialized_where_measured(monkeypatch):
     assert pick(grad, 1024, grad_max) == ws and pick(grad, 2048, grad_max) == grad
     limit = api.SCALED_WARP_SPECIALIZED_MAX_HIDDEN
     assert pick(scaled_tiles, 2048, limit) == ws and pick(scaled_tiles, 4096, limit) == scaled_tiles
-    others = (
-        loss_matmul.WIDE_GRAD_TMA_SUBTILE,
-        api.SCALED_TILES_NARROW_TMA,
-        api.SCALED_TILES,
-        loss_matmul.TALL_GRAD,
-    )
-    for other in others:
+    narrow = pick(api.SCALED_TILES_NARROW_TMA, 768, limit)  # (a softcap's)
+    assert narrow.warp_specialize and (narrow.bm, narrow.bn, narrow.num_warps) == (128, 128, 4)
+    for other in (loss_matmul.WIDE_GRAD_TMA_SUBTILE, api.SCALED_TILES, loss_matmul.TALL_GRAD):
         assert pick(other, 768, limit) == other
     major[0] = 10  # (Blackwell: another pass, not measured)
     assert pick(grad, 768, grad_max) == grad
