@@ -21,7 +21,8 @@ import (a row says why where they do not), and `torch.compile` of the full-logit
 
 `--sweep` also times a few (chunk, block, warps) settings of fuser's kernel, to pick the
 defaults; `--schedules` times fuser with each schedule forced (`auto` picks one by memory);
-`--lean` adds `memory="lean"` with and without `main_grad`; `--ignore7` runs each config
+`main_grad` runs with `memory="auto"` and `"fast"` (which takes the gradients in forward into
+an fp32 buffer); `--lean` adds `memory="lean"` with and without `main_grad`; `--ignore7` runs each config
 again with 1 token in 7 ignored (fuser, lean, CCE); `--options` times softcap (its tanh exact,
 and `approx_tanh=True`), z-loss, label smoothing and temperature against plain
 cross-entropy, `memory="auto"` and `"lean"`,
@@ -249,6 +250,12 @@ def run(cfg, sweep, rows_out, schedules=(), compile_anchor=True, lean=False, ign
     except Exception as e:
         rows_out.append(dict(cfg=cfg, name="fuser main_grad", error=f"{type(e).__name__}: {str(e)[:300]}"))
         print(json.dumps(rows_out[-1]), flush=True)
+    guarded(
+        "fuser memory=fast",
+        lambda x, w, y: fuser.losses.cross_entropy(x, w, y, accumulate_into="main_grad", memory="fast"),
+        f"lce_{cfg}_main_grad",
+        main_grad=True,
+    )
     del w.main_grad
     torch.cuda.empty_cache()
     if hasattr(F, "linear_cross_entropy"):

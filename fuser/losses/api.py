@@ -93,8 +93,10 @@ class CompiledLoss:
     matmul kernels that reduce them in registers (forward) or turn them into
     ``d loss / d logits`` (backward), so no ``[T, V]`` buffer exists, only a slice of the
     logit gradient. ``"fast"`` keeps a chunk (or all) of the logits in memory and takes the gradients in
-    forward where it can. ``"auto"`` picks by the sizes (the compile option ``schedule``,
-    when not ``"auto"``, names one schedule instead).
+    forward where it can, into ``main_grad`` too: the weight's into an fp32 ``[V, H]`` buffer
+    that backward adds into ``main_grad`` times ``grad_output`` (``"auto"`` and ``"lean"``
+    add into ``main_grad`` in backward, with no buffer). ``"auto"`` picks by the sizes (the
+    compile option ``schedule``, when not ``"auto"``, names one schedule instead).
 
     With ``process_group=pg`` the loss is vocabulary-parallel (Megatron's layout): ``weight``
     (and ``bias``) are this rank's contiguous slice of the vocabulary, the ranks' slices in
@@ -368,9 +370,8 @@ class CompiledLoss:
         if 0 < idx.shape[0] < n:
             x, y = x.index_select(0, idx), y.index_select(0, idx)
             call = replace(call, n_tokens=idx.shape[0])
-        plan = self._schedule_of(
-            call, memory, want_grad, main_grad and weight.requires_grad, weight, group, bias, reduction
-        )
+        main_grad = main_grad and weight.requires_grad
+        plan = self._schedule_of(call, memory, want_grad, main_grad, weight, group, bias, reduction)
         if plan == "fused":
             x, weight = x.contiguous(), weight.contiguous()
             run = self._fused_run(call, x, weight, bias, group)
@@ -381,7 +382,8 @@ class CompiledLoss:
             run = self._vocab_parallel_run(call, group)
         else:
             run = self._one_device_run(call, plan, want_grad)
-        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad)
+        buffered = main_grad and self._buffers_main_grad(memory)
+        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, buffered)
         if call.n_tokens < n and reduction == "none":
             out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
         return out
@@ -395,9 +397,11 @@ class CompiledLoss:
         ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
         pays (``_scaled_pays``: 16-bit inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
         can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``) where it
-        pays (``_lean_pays``)."""
+        pays (``_lean_pays``). With ``main_grad`` buffered (``_buffers_main_grad``), the
+        schedules that take gradients in forward run as they do without it."""
+        in_backward = main_grad and not self._buffers_main_grad(memory)
         if self.schedule == "scaled":
-            why = self._scaled_refusal(call, main_grad, group, bias, reduction)
+            why = self._scaled_refusal(call, in_backward, group, bias, reduction)
             if why:
                 raise ValueError(f"schedule='scaled' cannot run this call: {why}")
         if self.schedule != "auto":
@@ -412,10 +416,18 @@ class CompiledLoss:
         if (
             chosen == "chunks"
             and self._scaled_pays(call)
-            and not self._scaled_refusal(call, main_grad, group, bias, reduction)
+            and not self._scaled_refusal(call, in_backward, group, bias, reduction)
         ):
             return "scaled"
         return chosen
+
+    def _buffers_main_grad(self, memory: str) -> bool:
+        """Whether a call into ``main_grad`` may take its gradients in forward (``chunks``,
+        ``scaled``): the weight's into an fp32 ``[V, H]`` buffer, which backward adds into
+        ``main_grad`` times ``grad_output``. With ``memory="fast"`` (one logits matmul per
+        chunk, at the buffer's memory), or ``schedule="scaled"``, which takes them there;
+        otherwise ``main_grad`` gets them in backward, with no buffer."""
+        return memory == "fast" or self.schedule == "scaled"
 
     @staticmethod
     def _lean_pays(call: _Call) -> bool:
@@ -442,7 +454,7 @@ class CompiledLoss:
                 "reduction='none' scales each token's gradient in backward; it takes the gradient in forward"
             )
         if main_grad:
-            return "accumulate_into='main_grad' needs the gradient in backward"
+            return "accumulate_into='main_grad' takes the gradient in backward (memory='fast' buffers it)"
         if group is not None:
             return "it runs on one device (no process_group)"
         if bias is not None:

@@ -67,6 +67,13 @@ def _cases():
             dict(reduction="mean", accumulate_into="main_grad"),
             True,
         ),
+        # memory="fast": the gradients taken in forward, the weight's added into main_grad in backward
+        (
+            "ce-main-grad-fast",
+            fuser.losses.cross_entropy,
+            dict(reduction="mean", accumulate_into="main_grad", memory="fast"),
+            True,
+        ),
         ("ce-smooth-temp-none", ce_full, dict(reduction="none", label_smoothing=0.2, temperature=1.5), False),
         ("entropy-mean", entropy, dict(reduction="mean", entropy_coef=0.05), True),
         ("max-sum-mean", max_sum, dict(reduction="mean"), True),

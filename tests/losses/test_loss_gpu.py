@@ -105,6 +105,26 @@ def test_every_schedule_on_gpu_against_float64(schedule, main_grad, monkeypatch)
         assert_close(w.grad.cpu(), ref[2], 2e-2, "weight")
 
 
+@pytest.mark.parametrize("schedule, memory", [("scaled", "auto"), ("auto", "fast")])
+def test_main_grad_buffered_on_gpu_against_float64(schedule, memory):
+    # the gradients taken in forward (memory="fast" takes scaled here on sm_90: 64-token
+    # chunks of logits weigh less than every token's), main_grad added to in backward only
+    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, shape=(603,), v=5003, h=96)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    start = torch.randn(weight.shape, device="cuda")
+    w.main_grad = start.clone()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=64, schedule=schedule)
+    out = f(x, w, target.cuda(), accumulate_into="main_grad", memory=memory)
+    torch.cuda.synchronize()
+    assert torch.equal(w.main_grad, start), "main_grad changed before backward"
+    (out * 0.7).backward()
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=torch.tensor(0.7))
+    assert_close(out.cpu(), ref[0], 2e-2, "loss")
+    assert_close(x.grad.cpu(), ref[1], 2e-2, "hidden")
+    assert w.grad is None
+    assert_close((w.main_grad - start).cpu(), ref[2], 1e-2, "main_grad increment")
+
+
 def _main_grad_inputs(t=8192, h=1024, v=50000):
     """bf16 hidden (with a .grad) and weight (with an fp32 main_grad), and targets."""
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -264,6 +264,7 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED) == "scaled"
     assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
     assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"  # (_lean_pays)
+    assert pick(main_grad=True, memory="fast") == "scaled"  # (main_grad buffered from forward)
     assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
     capability[0] = 8  # (an A100: measured on neither schedule)

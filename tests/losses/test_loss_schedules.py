@@ -17,7 +17,14 @@ from fuser.runtime.loss.chunked import chunk_rows
 from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
 
 from .reference import T, V, assert_close, assert_norm_close, cross_entropy, make_inputs, reference
-from .test_loss_values import USER_RULES, check, label_smoothed, run
+from .test_loss_values import (
+    USER_RULES,
+    check,
+    check_weight_grad_left_to_main_grad,
+    label_smoothed,
+    main_grad_inputs,
+    run,
+)
 
 SCHEDULES = ["chunks", "whole", "vocab", "fused"]
 LOGIT_BUFFERS = ["chunks", "whole", "vocab"]  # the schedules that keep logits in memory
@@ -89,6 +96,43 @@ def test_main_grad_every_schedule(schedule, reduction, short_slices):
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
 
 
+@pytest.mark.parametrize("schedule, memory", [("auto", "fast"), ("scaled", "auto")])
+@pytest.mark.parametrize("flag", [False, True])
+def test_main_grad_buffered_from_forward(schedule, memory, flag, monkeypatch):
+    # memory="fast" (and schedule="scaled") take the gradients in forward, the weight's into
+    # an fp32 buffer; main_grad gets grad_output times it in backward, and nothing before
+    from fuser.runtime.loss import chunked, scaled
+
+    scaled_runs = []
+    for cls in (chunked.Chunked, scaled.ScaledExp):
+        monkeypatch.setattr(cls, "run", _spy_scaled_runs(cls.run, scaled_runs))
+    # (101 tokens: more logits than a chunk and the fp32 buffer, so that "fast" takes chunks)
+    hidden, weight, target, x, w, start = main_grad_inputs(flag, shape=(101,))
+    grad_out = torch.tensor(2.5)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
+    out = f(x, w, target, accumulate_into="main_grad", memory=memory)
+    assert scaled_runs == [True], "the gradients were not taken in forward"
+    assert torch.equal(w.main_grad, start), "main_grad changed before backward"
+    (out * grad_out.to(out.dtype)).backward()
+    assert scaled_runs == [True], "backward ran the schedule again"
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=grad_out.to(torch.bfloat16).float(),
+                    round_logits_to=None if schedule == "scaled" else torch.bfloat16)  # fmt: skip
+    assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad increment")
+    assert_close(x.grad, ref[1], 2e-2, "grad hidden")
+    check_weight_grad_left_to_main_grad(w, flag)
+    with pytest.raises(RuntimeError, match="once"):
+        out.backward()
+    assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad after a refused second backward")
+
+
+def _spy_scaled_runs(method, calls):
+    def spy(self, *args, scale=None, **kwargs):
+        calls.append(scale is not None)
+        return method(self, *args, scale=scale, **kwargs)
+
+    return spy
+
+
 @pytest.mark.parametrize(
     "schedule, tiles",
     [(s, None) for s in (*SCHEDULES, "scaled")] + [(s, "tma") for s in ("whole", "vocab", "fused")],
@@ -119,12 +163,11 @@ def test_target_column_errors_do_not_add_up(schedule, tiles, classes, short_slic
     assert bool(launched) == bool(tiles)
     assert_norm_close(gw, w.grad, 2e-3, "grad weight")
     assert_norm_close(gx, x.grad, 2e-3, "grad hidden")
-    if schedule != "scaled":  # (which takes the gradient in forward: no main_grad)
-        ww = weight.clone().requires_grad_()
-        ww.main_grad = torch.zeros(v, h)
-        f(hidden, ww, target, accumulate_into="main_grad").backward()
-        # (97 classes: the other columns' roundings weigh more against a smaller gradient)
-        assert_norm_close(ww.main_grad, w.grad, 1e-4 if classes == 5 else 5e-4, "main_grad")
+    ww = weight.clone().requires_grad_()
+    ww.main_grad = torch.zeros(v, h)
+    f(hidden, ww, target, accumulate_into="main_grad").backward()  # (scaled: from its fp32 buffer)
+    # (97 classes: the other columns' roundings weigh more against a smaller gradient)
+    assert_norm_close(ww.main_grad, w.grad, 1e-4 if classes == 5 else 5e-4, "main_grad")
 
 
 @pytest.mark.parametrize("schedule", ["whole", "fused"])

@@ -447,13 +447,7 @@ def test_launches_one_kernel_per_chunk():
 @pytest.mark.parametrize("flag", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_main_grad_accumulation(flag, reduction):
-    hidden, weight, b, target = make_inputs(torch.bfloat16, bias=False)
-    x = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    start = torch.randn(V, hidden.shape[-1], dtype=torch.float32)
-    w.main_grad = start.clone()
-    if flag:
-        w.grad_added_to_main_grad = False
+    hidden, weight, target, x, w, start = main_grad_inputs(flag)
     grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.tensor(2.5)
     out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
     (out * grad_out.to(out.dtype)).sum().backward()
@@ -469,15 +463,34 @@ def test_main_grad_accumulation(flag, reduction):
     )
     assert_close(w.main_grad - start, ref[2], 2e-2, "main_grad increment")
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
+    check_weight_grad_left_to_main_grad(w, flag)
+    # a second step adds again, once
+    out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
+    (out * grad_out.to(out.dtype)).sum().backward()
+    assert_close(w.main_grad - start, 2 * ref[2], 2e-2, "main_grad after two steps")
+
+
+def main_grad_inputs(flag, shape=(T,)):
+    """bf16 inputs, and leaf copies ``x``, ``w`` whose fp32 ``main_grad`` starts random
+    (``start``); with ``flag``, ``w`` carries Megatron's ``grad_added_to_main_grad``."""
+    hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, shape=shape)
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    start = torch.randn(V, hidden.shape[-1], dtype=torch.float32)
+    w.main_grad = start.clone()
+    if flag:
+        w.grad_added_to_main_grad = False
+    return hidden, weight, target, x, w, start
+
+
+def check_weight_grad_left_to_main_grad(w, flag):
+    """Megatron's contract after backward: ``w.grad`` is None, or zeros with the flag set
+    where the weight has ``grad_added_to_main_grad``."""
     if flag:
         assert w.grad_added_to_main_grad is True
         assert w.grad is not None and torch.count_nonzero(w.grad) == 0
     else:
         assert w.grad is None
-    # a second step adds again, once
-    out = fuser.losses.cross_entropy(x, w, target, reduction=reduction, accumulate_into="main_grad")
-    (out * grad_out.to(out.dtype)).sum().backward()
-    assert_close(w.main_grad - start, 2 * ref[2], 2e-2, "main_grad after two steps")
 
 
 def test_main_grad_requires_fp32_main_grad():

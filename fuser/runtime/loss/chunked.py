@@ -19,6 +19,9 @@ Two schedules:
   ``sum_t g_t * dlogits_t (x) x_t``, which no scaling after the fact can produce, and
   ``main_grad`` must receive the gradient already scaled, with no ``[V, H]`` buffer on the
   side.
+- ``main_grad`` *buffered* (``memory="fast"``): gradients in forward as for ``mean``/``sum``,
+  the weight's into the fp32 ``[V, H]`` buffer; backward adds ``grad_output`` times it into
+  ``weight.main_grad`` (one logits matmul per chunk, at the buffer's memory).
 
 Vocabulary-parallel losses (``weight`` a rank's slice of the vocabulary) fit the same
 driver: each reduction sweep of the plan becomes its own launch writing per-token
@@ -229,7 +232,10 @@ class LinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, run: Chunked, reduction: str, main_grad: bool, want_grad: bool):
+    def forward(
+        ctx, x, weight, bias, target, run: Chunked, reduction: str, main_grad: bool, want_grad: bool,
+        buffer_main_grad: bool = False,
+    ):  # fmt: skip
         n_tokens = x.shape[0]
         count = (target != run.ignore_index).sum()  # on the device: no sync, whole batch
         loss_tok = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
@@ -241,7 +247,10 @@ class LinearLoss(torch.autograd.Function):
         if not want_grad and ctx.schedule != "fused":
             ctx.schedule = "chunks"
         ctx.eager = (
-            want_grad and reduction != "none" and not main_grad and ctx.schedule in ("chunks", "scaled")
+            want_grad
+            and reduction != "none"
+            and (buffer_main_grad or not main_grad)
+            and ctx.schedule in ("chunks", "scaled")
         )
         if ctx.schedule == "fused":
             red = run.forward(x, weight, bias, target, loss_tok)
@@ -262,6 +271,8 @@ class LinearLoss(torch.autograd.Function):
             gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
             run.run(x, weight, bias, target, loss_tok, scale=scale, gx=gx, gw=gw, gb=gb)
             ctx.grads = (gx, gw, gb)
+            if main_grad:  # (backward adds grad_output * gw into its main_grad)
+                ctx.save_for_backward(weight)
         else:
             run.run(x, weight, bias, target, loss_tok)
             if want_grad:
@@ -282,10 +293,17 @@ class LinearLoss(torch.autograd.Function):
             go = grad_out.float()
             if gx is not None:
                 gx.mul_(go)
+            if ctx.main_grad and gw is not None:
+                (weight,) = ctx.saved_tensors
+                weight.main_grad.add_(gw.mul_(go))
+                gw = main_grad_return(weight)
+            else:
+                gw = _scaled(gw, go, ctx.weight_dtype)
             return (
                 gx,
-                _scaled(gw, go, ctx.weight_dtype),
+                gw,
                 _scaled(gb, go, ctx.bias_dtype),
+                None,
                 None,
                 None,
                 None,
@@ -321,7 +339,7 @@ class LinearLoss(torch.autograd.Function):
         elif gw is not None:
             gw = _as(gw, weight.dtype)
         gb = _as(gb, bias.dtype) if gb is not None else None
-        return gx, gw, gb, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 _ONCE = (
