@@ -59,7 +59,7 @@ SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
 SCALED_TILES_NARROW = Tiles(bn=128, group_m=16)
 SCALED_TILES_NARROW_TMA = Tiles(bn=128, group_m=16, tma=True)
 # The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
-# chunks of logits on sm_90 or later, for 16-bit inputs (H100: faster at H = 768 and 2048, slower at
+# chunks of logits on sm_90 or later, for bf16 inputs (H100: faster at H = 768 and 2048, slower at
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
 SCALED_MAX_HIDDEN = 2048
 # The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
@@ -96,7 +96,10 @@ class CompiledLoss:
     forward where it can, into ``main_grad`` too: the weight's into an fp32 ``[V, H]`` buffer
     that backward adds into ``main_grad`` times ``grad_output`` (``"auto"`` and ``"lean"``
     add into ``main_grad`` in backward, with no buffer). ``"auto"`` picks by the sizes (the
-    compile option ``schedule``, when not ``"auto"``, names one schedule instead).
+    compile option ``schedule``, when not ``"auto"``, names one schedule instead). fp16
+    inputs take every gradient in backward, scaled by ``grad_output`` before its rounding
+    to fp16 (as a loss scale, ``torch.amp.GradScaler``'s, expects; ``schedule="scaled"``
+    refuses them).
 
     With ``process_group=pg`` the loss is vocabulary-parallel (Megatron's layout): ``weight``
     (and ``bias``) are this rank's contiguous slice of the vocabulary, the ranks' slices in
@@ -395,7 +398,7 @@ class CompiledLoss:
         ``_scaled_refusal`` has nothing against it), or the one ``memory`` names, or (auto)
         chunks of tokens with ``group`` or without gradients, else the one
         ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
-        pays (``_scaled_pays``: 16-bit inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
+        pays (``_scaled_pays``: bf16 inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
         can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``) where it
         pays (``_lean_pays``). With ``main_grad`` buffered (``_buffers_main_grad``), the
         schedules that take gradients in forward run as they do without it."""
@@ -448,6 +451,12 @@ class CompiledLoss:
             return (
                 f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token, "
                 "nor a'(z) * (A * softmax + B * [target]) for the logsumexp's argument a(z)"
+            )
+        if call.dtype == "fp16":
+            return (
+                "fp16 holds its E = exp(a(z) - a(z[y])) only below 65504 (a logit 11 above the target's) "
+                "and rounds a gradient taken in forward, before any loss scale, below 6e-8 to 0: "
+                "bf16 or fp32 inputs take it"
             )
         if reduction == "none":
             return (

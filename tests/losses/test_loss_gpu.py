@@ -125,6 +125,28 @@ def test_main_grad_buffered_on_gpu_against_float64(schedule, memory):
     assert_close((w.main_grad - start).cpu(), ref[2], 1e-2, "main_grad increment")
 
 
+@pytest.mark.parametrize("memory", ["auto", "fast", "lean"])
+def test_fp16_on_gpu_under_a_loss_scale(memory):
+    # fp16 takes the gradients in backward, scaled by grad_output (GradScaler's 65536 here)
+    # before they are rounded to fp16: a softmax term is ~2e-4 / 603 tokens, which fp16
+    # rounds coarsely (its smallest numbers are 6e-8 apart) unless the scale reaches it
+    # first; most of the 5003 rows of grad_weight are no token's target and hold only those
+    # terms (on sm_90 the lean schedule's gradient kernel runs through tensor descriptors).
+    hidden, weight, _, target = make_inputs(torch.float16, bias=False, shape=(603,), v=5003, h=96)
+    x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
+    out = fuser.losses.cross_entropy(x, w, target.cuda(), memory=memory)
+    (out * 65536.0).backward()
+    rounded = None if memory == "lean" else torch.float16
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=torch.tensor(65536.0),
+                    round_logits_to=rounded)  # fmt: skip
+    never = torch.ones(5003, dtype=torch.bool)
+    never[target[target >= 0]] = False
+    assert_close(out.cpu(), ref[0], 1e-2, "loss")
+    assert_close(x.grad.cpu(), ref[1], 1e-2, "hidden")
+    assert_close(w.grad.cpu(), ref[2], 1e-2, "weight")
+    assert_close(w.grad.cpu()[never], ref[2][never], 1e-2, "weight, rows never a target")
+
+
 def _main_grad_inputs(t=8192, h=1024, v=50000):
     """bf16 hidden (with a .grad) and weight (with an fp32 main_grad), and targets."""
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)

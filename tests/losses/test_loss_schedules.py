@@ -76,6 +76,34 @@ def test_bf16_every_schedule(schedule, short_slices):
     check(got, ref, 2e-2, torch.bfloat16)
 
 
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "auto"])
+def test_fp16_gradients_under_a_loss_scale(schedule, short_slices):
+    # fp16 training scales the loss (torch.amp.GradScaler, 65536 to start) so that d loss /
+    # d logits stays above fp16's smallest numbers once rounded to fp16. Here each token's
+    # target logit is ~14 above the others: a softmax term is ~8e-7 / 96 tokens, under
+    # fp16's smallest number (6e-8) unless the scale reaches it before the rounding, and
+    # half of the vocabulary is never a target, so those rows of grad_weight hold nothing else.
+    t, v = 96, 64
+    target = torch.randint(0, v // 2, (t,))
+    hidden = (14 * torch.nn.functional.one_hot(target, v) + 0.1 * torch.randn(t, v)).half()
+    weight = (torch.eye(v) + 0.1 * torch.randn(v, v)).half()
+    x, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    (65536 * torch.nn.functional.cross_entropy(x @ w.T, target)).backward()
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=32, schedule=schedule)
+    _, gx, gw, _ = run(f, hidden, weight, None, target, grad_out=torch.tensor(65536.0))
+    assert_norm_close(gw[v // 2 :], w.grad[v // 2 :], 1e-2, "grad weight, rows never a target")
+    # (1e-2: the schedules that keep logits round them to fp16, 4e-3 of a logit near 14)
+    assert_norm_close(gw, w.grad, 1e-2, "grad weight")
+    assert_norm_close(gx, x.grad, 1e-2, "grad hidden")
+
+
+def test_scaled_refuses_fp16():
+    hidden, weight, _, target = make_inputs(torch.float16, bias=False)
+    f = fuser.compile(fuser.losses.CROSS_ENTROPY, schedule="scaled")
+    with pytest.raises(ValueError, match="fp16 holds its E"):
+        f(hidden.requires_grad_(), weight, target)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_main_grad_every_schedule(schedule, reduction, short_slices):

@@ -10,10 +10,13 @@ hidden]`` temporary exists besides the chunk's logits and the fp32 weight gradie
 
 Two schedules:
 
-- *gradients in forward* (``reduction`` ``mean``/``sum``): the forward pass already
-  computes every gradient; backward multiplies them by the scalar ``grad_output``. One
-  logits matmul per chunk.
-- *gradients in backward* (``reduction="none"``, or ``accumulate_into="main_grad"``): the
+- *gradients in forward* (``reduction`` ``mean``/``sum``, bf16 and fp32 inputs): the
+  forward pass already computes every gradient; backward multiplies them by the scalar
+  ``grad_output``. One logits matmul per chunk.
+- *gradients in backward* (``reduction="none"``, ``accumulate_into="main_grad"``, or fp16
+  inputs: ``d loss / d logits`` is rounded to the inputs' dtype, and in fp16 a softmax
+  term taken in forward, scaled by ``1 / T`` but not yet by a loss scale such as
+  ``torch.amp.GradScaler``'s, rounds to 0 under 6e-8): the
   forward pass computes only the loss; backward recomputes each chunk's logits and runs
   the kernel with the per-token ``grad_output`` as the row scale. ``grad_weight`` is
   ``sum_t g_t * dlogits_t (x) x_t``, which no scaling after the fact can produce, and
@@ -250,6 +253,7 @@ class LinearLoss(torch.autograd.Function):
             want_grad
             and reduction != "none"
             and (buffer_main_grad or not main_grad)
+            and x.dtype != torch.float16  # (the module's docstring says why)
             and ctx.schedule in ("chunks", "scaled")
         )
         if ctx.schedule == "fused":
