@@ -299,7 +299,7 @@ class LinearLoss(torch.autograd.Function):
                 gx.mul_(go)
             if ctx.main_grad and gw is not None:
                 (weight,) = ctx.saved_tensors
-                weight.main_grad.add_(gw.mul_(go))
+                weight.main_grad.addcmul_(gw, go)  # (one pass over the buffer and main_grad)
                 gw = main_grad_return(weight)
             else:
                 gw = _scaled(gw, go, ctx.weight_dtype)
