@@ -248,9 +248,9 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     monkeypatch.setattr(api, "descriptors_pay", lambda device: capability[0] >= 9)
     w = torch.empty(0)
 
-    def pick(rule=fuser.losses.CROSS_ENTROPY, hid=768, es=2, device="cuda", **kw):
+    def pick(rule=fuser.losses.CROSS_ENTROPY, hid=768, es=2, device="cuda", dtype="bf16", **kw):
         loss = fuser.compile(rule)
-        call = api._Call("bf16", torch.device(device), None, -100, 32768, hid, 128256, es)
+        call = api._Call(dtype, torch.device(device), None, -100, 32768, hid, 128256, es)
         args = dict(
             memory="auto", want_grad=True, main_grad=False, weight=w, group=None, bias=None, reduction="mean"
         )
@@ -267,6 +267,9 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick(main_grad=True, memory="fast") == "scaled"  # (main_grad buffered from forward)
     assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
+    # fp16 (gradients in backward): the lean schedule in place of chunks where it pays
+    assert pick(dtype="fp16") == "fused" and pick(dtype="fp16", memory="fast") == "fused"
+    assert pick(dtype="fp16", hid=2048) == "chunks" and pick(dtype="fp16", device="cpu") == "chunks"
     capability[0] = 8  # (an A100: measured on neither schedule)
     assert pick() == "chunks" and pick(main_grad=True) == "vocab"
 
