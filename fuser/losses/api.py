@@ -440,8 +440,9 @@ class CompiledLoss:
 
     @staticmethod
     def _lean_pays(call: _Call) -> bool:
-        """Whether the lean schedule outruns ``vocab`` into ``main_grad`` for a call's sizes
-        (measured on sm_90, where its gradient kernel takes tensor descriptors)."""
+        """Whether the lean schedule outruns ``vocab`` into ``main_grad``, and ``chunks`` for
+        fp16 inputs (both take the gradients in backward), for a call's sizes (measured on
+        sm_90, where its gradient kernel takes tensor descriptors)."""
         return _measured_faster(call, LEAN_MAIN_GRAD_MAX_HIDDEN)
 
     @staticmethod
