@@ -244,3 +244,22 @@ def assert_norm_close(actual, expected, tol, what=""):
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     err = ((actual - expected).norm() / expected.norm()).item()
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def assert_rounding_close(actual, expected, extra, what=""):
+    """||actual - expected|| <= ||rounded - expected|| + extra * ||expected||, ``rounded`` being
+    ``expected`` stored in ``actual``'s dtype: a 16-bit result's error beyond what storing the
+    exact answer costs, which a fixed bound cannot tell apart on small tensors. Rounding alone
+    costs ~1.6e-3 of a bf16 gradient's norm on average, but from 1.3e-3 to 2.0e-3 of one whose
+    norm a single 40-element row holds (the long run of one target); ``extra`` is left to the
+    computation (fp32 sums, logit gradients rounded before a matmul). Fails on NaN."""
+    got = actual.detach().double()
+    assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    norm = expected.norm().item()
+    err = (got - expected).norm().item() / norm
+    floor = (expected.to(actual.dtype).double() - expected).norm().item() / norm
+    assert err <= floor + extra, (
+        f"{what}: relative error {err:.3e} > {floor:.3e} (the exact answer rounded to "
+        f"{actual.dtype}) + {extra:.1e}"
+    )
