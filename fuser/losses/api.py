@@ -722,7 +722,8 @@ def kernel_sources(
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
     staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab``,
     ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels and the
-    scaled schedule's, where the rule has one (GPU tiles, no bias, a hidden size that is a
+    scaled schedule's, where the rule has one and ``dtype`` is not fp16, which the scaled
+    schedule refuses (GPU tiles, no bias, a hidden size that is a
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
     also with tensor descriptors, where they take them (16-bit inputs; for the gradient
     kernel, rules whose gradient calls only exp and approx_tanh) and ``tiles`` is not given,
@@ -748,7 +749,7 @@ def kernel_sources(
         residue += f.weight_grad_sources(dtype)
     if vocab_parallel:
         return [*staged, *lean, *residue]
-    scaled = f.scaled_kernel_source(dtype)
+    scaled = f.scaled_kernel_source(dtype) if dtype != "fp16" else None  # (fp16: _scaled_refusal)
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
         tma_tiles = f._scaled_tiles(dtype, True)
