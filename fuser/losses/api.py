@@ -58,6 +58,9 @@ SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
 # registers a thread and 200 bytes of stack; [128, 128]: 224 registers, no stack).
 SCALED_TILES_NARROW = Tiles(bn=128, group_m=16)
 SCALED_TILES_NARROW_TMA = Tiles(bn=128, group_m=16, tma=True)
+# The input dtypes the scaled schedule takes (fp16: ``_scaled_refusal`` says why not), and
+# those ``kernel_sources`` lists its kernels for.
+SCALED_DTYPES = ("fp32", "bf16")
 # The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
 # chunks of logits on sm_90 or later, for bf16 inputs (H100: faster at H = 768 and 2048, slower at
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
@@ -459,7 +462,7 @@ class CompiledLoss:
                 f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token, "
                 "nor a'(z) * (A * softmax + B * [target]) for the logsumexp's argument a(z)"
             )
-        if call.dtype == "fp16":
+        if call.dtype not in SCALED_DTYPES:  # (fp16)
             return (
                 "fp16 holds its E = exp(a(z) - a(z[y])) only below 65504 (a logit 11 above the target's) "
                 "and rounds a gradient taken in forward, before any loss scale, below 6e-8 to 0: "
@@ -749,7 +752,7 @@ def kernel_sources(
         residue += f.weight_grad_sources(dtype)
     if vocab_parallel:
         return [*staged, *lean, *residue]
-    scaled = f.scaled_kernel_source(dtype) if dtype != "fp16" else None  # (fp16: _scaled_refusal)
+    scaled = f.scaled_kernel_source(dtype) if dtype in SCALED_DTYPES else None
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)
         tma_tiles = f._scaled_tiles(dtype, True)
