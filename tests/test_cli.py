@@ -244,7 +244,8 @@ def test_show_renders_8bit_states_and_split_masters(cache_root, rules_file, caps
 
 def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
     # the row kernel, the staged sequence (process_group= calls and the one-device
-    # whole / vocab schedules), the lean schedule's matmul kernels and the scaled schedule's,
+    # whole / vocab schedules), the lean schedule's matmul kernels (with its forward's tile
+    # sums) and the scaled schedule's,
     # with or without the older --vocab-parallel flag
     path = tmp_path / "losses.py"
     path.write_text(LOSSES)
@@ -264,6 +265,8 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "ce_loss_rows_mm_grad",
         "ce_loss_rows_mm_grad_tma",
         "ce_loss_rows_mm_grad_tma",  # (warp-specialised: sm_90 at small H)
+        "ce_loss_rows_mm_tile_sums_tma",  # (the lean forward's, for a rule of the scaled form)
+        "ce_loss_rows_mm_tile_sums_tma",  # (warp-specialised)
         "ce_loss_rows_mm_scaled",
         "ce_loss_rows_mm_scaled_tma",
         "ce_loss_rows_mm_scaled_tma",

@@ -55,6 +55,7 @@ COMMON_TAIL = (
 )
 SWEEP_ARGS = (("part", "*fp32"),)
 SCALED_ARGS = (("ref", "*fp32"), ("part", "*fp32"), ("e", None), ("e_stride", "i32"))
+TILE_SUMS_ARGS = (("part", "*fp32"),)
 GRAD_ARGS = (
     ("scale", "*fp32"), ("scale_stride", "i32"), ("dz", None), ("dz_stride", "i32"), ("resid", "*fp32"),
 )  # fmt: skip
@@ -400,9 +401,9 @@ def scaled_part_columns(plan: LossPlan) -> tuple[int, dict[int, int]]:
     return 2 + len(sums), {lse: 0, **{i: 2 + k for k, i in enumerate(sums)}}
 
 
-def _scaled_context(plan: LossPlan, printer) -> dict:
+def _scaled_context(plan: LossPlan, printer, store_e: bool = True) -> dict:
     """The scaled-exponential forward's lines: the pass's per-token and per-element values,
-    ``ev`` (E) and each reduction's partials of the tile."""
+    ``ev`` (E, where ``store_e``) and each reduction's partials of the tile."""
     (p,) = plan.passes
     width, cols = scaled_part_columns(plan)
     form = scaled_exp_form(plan)
@@ -417,8 +418,10 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
                 f"t_max = {_max('a_lse')}",
                 't_max = tl.where(t_max == float("-inf"), 0.0, t_max)',
                 "u = tl.exp(a_lse - t_max[:, None])",
-                "ev = u * tl.exp(t_max[:, None] - r_ref)" + (f" * ({factor})" if factor else ""),
             ]
+            if store_e:
+                ev = "ev = u * tl.exp(t_max[:, None] - r_ref)"
+                exp_lines.append(ev + (f" * ({factor})" if factor else ""))
             finish += [
                 f"tl.store(out + {cols[acc.index]}, {_sum('u')}, mask=row_ok)",
                 f"tl.store(out + {cols[acc.index] + 1}, t_max, mask=row_ok)",
@@ -435,6 +438,7 @@ def _scaled_context(plan: LossPlan, printer) -> dict:
         finish=finish,
         part_width=width,
         store=store_cast("ev", plan.dtype),
+        store_e=store_e,
     )
 
 
@@ -449,16 +453,21 @@ def _arg_and_factor(arg: sympy.Expr, p, form: ScaledExp, printer) -> tuple[list[
     return lines, printer.doprint_expr(a), printer.doprint_expr(d)
 
 
-def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool = False) -> KernelSource:
+def render_loss_scaled(
+    plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool = False, store_e: bool = True
+) -> KernelSource:
     """The scaled-exponential forward kernel of a plan that ``scaled_exp_form`` accepts; with
     ``tiles.tma``, persistent programs moving tiles through tensor descriptors (x, the weight
     and ``e`` 16-byte aligned, rows a multiple of 16 bytes; on a GPU for 16-bit inputs: fp32
-    tiles through descriptors overflow sm_90's shared memory)."""
+    tiles through descriptors overflow sm_90's shared memory). ``store_e=False``: the same
+    kernel without ``E`` (no ``ref``, ``e`` or ``e_stride``), only each tile's partials: the
+    lean schedule's forward for such a plan (``*_mm_tile_sums``)."""
     if scaled_exp_form(plan) is None:
         raise ValueError(f"loss rule {plan.name!r} has no scaled-exponential form (see scaled_exp_form)")
     layout = shard_layout(plan)
     printer = LossPrinter(LossNames(plan.hyper))
-    entry = loss_entry(plan) + ("_mm_scaled_tma" if tiles.tma else "_mm_scaled")
+    kind = "_mm_scaled" if store_e else "_mm_tile_sums"
+    entry = loss_entry(plan) + kind + ("_tma" if tiles.tma else "")
     context = dict(
         **rule_context(plan),
         entry=entry,
@@ -468,9 +477,9 @@ def render_loss_scaled(plan: LossPlan, tiles: Tiles = Tiles(), *, has_bias: bool
         tma=tiles.tma,
         loads=_red_loads(plan, layout, 0),
         dot_options=', input_precision="ieee"' if plan.dtype == "fp32" else "",
-        **_scaled_context(plan, printer),
+        **_scaled_context(plan, printer, store_e),
     )
-    return _matmul_source(plan, context, entry, SCALED_ARGS, tiles, has_bias)
+    return _matmul_source(plan, context, entry, SCALED_ARGS if store_e else TILE_SUMS_ARGS, tiles, has_bias)
 
 
 # Tokens per program of the scaled schedule's per-token kernel, and the vocabulary tiles it

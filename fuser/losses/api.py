@@ -26,7 +26,7 @@ from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
-from fuser.runtime.loss.fused import Fused, slice_cols
+from fuser.runtime.loss.fused import Fused, TileSums, slice_cols
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
 from fuser.runtime.loss.staged import (
@@ -211,6 +211,21 @@ class CompiledLoss:
             self._scaled[key] = render_loss_scaled(plan, tiles) if scaled_exp_form(plan) else None
         return self._scaled[key]
 
+    def tile_sums_sources(self, dtype: str = "bf16", tiles: Tiles | None = None) -> tuple | None:
+        """The lean schedule's forward kernels for ``dtype`` where the rule's gradient has a
+        scaled-exponential form (else ``None``): the scaled kernel without ``E``
+        (``render_loss_scaled(store_e=False)``; tiles as ``scaled_kernel_source``'s), then the
+        scaled schedule's prepare and tokens kernels."""
+        tiles = tiles or self.tiles or self._scaled_tiles(dtype, False)
+        key = ("tile_sums", dtype, tiles)
+        if key not in self._scaled:
+            plan = lower_loss(self.rule, dtype)
+            tokens = self.scaled_token_sources(dtype)
+            self._scaled[key] = (
+                None if tokens is None else (render_loss_scaled(plan, tiles, store_e=False), *tokens[:2])
+            )
+        return self._scaled[key]
+
     def _scaled_tiles(self, dtype: str, tma: bool) -> Tiles:
         """``scaled_tiles`` for this rule: narrow where its ``E`` carries ``a'(z)``."""
         key = ("tiles", dtype)
@@ -370,7 +385,8 @@ class CompiledLoss:
         """Rows whose target is ``ignore_index`` are left out of every kernel, matmul and
         collective (finding them reads their count on the host, once per call; every rank
         of ``group`` holds the same targets, so all leave out the same rows): their loss and
-        their ``grad_hidden`` are 0. Then the schedule runs."""
+        their ``grad_hidden`` are 0. The count of the others is the mean's denominator. Then
+        the schedule runs."""
         n = y.shape[0]
         idx = (y != call.ignore_index).nonzero()[:, 0]  # (the one host read)
         if 0 < idx.shape[0] < n:
@@ -389,7 +405,8 @@ class CompiledLoss:
         else:
             run = self._one_device_run(call, plan, want_grad)
         buffered = main_grad and self._buffers_main_grad(memory)
-        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, buffered)
+        count = idx.shape[0]  # (the targets not ignored)
+        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, buffered, count)
         if call.n_tokens < n and reduction == "none":
             out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
         return out
@@ -510,7 +527,8 @@ class CompiledLoss:
         return run
 
     def _scaled_run(self, call: _Call, x, weight) -> ScaledExp:
-        """The scaled schedule's run, with the row kernel's as its fallback."""
+        """The scaled schedule's run, with the row kernel's as its fallback (built if a call
+        needs it)."""
         aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
         descriptors = aligned and call.hid * call.es % 16 == 0
         if self.tiles is None and call.device.type == "cuda":
@@ -521,18 +539,46 @@ class CompiledLoss:
             if tiles.tma and not descriptors:
                 tiles = replace(tiles, tma=False)
         tiles = tiles.for_hidden(call.hid, aligned)
-        sources, layout, _ = self.sharded_kernel_sources(call.dtype)
+        sources = self.sharded_kernel_sources(call.dtype)[0]
         chunk = self._chunk(call)
-        fallback = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
-        fallback.residue = self._residue(call)
-        if call.dtype not in self._token_values:
-            plan = lower_loss(self.rule, call.dtype)
-            self._token_values[call.dtype] = TokenValues(plan, scaled_exp_form(plan), layout)
+
+        def fallback() -> Chunked:
+            run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
+            run.residue = self._residue(call)
+            return run
+
         kernels = (self.scaled_kernel_source(call.dtype, tiles), *self.scaled_token_sources(call.dtype))
         return ScaledExp(
-            kernels, sources[-1], self._token_values[call.dtype], tiles, call.device, call.hyper,
+            kernels, sources[-1], self._values(call.dtype), tiles, call.device, call.hyper,
             call.ignore_index, chunk, fallback,
         )  # fmt: skip
+
+    def _values(self, dtype: str) -> TokenValues:
+        """The scaled form's ``TokenValues`` for ``dtype`` (a rule that has the form)."""
+        if dtype not in self._token_values:
+            plan = lower_loss(self.rule, dtype)
+            self._token_values[dtype] = TokenValues(plan, scaled_exp_form(plan), shard_layout(plan))
+        return self._token_values[dtype]
+
+    def _tile_sums(self, call: _Call, rows_16: bool, aligned: bool) -> TileSums | None:
+        """The lean forward's ``TileSums`` for a one-device call without a bias, where the rule's
+        gradient has the scaled form and the kernel is known to pay: in Triton's interpreter,
+        and on a GPU whose descriptors are TMA for 16-bit inputs they can address (``rows_16``;
+        ``fuser.runtime.loss.fused`` has the times). Else ``None``: the sweeps run."""
+        if self.scaled_token_sources(call.dtype) is None:
+            return None
+        if self.tiles is None and call.device.type == "cuda":
+            if not (call.es == 2 and rows_16 and descriptors_pay(call.device)):
+                return None
+            tiles = self._scaled_tiles(call.dtype, True)
+            tiles = _specialized(tiles, call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
+        else:
+            tiles = self.tiles or INTERPRETER_TILES
+            if tiles.tma and not rows_16:
+                tiles = replace(tiles, tma=False)
+        tiles = tiles.for_hidden(call.hid, aligned)
+        sources = self.tile_sums_sources(call.dtype, tiles)
+        return TileSums(sources, self._values(call.dtype), tiles, call.device)
 
     def _fused_run(self, call: _Call, x, weight, bias, group=None) -> Fused:
         """The lean schedule's run: matmul kernels for this device, hidden size and bias;
@@ -555,7 +601,10 @@ class CompiledLoss:
         sources, layout, _ = self.sharded_kernel_sources(call.dtype)
         cols = slice_cols(call.n_tokens, call.hid, call.es, max(tiles.bn, grad_tiles.bn), MAIN_GRAD_BUDGET)
         kernels = (sweeps, grad, sources[-1])
-        run = Fused(kernels, layout, (tiles, grad_tiles), call.device, call.hyper, call.ignore_index, cols)
+        tile_sums = self._tile_sums(call, rows_16, aligned) if group is None and bias is None else None
+        run = Fused(
+            kernels, layout, (tiles, grad_tiles), call.device, call.hyper, call.ignore_index, cols, tile_sums
+        )
         run.residue = self._residue(call)
         if group is not None:
             run.shard(group, *self._shards(call, group))
@@ -724,7 +773,10 @@ def kernel_sources(
 ) -> list[KernelSource]:
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
     staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab``,
-    ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels and the
+    ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels (with, for
+    a rule whose gradient has the scaled form, its forward's tile-sums kernel: in ``tiles``,
+    or through descriptors and warp-specialised where those allow it, for 16-bit inputs; and
+    for fp16 the two per-token kernels around it) and the
     scaled schedule's, where the rule has one and ``dtype`` is not fp16, which the scaled
     schedule refuses (GPU tiles, no bias, a hidden size that is a
     multiple of their ``bk``; the lean schedule's gradient kernel and the scaled kernel
@@ -752,6 +804,12 @@ def kernel_sources(
         residue += f.weight_grad_sources(dtype)
     if vocab_parallel:
         return [*staged, *lean, *residue]
+    tokens = f.scaled_token_sources(dtype)
+    if tokens and (f.tiles is not None or dtype != "fp32"):  # (the lean forward's: _tile_sums)
+        tma_tiles = f._scaled_tiles(dtype, True)
+        variants = dict.fromkeys((tma_tiles, warp_specialized(tma_tiles))) if f.tiles is None else (f.tiles,)
+        lean += [f.tile_sums_sources(dtype, t)[0] for t in variants]
+        lean += [] if dtype in SCALED_DTYPES else list(tokens[:2])  # (else listed with the scaled kernels)
     scaled = f.scaled_kernel_source(dtype) if dtype in SCALED_DTYPES else None
     scaled = [scaled] if scaled else []
     if scaled and f.tiles is None:  # (sm_90 takes it with descriptors: descriptors_pay)

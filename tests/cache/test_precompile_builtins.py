@@ -47,19 +47,19 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
             shown = {r[3] for r in mine if r[1] == kernel}
             # matrix kernels (bf16 whatever the parameters): one row per variant, under
             # the first rule that launches them; a loss's gradient and scaled kernels through
-            # tensor descriptors, its weight-gradient kernel and the residue's gather into
-            # grad_hidden: 16-bit inputs only; the target-row kernels: fp32 rows from 16-bit
-            # inputs (the target column's residue), from fp32 ones too (the scaled schedule's
-            # target term), and 16-bit rows from 16-bit inputs (the residue's rows written
-            # into a 16-bit grad_weight)
-            only16 = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma")) or kernel in (
+            # tensor descriptors (and the lean forward's tile sums), its weight-gradient
+            # kernel and the residue's gather into grad_hidden: 16-bit inputs only; the
+            # target-row kernels: fp32 rows from 16-bit inputs (the target column's residue),
+            # from fp32 ones too (the scaled schedule's target term), and 16-bit rows from
+            # 16-bit inputs (the residue's rows written into a 16-bit grad_weight)
+            only16 = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma", "_mm_tile_sums_tma")) or kernel in (
                 "weight_grad_tma",
                 "target_rows_gather",
             )
             expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if only16 else {3}
-            # the scaled schedule's kernels: not for fp16 inputs, which it refuses
-            scaled = "_mm_scaled" in kernel or kernel.endswith(("_scaled_prepare", "_scaled_tokens"))
-            if scaled or kernel == "scaled_hidden_grad":
+            # the scaled schedule's kernels: not for fp16 inputs, which it refuses (its per-token
+            # kernels are, for the lean schedule's forward)
+            if "_mm_scaled" in kernel or kernel == "scaled_hidden_grad":
                 expected = {n - 1 for n in expected}
             if kernel in ("target_rows_pieces", "target_rows_runs"):
                 rows16 = {"hidden:bf16,out:bf16", "hidden:fp16,out:fp16"}

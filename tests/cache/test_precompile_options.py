@@ -78,16 +78,18 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
     # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
-    # kernels, the lean schedule's 4 matmul kernels (one sweep, the gradient without and
-    # with tensor descriptors, and warp-specialised), the scaled schedule's kernel (the same
-    # three ways) and its 5 kernels around it (per token, per chunk, the gradient's terms),
-    # the target column's residue's 2 more (its row sums' second phase is the scaled
-    # schedule's) and the 3 that write a 16-bit grad_weight with the residue's rows in it:
-    # 20 for bf16; 13 for fp16, which the scaled schedule refuses (its 3 + 5, less the
-    # residue's second phase, then its own)
-    assert len(rows) == 4 + 20 + 13 and {r[5] for r in rows} == {"compiled"}
+    # kernels, the lean schedule's 6 matmul kernels (one sweep, the gradient without and
+    # with tensor descriptors, and warp-specialised, the forward's tile sums through
+    # descriptors, and warp-specialised), the scaled schedule's kernel (three ways: its
+    # tiles, through descriptors, warp-specialised) and its 5 kernels around it (per token,
+    # per chunk, the gradient's terms), the target column's residue's 2 more (its row sums'
+    # second phase is the scaled schedule's) and the 3 that write a 16-bit grad_weight with
+    # the residue's rows in it: 22 for bf16; 17 for fp16, which the scaled schedule refuses
+    # (its 3 + 3 gradient-term kernels, less the residue's second phase, then its own; the
+    # lean forward's tile sums take the per-token kernels)
+    assert len(rows) == 4 + 22 + 17 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 33
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 39
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -109,7 +111,10 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
         _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
+        sum_tiles = loss._scaled_tiles(dtype, True)
         sources = [
+            *loss.tile_sums_sources(dtype, sum_tiles),
+            loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
             loss.kernel_source(dtype),
             *loss.sharded_kernel_sources(dtype)[0],
             *sweeps,
@@ -129,8 +134,9 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         assert _missing(sources) == []
         if dtype == "bf16":
             assert _missing(scaled) == []
-        else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one)
-            assert len(_missing(scaled)) == 7
+        else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one
+            # and the lean forward takes the two per-token ones)
+            assert len(_missing(scaled)) == 5
     assert _missing([loss.kernel_source("fp32")])
 
     before = files_state(cache_root)

@@ -76,19 +76,22 @@ def test_vocab_parallel_kernels_compile_ahead_of_time(name, descriptors, capabil
 
 
 def test_warp_specialized_kernels_split_into_three_warp_groups():
-    # sm_90 takes the warp-specialised programs (the lean gradient kernel's and the scaled
-    # kernel's at small H, 4 warps asked): a producer warp group issuing the loads and two
-    # consumers, 12 warps a program; Triton leaves a loop it cannot split as it was
+    # sm_90 takes the warp-specialised programs (the lean gradient kernel's, the lean
+    # forward's tile sums and the scaled kernel's at small H, 4 warps asked): a producer warp
+    # group issuing the loads and two consumers, 12 warps a program; Triton leaves a loop it
+    # cannot split as it was
     every = fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "bf16")
     sources = [s for s in every if "warp_specialize=True" in s.text]
     assert [s.entry.removeprefix("cross_entropy_loss_rows") for s in sources] == [
         "_mm_grad_tma",
+        "_mm_tile_sums_tma",
         "_mm_scaled_tma",
     ]
-    # a softcap's scaled kernel in [128, 128] tiles (its gradient kernel keeps pointer loads)
+    # a softcap's tile sums and scaled kernel in [128, 128] tiles (its gradient kernel keeps
+    # pointer loads)
     softcap = fuser.losses.kernel_sources(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, "bf16")
     sources += [s for s in softcap if "warp_specialize=True" in s.text]
-    assert len(sources) == 3 and ("BN", 128) in sources[2].constexprs
+    assert len(sources) == 5 and all(("BN", 128) in s.constexprs for s in sources[3:])
     for source in sources:
         assert source.num_warps == 4
         compile_for(source, 90)
@@ -109,8 +112,9 @@ def test_approx_tanh_is_one_instruction(capability, tmp_path):
     # the softcap's kernels with approx_tanh run the special-function unit's tanh (MUFU.TANH)
     # where the exact rule's compute it from an exponential: the lean schedule's sweep and
     # gradient kernels (the twin's also through descriptors, its epilogue a half tile at a
-    # time: WIDE_GRAD_TMA_SUBTILE) and the scaled kernel, with pointers and descriptors (and
-    # the latter warp-specialised)
+    # time: WIDE_GRAD_TMA_SUBTILE), the lean forward's tile sums through descriptors (and
+    # warp-specialised) and the scaled kernel, with pointers and descriptors (and the latter
+    # warp-specialised)
     def kernels(rule):
         return [s for s in fuser.losses.kernel_sources(rule, "bf16") if "_mm" in s.entry]
 
@@ -120,12 +124,14 @@ def test_approx_tanh_is_one_instruction(capability, tmp_path):
         "_loss_rows_mm0",
         "_loss_rows_mm_grad",
         "_loss_rows_mm_grad_tma",
+        "_loss_rows_mm_tile_sums_tma",
+        "_loss_rows_mm_tile_sums_tma",  # (warp-specialised)
         "_loss_rows_mm_scaled",
         "_loss_rows_mm_scaled_tma",
         "_loss_rows_mm_scaled_tma",  # (warp-specialised)
     ]
     assert "half_1" in approx[2].text and "block_shape=[BM, BN // 2]" in approx[2].text
-    assert len(exact) == 5  # (its gradient kernel keeps pointer loads)
+    assert len(exact) == 7  # (its gradient kernel keeps pointer loads)
     for a in approx:
         # (every kernel carries the helpers' definitions; only the twin's calls it)
         assert a.text.count("_approx_tanh(") > 1

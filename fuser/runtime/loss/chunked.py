@@ -219,9 +219,9 @@ def residue_rows(residue, x, target, resid, col_offset: int, n_cols: int, gw, gb
         residue.bias_rows(gb, resid, runs, x.dtype)
 
 
-def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:
+def _reduce(loss_tok: torch.Tensor, reduction: str, count: int) -> torch.Tensor:
     if reduction == "mean":
-        return loss_tok.sum() / count.clamp(min=1)
+        return loss_tok.sum() / max(count, 1)
     if reduction == "sum":
         return loss_tok.sum()
     return loss_tok
@@ -230,19 +230,20 @@ def _reduce(loss_tok: torch.Tensor, reduction: str, count: torch.Tensor) -> torc
 class LinearLoss(torch.autograd.Function):
     """``loss(x @ W.T + b, target)`` per token, reduced; gradients for x, W and b.
 
-    ``x`` is ``[T, H]``, ``target`` ``[T]`` int64. Returns fp32: the per-token losses for
-    ``reduction="none"``, else one number.
+    ``x`` is ``[T, H]``, ``target`` ``[T]`` int64, ``count`` how many of its targets are not
+    ``ignore_index`` (the mean's denominator, which the caller read on the host when it left
+    the ignored rows out). Returns fp32: the per-token losses for ``reduction="none"``, else
+    one number.
     """
 
     @staticmethod
     def forward(
         ctx, x, weight, bias, target, run: Chunked, reduction: str, main_grad: bool, want_grad: bool,
-        buffer_main_grad: bool = False,
+        buffer_main_grad: bool, count: int,
     ):  # fmt: skip
         n_tokens = x.shape[0]
-        count = (target != run.ignore_index).sum()  # on the device: no sync, whole batch
         loss_tok = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
-        ctx.run, ctx.reduction, ctx.main_grad = run, reduction, main_grad
+        ctx.run, ctx.reduction, ctx.main_grad, ctx.count = run, reduction, main_grad, count
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -259,17 +260,16 @@ class LinearLoss(torch.autograd.Function):
         if ctx.schedule == "fused":
             red = run.forward(x, weight, bias, target, loss_tok)
             if want_grad:
-                ctx.save_for_backward(x, weight, bias, target, count, red)
+                ctx.save_for_backward(x, weight, bias, target, red)
         elif ctx.schedule == "whole":
             ctx.kept = run.forward_whole(x, weight, bias, target, loss_tok)
-            ctx.save_for_backward(x, weight, bias, target, count)
+            ctx.save_for_backward(x, weight, bias, target)
         elif ctx.schedule == "vocab":
             red = run.forward_reductions(x, weight, bias, target, loss_tok)
-            ctx.save_for_backward(x, weight, bias, target, count, red)
+            ctx.save_for_backward(x, weight, bias, target, red)
         elif ctx.eager:
-            scale = (
-                1.0 / count.clamp(min=1).float() if reduction == "mean" else torch.ones((), device=x.device)
-            ).reshape(1)
+            value = 1.0 / max(count, 1) if reduction == "mean" else 1.0
+            scale = torch.full((1,), value, dtype=torch.float32, device=x.device)
             gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
             gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
@@ -280,7 +280,7 @@ class LinearLoss(torch.autograd.Function):
         else:
             run.run(x, weight, bias, target, loss_tok)
             if want_grad:
-                ctx.save_for_backward(x, weight, bias, target, count)
+                ctx.save_for_backward(x, weight, bias, target)
         return _reduce(loss_tok, reduction, count)
 
     @staticmethod
@@ -303,20 +303,10 @@ class LinearLoss(torch.autograd.Function):
                 gw = main_grad_return(weight)
             else:
                 gw = _scaled(gw, go, ctx.weight_dtype)
-            return (
-                gx,
-                gw,
-                _scaled(gb, go, ctx.bias_dtype),
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+            return gx, gw, _scaled(gb, go, ctx.bias_dtype), *_NO_GRADS
         run = ctx.run
-        x, weight, bias, target, count, *red = ctx.saved_tensors
-        scale = _grad_scale(grad_out, ctx.reduction, count)
+        x, weight, bias, target, *red = ctx.saved_tensors
+        scale = _grad_scale(grad_out, ctx.reduction, ctx.count)
         main_grad = ctx.main_grad and need_w
         if ctx.schedule in ("whole", "vocab", "fused"):
             flags = dict(need_x=need_x, need_w=need_w, need_b=need_b, main_grad=main_grad)
@@ -343,8 +333,11 @@ class LinearLoss(torch.autograd.Function):
         elif gw is not None:
             gw = _as(gw, weight.dtype)
         gb = _as(gb, bias.dtype) if gb is not None else None
-        return gx, gw, gb, None, None, None, None, None, None
+        return gx, gw, gb, *_NO_GRADS
 
+
+# The gradients of forward's arguments after x, weight and bias: none.
+_NO_GRADS = (None,) * 7
 
 _ONCE = (
     "the gradients of a fused linear + loss were computed in its forward pass, or its logits "
@@ -352,13 +345,13 @@ _ONCE = (
 )
 
 
-def _grad_scale(grad_out: torch.Tensor, reduction: str, count: torch.Tensor) -> torch.Tensor:
+def _grad_scale(grad_out: torch.Tensor, reduction: str, count: int) -> torch.Tensor:
     """fp32 factor of each token's ``d loss / d logits``: one value, or one per token."""
     go = grad_out.float()
     if reduction == "none":
         return go.reshape(-1).contiguous()
     if reduction == "mean":
-        return (go / count.clamp(min=1)).reshape(1)
+        return (go / max(count, 1)).reshape(1)
     return go.reshape(1)
 
 

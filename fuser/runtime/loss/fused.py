@@ -7,6 +7,15 @@ the vocabulary; the shares' partials are combined here in a fixed order (logsume
 or max keeping the first column), so the result does not depend on scheduling. The loss
 kernel of the staged sequence then reads the combined ``red`` alone.
 
+For a rule whose gradient has the scaled schedule's form (one logsumexp and sums:
+``fuser.codegen.loss_matmul.scaled_exp_form``), forward runs that schedule's kernels instead,
+without its ``E`` (``TileSums``): ``z[y]`` and the sums linear in ``z`` by its per-call kernel,
+then per block of ``TILE_SUMS_ROWS`` tokens the scaled matmul kernel storing only each tile's
+partials (with ``Tiles.tma``, persistent programs through tensor descriptors) and the
+per-token kernel that combines them in tile order into ``red`` (H200, the forward's matmul
+over every token: gist 12.10 -> 11.03 ms, llama8b 15.12 -> 12.63, T, H = 16384, 2048:
+16.82 -> 13.43; benchmarks/NOTES.md).
+
 Backward (vocabulary slices, as ``Staged.backward_vocab``): the gradient kernel recomputes
 each tile of a slice's logits (one program per tile, in groups of row blocks that share
 weight tiles; with ``Tiles.tma``, one persistent program per processor taking the tiles in
@@ -30,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from fuser.cache import load_kernel
+from fuser.codegen.loss_matmul import PREPARE_ROWS, TOKEN_BLOCK
 from fuser.runtime.loss.chunked import (
     MIB,
     accumulate_mm,
@@ -41,6 +51,9 @@ from fuser.runtime.loss.residue import SliceTerms
 
 # Bytes of the fp32 temporaries of the gathered z[y] dot product.
 ZY_BUDGET = 64 * MIB
+# Tokens per launch of the tile-sums kernel (its partials: 16 MiB at V = 128256 for a rule
+# with a logsumexp alone; H200, every token of gist at once, or 8192 at a time: within 1%).
+TILE_SUMS_ROWS = 4096
 
 
 def target_logits(x, weight, bias, target, out) -> None:
@@ -74,13 +87,27 @@ def shares(tiles_m: int, tiles_n: int, processors: int) -> int:
     return best
 
 
+class TileSums:
+    """The lean forward of a rule with a scaled-exponential form: the scaled matmul kernel
+    without ``E`` (``kernel``: ``render_loss_scaled(store_e=False)``, block shape ``tiles``),
+    the scaled schedule's ``prepare`` and ``tokens`` kernels and its ``TokenValues``."""
+
+    def __init__(self, sources, values, tiles, device):
+        kernel, prepare, tokens = sources
+        self.kernel = load_kernel(kernel, device)
+        self.prepare = load_kernel(prepare, device)
+        self.tokens = load_kernel(tokens, device)
+        self.values, self.tiles = values, tiles
+
+
 class Fused:
     """The lean schedule's kernels for one (dtype, tiles, bias) and what a call needs;
-    ``tiles``: the block shapes of the sweeps and of the gradient kernel."""
+    ``tiles``: the block shapes of the sweeps and of the gradient kernel; ``tile_sums``: a
+    ``TileSums`` that takes the sweeps' place on one device without a bias."""
 
     schedule = "fused"
 
-    def __init__(self, kernels, layout, tiles, device, hyper, ignore_index, cols):
+    def __init__(self, kernels, layout, tiles, device, hyper, ignore_index, cols, tile_sums=None):
         sweeps, grad, final = kernels
         self.sweeps = [load_kernel(s, device) for s in sweeps]
         self.grad_kernel = load_kernel(grad, device)
@@ -93,6 +120,7 @@ class Fused:
         self.processors = processor_count(device)
         self.group, self.col_offset, self.vocab_total, self.widest = None, 0, None, None
         self.residue = None  # a Residue where the gradient kernel writes the target's residue
+        self.tile_sums: TileSums | None = tile_sums
 
     def shard(self, group, sizes: tuple[int, ...], rank: int) -> None:
         """Run over rank ``rank``'s rows of a vocabulary split over ``group`` in rank order
@@ -129,6 +157,11 @@ class Fused:
         red = torch.zeros(n, self.layout.red_width, dtype=torch.float32, device=x.device)
         if n == 0:
             return red
+        if self.tile_sums is not None and self.group is None and bias is None:
+            self._tile_sums(x, weight, target, red)
+            rest = (self.hyper, vocab, self.ignore_index, 0, red, red, 0, vocab)
+            self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
+            return red
         zy = torch.empty(n, dtype=torch.float32, device=x.device)
         target_logits(x, weight, bias, target - self.col_offset, zy)
         self._all_reduce(zy)  # (only the target's owner holds z[y])
@@ -147,6 +180,37 @@ class Fused:
         rest = (self.hyper, vocab, self.ignore_index, 0, red, red, self.col_offset, total)
         self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
         return red
+
+    def _tile_sums(self, x, weight, target, red) -> None:
+        """``red`` (``z[y]``, then every reduction) by the ``TileSums`` kernels, in blocks of
+        ``TILE_SUMS_ROWS`` tokens."""
+        ts = self.tile_sums
+        (n, hid), vocab = x.shape, weight.shape[0]
+        ref = torch.empty(n, dtype=torch.float32, device=x.device)  # (the tokens kernel reads it)
+        wsum = weight.sum(0, dtype=torch.float32) if ts.values.linear else None
+        ts.prepare(
+            (-(-n // PREPARE_ROWS),), x, weight, ref if wsum is None else wsum, target, red, ref, self.hyper,
+            n, hid, vocab,
+        )  # fmt: skip
+        rows = min(TILE_SUMS_ROWS, n)
+        tiles_n, width = -(-vocab // ts.tiles.bn), ts.values.part_width
+        part_buf = torch.empty(tiles_n * rows * width, dtype=torch.float32, device=x.device)
+        coef = torch.empty(rows, 3, dtype=torch.float32, device=x.device)  # (written, not read)
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            part = part_buf[: tiles_n * (e - s) * width].view(tiles_n, e - s, width)
+            grid = (-(-(e - s) // ts.tiles.bm) * tiles_n,)
+            if ts.tiles.tma:  # persistent programs, one per processor
+                grid = (min(grid[0], self.processors),)
+            ts.kernel(
+                grid, x[s:e], weight, weight, target[s:e], red[s:e], part, self.hyper,
+                e - s, hid, vocab, 0, vocab, self.ignore_index,
+            )  # fmt: skip
+            ts.tokens(
+                (-(-(e - s) // TOKEN_BLOCK),), part, tiles_n, e - s, red[s:e], ref[s:e], target[s:e],
+                coef, one, self.hyper, vocab, self.ignore_index,
+            )  # fmt: skip
 
     def _empty_partials(self, stage: int, part: torch.Tensor) -> None:
         for _, op, c in self.layout.part_cols[stage]:

@@ -40,6 +40,8 @@ gradients again with the row kernel (``Chunked``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fuser.cache import load_kernel
@@ -85,8 +87,8 @@ class ScaledExp:
     matmul kernel), ``prepare`` and ``tokens`` (per call, each token's ``z[y]`` and ``ref``;
     per chunk, its per-token work: ``render_scaled_tokens``),
     ``hidden_terms`` and ``target_rows`` (``render_scaled_terms``), ``final`` (the staged
-    sequence's loss kernel), ``values`` (``TokenValues``), ``fallback`` (the row kernel's
-    run, for a call out of range)."""
+    sequence's loss kernel), ``values`` (``TokenValues``), ``fallback`` (a function that
+    builds the row kernel's run, for a call out of range: built only then)."""
 
     schedule = "scaled"
 
@@ -107,7 +109,7 @@ class ScaledExp:
         self.hyper = hyper
         self.ignore_index = int(ignore_index)
         self.chunk = chunk
-        self.fallback: Chunked = fallback
+        self.fallback: Callable[[], Chunked] = fallback
         self._pending = None  # (out-of-range flag, the tensors of a rerun) of the last run
         self.processors = processor_count(device)  # (persistent programs with tiles.tma)
 
@@ -130,7 +132,6 @@ class ScaledExp:
             (-(-n // PREPARE_ROWS),), x, weight, ref if wsum is None else wsum, target, red, ref, self.hyper,
             n, hid, vocab,
         )  # fmt: skip
-        live = (target != self.ignore_index) & (target >= 0) & (target < vocab)
         coef = torch.empty(n, 3, dtype=torch.float32, device=x.device)  # s, B, C per token
         factor = scale.reshape(1).float() if scale is not None else red.new_ones(1)
         bm, bn = self.tiles.bm, self.tiles.bn
@@ -153,6 +154,7 @@ class ScaledExp:
         self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
         if scale is None:
             return
+        live = (target != self.ignore_index) & (target >= 0) & (target < vocab)
         if gw is not None:
             self._weight_terms(x, target, live, coef, gw)
         spread = red[:, self.layout.red_cols[self.form.lse]] - ref
@@ -225,4 +227,4 @@ class ScaledExp:
         if gw is not None:
             gw.zero_()
         loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        self.fallback.run(x, weight, None, target, loss, scale=scale, gx=gx, gw=gw)
+        self.fallback().run(x, weight, None, target, loss, scale=scale, gx=gx, gw=gw)
