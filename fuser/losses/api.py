@@ -66,9 +66,15 @@ SCALED_DTYPES = ("fp32", "bf16")
 # 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
 SCALED_MAX_HIDDEN = 2048
 # The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
-# weight gradient into main_grad (H100, 16-bit inputs: 50.8 against 54.3 ms at H = 768,
-# within the spread at 2048, 55.6 against 54.3 at 4096; benchmarks/NOTES.md).
-LEAN_MAIN_GRAD_MAX_HIDDEN = 1024
+# weight gradient into main_grad, for 16-bit inputs (H100: 50.8 against 54.3 ms at T = 32768,
+# H = 768; H200, bf16, since the lean forward takes the tile-sums kernel: T = 16384 at
+# H = 2048, 57.0-57.5 against 60.4-61.5 ms; 8192 at 4096, 54.0-54.7 against 55.4-56.7;
+# benchmarks/NOTES.md). Larger hidden sizes were not measured.
+LEAN_MAIN_GRAD_MAX_HIDDEN = 4096
+# The largest hidden size for which memory="auto" picks the lean schedule over chunks for
+# fp16 inputs, which take their gradients in backward (H200, T = 32768, H = 768: 51.2-51.4
+# against 54.0-57.3 ms; not measured at larger H).
+LEAN_FP16_MAX_HIDDEN = 1024
 # The largest hidden sizes for which the scaled kernel and the lean schedule's gradient
 # kernel take warp-specialised programs on sm_90 (``warp_specialized``; H100, faster at
 # H = 768 (both) and 2048 (the scaled kernel; the gradient kernel within the spread), slower
@@ -419,8 +425,9 @@ class CompiledLoss:
         chunks of tokens with ``group`` or without gradients, else the one
         ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
         pays (``_scaled_pays``: bf16 inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
-        can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``), or of
-        ``chunks`` for fp16 inputs, where it pays (``_lean_pays``). With ``main_grad``
+        can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``, H up to
+        ``LEAN_MAIN_GRAD_MAX_HIDDEN``), or of ``chunks`` for fp16 inputs (H up to
+        ``LEAN_FP16_MAX_HIDDEN``), on GPUs where it was measured (``_measured_faster``). With ``main_grad``
         buffered (``_buffers_main_grad``), the schedules that take gradients in forward run
         as they do without it."""
         in_backward = main_grad and not self._buffers_main_grad(memory)
@@ -435,7 +442,7 @@ class CompiledLoss:
         if group is not None or not want_grad:
             return "chunks"
         chosen = self._auto_schedule(call, main_grad, memory, weight)
-        if chosen == "vocab" and self._lean_pays(call):
+        if chosen == "vocab" and _measured_faster(call, LEAN_MAIN_GRAD_MAX_HIDDEN):
             return "fused"
         if (
             chosen == "chunks"
@@ -443,7 +450,7 @@ class CompiledLoss:
             and not self._scaled_refusal(call, in_backward, group, bias, reduction)
         ):
             return "scaled"
-        if chosen == "chunks" and call.dtype == "fp16" and self._lean_pays(call):
+        if chosen == "chunks" and call.dtype == "fp16" and _measured_faster(call, LEAN_FP16_MAX_HIDDEN):
             # (fp16 takes its gradients in backward, where chunks computes the logits twice
             # as the lean schedule does, and also writes them: H200, gist, 54.0-57.3 against
             # 51.2-51.4 ms)
@@ -457,13 +464,6 @@ class CompiledLoss:
         chunk, at the buffer's memory), or ``schedule="scaled"``, which takes them there;
         otherwise ``main_grad`` gets them in backward, with no buffer."""
         return memory == "fast" or self.schedule == "scaled"
-
-    @staticmethod
-    def _lean_pays(call: _Call) -> bool:
-        """Whether the lean schedule outruns ``vocab`` into ``main_grad``, and ``chunks`` for
-        fp16 inputs (both take the gradients in backward), for a call's sizes (measured on
-        sm_90, where its gradient kernel takes tensor descriptors)."""
-        return _measured_faster(call, LEAN_MAIN_GRAD_MAX_HIDDEN)
 
     @staticmethod
     def _scaled_pays(call: _Call) -> bool:

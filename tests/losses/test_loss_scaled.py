@@ -263,9 +263,10 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"  # (label smoothing's mean: no form)
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED) == "scaled"
     assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
-    assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"  # (_lean_pays)
+    assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"
     assert pick(main_grad=True, memory="fast") == "scaled"  # (main_grad buffered from forward)
-    assert pick(main_grad=True, hid=4096) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
+    assert pick(main_grad=True, hid=api.LEAN_MAIN_GRAD_MAX_HIDDEN) == "fused"
+    assert pick(main_grad=True, hid=8192) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
     # fp16 (gradients in backward): the lean schedule in place of chunks where it pays
     assert pick(dtype="fp16") == "fused" and pick(dtype="fp16", memory="fast") == "fused"
