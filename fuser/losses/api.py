@@ -68,7 +68,7 @@ SCALED_MAX_HIDDEN = 2048
 # The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
 # weight gradient into main_grad, for 16-bit inputs (H100: 50.8 against 54.3 ms at T = 32768,
 # H = 768; H200, bf16, since the lean forward takes the tile-sums kernel: T = 16384 at
-# H = 2048, 57.0-57.5 against 60.4-61.5 ms; 8192 at 4096, 54.0-54.7 against 55.4-56.7;
+# H = 2048, 56.3-57.3 against 60.4-61.2 ms; 8192 at 4096, 53.8-55.1 against 55.1-56.1;
 # benchmarks/NOTES.md). Larger hidden sizes were not measured.
 LEAN_MAIN_GRAD_MAX_HIDDEN = 4096
 # The largest hidden size for which memory="auto" picks the lean schedule over chunks for

@@ -12,9 +12,10 @@ For a rule whose gradient has the scaled schedule's form (one logsumexp and sums
 without its ``E`` (``TileSums``): ``z[y]`` and the sums linear in ``z`` by its per-call kernel,
 then per block of ``TILE_SUMS_ROWS`` tokens the scaled matmul kernel storing only each tile's
 partials (with ``Tiles.tma``, persistent programs through tensor descriptors) and the
-per-token kernel that combines them in tile order into ``red`` (H200, the forward's matmul
-over every token: gist 12.10 -> 11.03 ms, llama8b 15.12 -> 12.63, T, H = 16384, 2048:
-16.82 -> 13.43; benchmarks/NOTES.md).
+per-token kernel that combines them in tile order into ``red`` (H200, the kernel alone over
+every token, against the sweep: gist 11.79 -> 11.03 ms, llama8b 14.90 -> 12.30, T, H =
+16384, 2048: 16.06 -> 13.17; the whole forward 12.86 -> 11.30, 15.90 -> 12.79, 17.07 ->
+13.42; benchmarks/NOTES.md).
 
 Backward (vocabulary slices, as ``Staged.backward_vocab``): the gradient kernel recomputes
 each tile of a slice's logits (one program per tile, in groups of row blocks that share
@@ -52,7 +53,8 @@ from fuser.runtime.loss.residue import SliceTerms
 # Bytes of the fp32 temporaries of the gathered z[y] dot product.
 ZY_BUDGET = 64 * MIB
 # Tokens per launch of the tile-sums kernel (its partials: 16 MiB at V = 128256 for a rule
-# with a logsumexp alone; H200, every token of gist at once, or 8192 at a time: within 1%).
+# with a logsumexp alone; H200, gist: 11.03 ms, against 10.97 with 8192 and 10.92 with every
+# token at once, whose partials take 128 MiB).
 TILE_SUMS_ROWS = 4096
 
 
