@@ -157,6 +157,21 @@ def warp_specialized(tiles: Tiles) -> Tiles:
     return tiles
 
 
+def tile_sums_pay(plan: LossPlan) -> bool:
+    """Whether the lean forward of ``plan`` takes the tile-sums kernel (``render_loss_scaled``
+    with ``store_e=False``) in place of its sweep: a plan of the scaled form whose pass calls
+    no function besides ``exp`` and ``approx_tanh``. With a softcap's exact ``tanh`` the sweep
+    stayed faster where it counts (H200, lean, T = 32768, H = 768: 60.6-61.8 ms against
+    62.1-63.0 in [128, 128] tiles and 68.7-69.1 in [128, 256]; at T = 8192, H = 4096 the
+    tile sums ran 60.5-62.5 against the sweep's 64.2-65.6; benchmarks/NOTES.md)."""
+    if scaled_exp_form(plan) is None:
+        return False
+    (p,) = plan.passes
+    exprs = [e for _, e in p.prologue + p.body] + [a.arg for a in p.accumulators]
+    calls = {type(f).__name__ for e in exprs for f in e.atoms(sympy.Function)} - {"exp"}
+    return calls <= {ApproxTanh.__name__}
+
+
 def gradient_tiles(plan: LossPlan, tma: bool = False) -> Tiles:
     """The default block shape of ``plan``'s gradient kernel on a GPU; ``tma``: where tensor
     descriptors are TMA, for 16-bit inputs and rules whose gradient calls only ``exp`` (and

@@ -20,6 +20,7 @@ from fuser.codegen.loss_matmul import (
     render_target_rows,
     render_weight_grad,
     scaled_exp_form,
+    tile_sums_pay,
     warp_specialized,
 )
 from fuser.codegen.source import KernelSource
@@ -220,9 +221,10 @@ class CompiledLoss:
     def tile_sums_sources(self, dtype: str = "bf16", tiles: Tiles | None = None) -> tuple | None:
         """The lean schedule's forward kernels for ``dtype`` where the rule's gradient has a
         scaled-exponential form (else ``None``): the scaled kernel without ``E``
-        (``render_loss_scaled(store_e=False)``; tiles as ``scaled_kernel_source``'s), then the
-        scaled schedule's prepare and tokens kernels."""
-        tiles = tiles or self.tiles or self._scaled_tiles(dtype, False)
+        (``render_loss_scaled(store_e=False)``; tiles: ``tiles``, else the compile option
+        ``tiles``, else ``scaled_tiles`` without descriptors, never narrow: with no ``E`` there
+        is no ``a'(z)`` beside the tile), then the scaled schedule's prepare and tokens kernels."""
+        tiles = tiles or self.tiles or scaled_tiles(dtype, False)
         key = ("tile_sums", dtype, tiles)
         if key not in self._scaled:
             plan = lower_loss(self.rule, dtype)
@@ -562,16 +564,19 @@ class CompiledLoss:
 
     def _tile_sums(self, call: _Call, rows_16: bool, aligned: bool) -> TileSums | None:
         """The lean forward's ``TileSums`` for a one-device call without a bias, where the rule's
-        gradient has the scaled form and the kernel is known to pay: in Triton's interpreter,
-        and on a GPU whose descriptors are TMA for 16-bit inputs they can address (``rows_16``;
-        ``fuser.runtime.loss.fused`` has the times). Else ``None``: the sweeps run."""
-        if self.scaled_token_sources(call.dtype) is None:
+        gradient has the scaled form with no function but ``exp`` and ``approx_tanh`` in its
+        pass (``tile_sums_pay``), in Triton's interpreter and on a GPU whose descriptors are TMA
+        for 16-bit inputs they can address (``rows_16``; ``fuser.runtime.loss.fused`` has the
+        times). Else ``None``: the sweeps run."""
+        key = ("tile_sums_pay", call.dtype)
+        if key not in self._scaled:
+            self._scaled[key] = tile_sums_pay(lower_loss(self.rule, call.dtype))
+        if not self._scaled[key]:
             return None
         if self.tiles is None and call.device.type == "cuda":
             if not (call.es == 2 and rows_16 and descriptors_pay(call.device)):
                 return None
-            tiles = self._scaled_tiles(call.dtype, True)
-            tiles = _specialized(tiles, call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
+            tiles = _specialized(scaled_tiles(call.dtype, True), call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
         else:
             tiles = self.tiles or INTERPRETER_TILES
             if tiles.tma and not rows_16:
@@ -774,7 +779,8 @@ def kernel_sources(
     """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
     staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab``,
     ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels (with, for
-    a rule whose gradient has the scaled form, its forward's tile-sums kernel: in ``tiles``,
+    a rule whose gradient has the scaled form and whose pass calls no function but ``exp``
+    and ``approx_tanh`` (``tile_sums_pay``), its forward's tile-sums kernel: in ``tiles``,
     or through descriptors and warp-specialised where those allow it, for 16-bit inputs; and
     for fp16 the two per-token kernels around it) and the
     scaled schedule's, where the rule has one and ``dtype`` is not fp16, which the scaled
@@ -805,8 +811,8 @@ def kernel_sources(
     if vocab_parallel:
         return [*staged, *lean, *residue]
     tokens = f.scaled_token_sources(dtype)
-    if tokens and (f.tiles is not None or dtype != "fp32"):  # (the lean forward's: _tile_sums)
-        tma_tiles = f._scaled_tiles(dtype, True)
+    if tile_sums_pay(lower_loss(rule, dtype)) and (f.tiles is not None or dtype != "fp32"):  # (_tile_sums)
+        tma_tiles = scaled_tiles(dtype, True)
         variants = dict.fromkeys((tma_tiles, warp_specialized(tma_tiles))) if f.tiles is None else (f.tiles,)
         lean += [f.tile_sums_sources(dtype, t)[0] for t in variants]
         lean += [] if dtype in SCALED_DTYPES else list(tokens[:2])  # (else listed with the scaled kernels)

@@ -10,6 +10,8 @@ from cache_helpers import files_state
 import fuser
 from fuser import cli
 from fuser.clitools import BUILTIN_MODULES
+from fuser.codegen.loss_matmul import tile_sums_pay
+from fuser.ir.loss import lower_loss
 
 
 def _builtin_rules():
@@ -42,6 +44,7 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
     for rule in rules:
         # each dtype plan of each kernel, for the target
         mine = [r for r in rows if r[0] == rule.name]
+        sums = rule.kind == "loss" and tile_sums_pay(lower_loss(rule, "bf16"))
         assert {r[2] for r in mine} == {f"cuda:{capability}"}
         for kernel in {r[1] for r in mine}:  # fp32, bf16, fp16 parameters (or logits, hidden)
             shown = {r[3] for r in mine if r[1] == kernel}
@@ -58,8 +61,9 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
             )
             expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if only16 else {3}
             # the scaled schedule's kernels: not for fp16 inputs, which it refuses (its per-token
-            # kernels are, for the lean schedule's forward)
-            if "_mm_scaled" in kernel or kernel == "scaled_hidden_grad":
+            # kernels are, where the lean schedule's forward takes the tile sums)
+            per_token = kernel.endswith(("_scaled_prepare", "_scaled_tokens"))
+            if "_mm_scaled" in kernel or kernel == "scaled_hidden_grad" or (per_token and not sums):
                 expected = {n - 1 for n in expected}
             if kernel in ("target_rows_pieces", "target_rows_runs"):
                 rows16 = {"hidden:bf16,out:bf16", "hidden:fp16,out:fp16"}

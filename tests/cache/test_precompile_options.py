@@ -111,7 +111,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
         _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
-        sum_tiles = loss._scaled_tiles(dtype, True)
+        sum_tiles = api.scaled_tiles(dtype, True)
         sources = [
             *loss.tile_sums_sources(dtype, sum_tiles),
             loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],

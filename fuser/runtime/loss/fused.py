@@ -8,7 +8,8 @@ or max keeping the first column), so the result does not depend on scheduling. T
 kernel of the staged sequence then reads the combined ``red`` alone.
 
 For a rule whose gradient has the scaled schedule's form (one logsumexp and sums:
-``fuser.codegen.loss_matmul.scaled_exp_form``), forward runs that schedule's kernels instead,
+``fuser.codegen.loss_matmul.scaled_exp_form``) and whose pass calls no function but ``exp``
+and ``approx_tanh`` (``tile_sums_pay``), forward runs that schedule's kernels instead,
 without its ``E`` (``TileSums``): ``z[y]`` and the sums linear in ``z`` by its per-call kernel,
 then per block of ``TILE_SUMS_ROWS`` tokens the scaled matmul kernel storing only each tile's
 partials (with ``Tiles.tma``, persistent programs through tensor descriptors) and the
