@@ -162,9 +162,17 @@ class Fused:
             return red
         if self.tile_sums is not None and self.group is None and bias is None:
             self._tile_sums(x, weight, target, red)
-            rest = (self.hyper, vocab, self.ignore_index, 0, red, red, 0, vocab)
-            self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
-            return red
+        else:
+            self._sweeps(x, weight, bias, target, red)
+        rest = (self.hyper, vocab, self.ignore_index, 0, red, red, self.col_offset, total)
+        self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
+        return red
+
+    def _sweeps(self, x, weight, bias, target, red) -> None:
+        """``red`` by the sweep kernels, one per reduction pass, their shares' partials
+        combined in order (across the group's ranks where there is one)."""
+        n, vocab = x.shape[0], weight.shape[0]
+        total = vocab if self.vocab_total is None else self.vocab_total
         zy = torch.empty(n, dtype=torch.float32, device=x.device)
         target_logits(x, weight, bias, target - self.col_offset, zy)
         self._all_reduce(zy)  # (only the target's owner holds z[y])
@@ -180,9 +188,6 @@ class Fused:
             else:  # a rank with no rows of the vocabulary: partials of nothing
                 self._empty_partials(stage, part)
             self._combine(stage, self._gather(part), red)
-        rest = (self.hyper, vocab, self.ignore_index, 0, red, red, self.col_offset, total)
-        self.final((n,), x, 0, target, loss_tok, loss_tok, loss_tok, 0, *rest)
-        return red
 
     def _tile_sums(self, x, weight, target, red) -> None:
         """``red`` (``z[y]``, then every reduction) by the ``TileSums`` kernels, in blocks of
