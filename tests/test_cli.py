@@ -245,8 +245,8 @@ def test_show_renders_8bit_states_and_split_masters(cache_root, rules_file, caps
 def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, capsys, monkeypatch):
     # the row kernel, the staged sequence (process_group= calls and the one-device
     # whole / vocab schedules), the lean schedule's matmul kernels (with its forward's tile
-    # sums) and the scaled schedule's,
-    # with or without the older --vocab-parallel flag
+    # sums), the scaled schedule's, the residue's and the gradients' scaling, with or without
+    # the older --vocab-parallel flag
     path = tmp_path / "losses.py"
     path.write_text(LOSSES)
     seen = _recording(monkeypatch)
@@ -281,6 +281,8 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
         "target_rows_pieces",  # (the residue's rows written into a 16-bit grad_weight)
         "target_rows_runs",
         "weight_grad_tma",
+        "grad_scale",  # (a forward's gradients times grad_output: fp32 into bf16, bf16 in place)
+        "grad_scale",
     ]
 
 

@@ -619,6 +619,30 @@ def render_scaled_terms(dtype: str, *, has_target: bool, has_const: bool) -> tup
     )
 
 
+# Elements per program of ``grad_scale`` (8 warps: 16 a thread).
+GRAD_SCALE_BLOCK = 4096
+
+
+def render_grad_scale(src: str, dst: str) -> KernelSource:
+    """The kernel that multiplies a gradient taken in forward by ``grad_output`` (an fp32
+    device value) in backward: ``src`` elements in, ``dst`` out (in place where they are one
+    tensor), rounded once, in one pass over memory."""
+    text = (
+        environment()
+        .get_template("loss_grad_scale.py.jinja")
+        .render(src=src, dst=dst, helpers=helpers_source(), store=store_cast("v", dst))
+    )
+    return KernelSource(
+        text=text,
+        entry="grad_scale",
+        signature=(("src", TRITON_DTYPES[src]), ("go", "*fp32"), ("dst", TRITON_DTYPES[dst]), ("n", "i64")),
+        constexprs=(("BLOCK", GRAD_SCALE_BLOCK), ("INTERPRETED", False)),
+        num_warps=8,
+        num_stages=1,
+        meta=(("kind", "loss-grad-scale"), ("dtypes", f"in:{src},out:{dst}")),
+    )
+
+
 def _target_rows_text(dtype: str, out_dtype: str = "fp32", assign: bool = False) -> str:
     """The target-row kernels' module for ``dtype`` inputs and ``out_dtype`` rows (one
     rounding per row); ``assign``: each key's row is written, not added to."""

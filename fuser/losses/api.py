@@ -12,6 +12,7 @@ from fuser.codegen.loss_matmul import (
     WEIGHT_GRAD_TILES,
     Tiles,
     gradient_tiles,
+    render_grad_scale,
     render_loss_matmul,
     render_loss_scaled,
     render_scaled_terms,
@@ -773,6 +774,14 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     return CompiledLoss(rule, **options)
 
 
+def grad_scale_sources(dtype: str) -> list[KernelSource]:
+    """The kernels that multiply the gradients a forward took (``chunks`` and ``scaled``, not
+    for fp16 inputs) by ``grad_output`` in backward, for ``dtype`` inputs: ``grad_weight``
+    and ``grad_bias`` from fp32 into ``dtype``, ``grad_hidden`` in place (none for fp32,
+    which torch scales in place, nor fp16)."""
+    return [render_grad_scale("fp32", dtype), render_grad_scale(dtype, dtype)] if dtype == "bf16" else []
+
+
 def kernel_sources(
     rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
 ) -> list[KernelSource]:
@@ -790,12 +799,13 @@ def kernel_sources(
     kernel, rules whose gradient calls only exp and approx_tanh) and ``tiles`` is not given,
     and then again warp-specialised where their tiles allow it (``warp_specialized``: what
     sm_90 takes at small hidden sizes);
-    then the scaled schedule's per-token and gradient-term kernels), and last the kernels
+    then the scaled schedule's per-token and gradient-term kernels), then the kernels
     that add the target column's residue (``residue_sources``: 16-bit inputs) and, where
     ``tiles`` is not given, those that write a 16-bit ``grad_weight`` with it on sm_90
-    (``weight_grad_sources``); with ``vocab_parallel=True``, those a call with
-    ``process_group=`` launches: the staged sequence, the lean schedule's kernels and the
-    residue's."""
+    (``weight_grad_sources``), and last those that scale a forward's gradients by
+    ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
+    call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
+    the residue's and the gradients' scaling."""
     f = CompiledLoss(rule, **options)
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
@@ -808,6 +818,7 @@ def kernel_sources(
     residue = list(f.residue_sources(dtype))
     if residue and f.tiles is None:  # (sm_90 writes a 16-bit grad_weight with it: descriptors_pay)
         residue += f.weight_grad_sources(dtype)
+    residue += grad_scale_sources(dtype)
     if vocab_parallel:
         return [*staged, *lean, *residue]
     tokens = f.scaled_token_sources(dtype)

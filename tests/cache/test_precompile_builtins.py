@@ -54,10 +54,12 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys):
             # kernel and the residue's gather into grad_hidden: 16-bit inputs only; the
             # target-row kernels: fp32 rows from 16-bit inputs (the target column's residue),
             # from fp32 ones too (the scaled schedule's target term), and 16-bit rows from
-            # 16-bit inputs (the residue's rows written into a 16-bit grad_weight)
+            # 16-bit inputs (the residue's rows written into a 16-bit grad_weight); the
+            # gradients' scaling by grad_output: two for bf16 (fp32 in, bf16 in place)
             only16 = kernel.endswith(("_mm_grad_tma", "_mm_scaled_tma", "_mm_tile_sums_tma")) or kernel in (
                 "weight_grad_tma",
                 "target_rows_gather",
+                "grad_scale",
             )
             expected = {4} if kernel in ("ns_gram", "ns_poly") else {2} if only16 else {3}
             # the scaled schedule's kernels: not for fp16 inputs, which it refuses (its per-token

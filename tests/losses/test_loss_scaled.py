@@ -199,18 +199,21 @@ def test_all_ignored():
     assert float(loss) == 0.0 and not gx.any() and not gw.any()
 
 
-def test_row_kernel_takes_over_beyond_the_range(monkeypatch):
+@pytest.mark.parametrize("grad_out", [None, 0.8])
+def test_row_kernel_takes_over_beyond_the_range(monkeypatch, grad_out):
     # token 0's logit at column 5 is 150, ~150 above its target's: exp(z - z[y]) would
-    # overflow fp32
+    # overflow fp32. Backward scales the gradients by grad_output before it reads the range
+    # flag, and again after the rerun rewrote them.
     hidden, weight, _, target = make_inputs(bias=False, ignore="none")
     weight[5] = hidden[0] * (150 / hidden[0].dot(hidden[0]))
     target[0] = 6
     reruns = []
     monkeypatch.setattr(scaled.ScaledExp, "_rerun", _spy(scaled.ScaledExp._rerun, reruns))
     f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule="scaled")
-    got = run(f, hidden, weight, None, target)
+    go = None if grad_out is None else torch.tensor(grad_out)
+    got = run(f, hidden, weight, None, target, grad_out=go)
     assert reruns, "no chunk was out of the scaled schedule's range"
-    check(got, reference(fuser_ce, hidden, weight, None, target))
+    check(got, reference(fuser_ce, hidden, weight, None, target, grad_out=go))
 
 
 def fuser_ce(z, y):

@@ -9,6 +9,9 @@ import torch
 
 import fuser
 import fuser.losses
+from fuser.cache import load_kernel
+from fuser.codegen.loss_matmul import GRAD_SCALE_BLOCK, render_grad_scale
+from fuser.runtime.loss.chunked import dtype_name
 
 from .reference import (
     IGNORE,
@@ -367,7 +370,7 @@ def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_low_precision_inputs(dtype, reduction):
     hidden, weight, b, target = make_inputs(dtype)
-    grad_out = torch.rand(T) + 0.5 if reduction == "none" else None
+    grad_out = torch.rand(T) + 0.5 if reduction == "none" else torch.rand(()) + 0.5
     text, hyper, per_token = USER_RULES["softcap_zloss"]
     f = fuser.compile(fuser.loss(text, name="softcap_zloss", hyper=hyper), chunk_size=20)
     got = run(f, hidden, weight, b, target, reduction=reduction, grad_out=grad_out)
@@ -375,6 +378,23 @@ def test_low_precision_inputs(dtype, reduction):
         per_token, hidden, weight, b, target, reduction=reduction, grad_out=grad_out, round_logits_to=dtype
     )
     check(got, ref, TOL[dtype], dtype)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_grad_scale_kernel_rounds_the_product_once(src):
+    # the kernel that scales a forward's gradients by grad_output in backward: whole blocks
+    # and a ragged tail, fp32 into bf16 and bf16 in place, against the float64 product
+    n = 2 * GRAD_SCALE_BLOCK + 37
+    g = (torch.randn(n, dtype=torch.float64) * torch.rand(n, dtype=torch.float64) * 1e3).to(src)
+    go = torch.rand(1) + 0.5
+    ref = g.double() * go.double()
+    out = g.clone() if src == torch.bfloat16 else torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    kernel = load_kernel(render_grad_scale(dtype_name(src), "bf16"), g.device)
+    kernel((-(-n // GRAD_SCALE_BLOCK),), out if src == torch.bfloat16 else g, go, out, n)
+    # one rounding of the fp32 product to nearest even: torch's fp32 product cast to bf16,
+    # bit for bit, and within bf16's unit roundoff (2**-8) of the exact product
+    assert torch.equal(out, (g.float() * go).to(torch.bfloat16))
+    assert ((out.double() - ref).abs() <= (2.0**-8 + 2.0**-23) * ref.abs()).all()
 
 
 def test_bf16_target_gradient_is_rounded_once():

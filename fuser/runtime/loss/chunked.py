@@ -33,9 +33,12 @@ partials, combined across the group between sweeps.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from fuser.cache import load_kernel
+from fuser.codegen.loss_matmul import GRAD_SCALE_BLOCK, render_grad_scale
 from fuser.codegen.source import KernelSource
 
 MIB = 1 << 20
@@ -80,6 +83,27 @@ def processor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+class HostValue:
+    """A one-element device tensor's value for the host, copied where the stream reaches it
+    (into pinned memory, without waiting) so that ``read`` waits for that point of the
+    stream only, not for the work queued after it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.value = host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self.value = t
+
+    def read(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.value.item()
 
 
 def logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -289,21 +313,15 @@ class LinearLoss(torch.autograd.Function):
         if ctx.eager:
             if ctx.grads is None:
                 raise RuntimeError(_ONCE)
-            gx, gw, gb = ctx.grads
-            ctx.grads = None
-            resolve = getattr(ctx.run, "resolve", None)
-            if resolve is not None:  # the scaled schedule's range check, deferred to here
-                resolve()
-            go = grad_out.float()
-            if gx is not None:
-                gx.mul_(go)
-            if ctx.main_grad and gw is not None:
-                (weight,) = ctx.saved_tensors
-                weight.main_grad.addcmul_(gw, go)  # (one pass over the buffer and main_grad)
-                gw = main_grad_return(weight)
-            else:
-                gw = _scaled(gw, go, ctx.weight_dtype)
-            return gx, gw, _scaled(gb, go, ctx.bias_dtype), *_NO_GRADS
+            grads, ctx.grads = ctx.grads, None
+            resolve = getattr(ctx.run, "resolve", None)  # the scaled schedule's range check
+            if resolve is not None and ctx.main_grad:
+                resolve()  # (before anything is added into main_grad)
+                resolve = None
+            out = _eager_grads(ctx, grads, grad_out)
+            if resolve is not None and resolve():  # (read with the above queued: the GPU works on)
+                out = _eager_grads(ctx, grads, grad_out)  # (the rerun rewrote gx and gw)
+            return *out, *_NO_GRADS
         run = ctx.run
         x, weight, bias, target, *red = ctx.saved_tensors
         scale = _grad_scale(grad_out, ctx.reduction, ctx.count)
@@ -345,6 +363,23 @@ _ONCE = (
 )
 
 
+def _eager_grads(ctx, grads, grad_out) -> tuple:
+    """The gradients a forward computed, times ``grad_output``: ``grad_hidden`` in place,
+    ``grad_weight`` rounded to the weight's dtype (or added into its ``main_grad``),
+    ``grad_bias`` to the bias's."""
+    gx, gw, gb = grads
+    go = grad_out.float()
+    if gx is not None:
+        _scaled(gx, go, gx.dtype)
+    if ctx.main_grad and gw is not None:
+        (weight,) = ctx.saved_tensors
+        weight.main_grad.addcmul_(gw, go)  # (one pass over the buffer and main_grad)
+        gw = main_grad_return(weight)
+    else:
+        gw = _scaled(gw, go, ctx.weight_dtype)
+    return gx, gw, _scaled(gb, go, ctx.bias_dtype)
+
+
 def _grad_scale(grad_out: torch.Tensor, reduction: str, count: int) -> torch.Tensor:
     """fp32 factor of each token's ``d loss / d logits``: one value, or one per token."""
     go = grad_out.float()
@@ -360,12 +395,24 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scaled(g: torch.Tensor | None, go: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """``g * go`` in ``dtype``: in place for fp32, else one pass reading fp32, writing ``dtype``."""
+    """``g * go`` in ``dtype`` (``go``: one fp32 value on the device): in place for fp32, else
+    by the ``grad_scale`` kernel, one pass reading ``g`` and writing ``dtype`` (in place where
+    ``g`` has it already), rounded once. ``g`` is a gradient the forward allocated: whole,
+    contiguous and 16-byte aligned, as the kernel takes it."""
     if g is None:
         return None
-    if g.dtype == dtype:
+    if g.dtype == dtype == torch.float32:
         return g.mul_(go)
-    return torch.mul(g, go, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    out = g if g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
+    if g.numel():
+        kernel = _grad_scale_kernel(dtype_name(g.dtype), dtype_name(dtype), g.device)
+        kernel((-(-g.numel() // GRAD_SCALE_BLOCK),), g, go.reshape(1), out, g.numel())
+    return out
+
+
+@cache
+def _grad_scale_kernel(src: str, dst: str, device: torch.device):
+    return load_kernel(render_grad_scale(src, dst), device)
 
 
 def main_grad_return(weight: torch.Tensor):

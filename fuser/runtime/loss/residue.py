@@ -28,7 +28,7 @@ import torch
 from fuser.cache import load_kernel
 from fuser.codegen.loss_matmul import TERM_BLOCK
 from fuser.codegen.source import KernelSource
-from fuser.runtime.loss.chunked import BLOCK_BUDGET, processor_count, product_fp32
+from fuser.runtime.loss.chunked import BLOCK_BUDGET, HostValue, processor_count, product_fp32
 
 
 class KeyRuns:
@@ -48,13 +48,15 @@ class KeyRuns:
         self.slot = torch.cumsum(long_piece & (self.key < n_keys), 0) - 1
         self.pieces_rows = 2 * -(-n // piece)
         self.counted = False
+        self._last = HostValue(self.slot[-1]) if n else None  # (count_pieces reads it)
 
     def count_pieces(self) -> None:
-        """``pieces_rows`` as the pieces there are, at least 1, in place of the bound (one
-        host read, the first time: the bound takes 4 MiB at 8192 tokens of 4096, where most
-        calls have no run that long)."""
+        """``pieces_rows`` as the pieces there are, at least 1, in place of the bound (the
+        bound takes 4 MiB at 8192 tokens of 4096, where most calls have no run that long):
+        a host read the first time, of the count copied when the runs were found, so it
+        waits for that point of the stream, not for the work queued since."""
         if not self.counted:
-            self.pieces_rows = max(1, int(self.slot[-1]) + 1) if self.slot.numel() else 1
+            self.pieces_rows = max(1, int(self._last.read()) + 1) if self._last is not None else 1
             self.counted = True
 
     def positions(self, edges: list[int]) -> list[int]:

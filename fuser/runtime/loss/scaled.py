@@ -33,9 +33,11 @@ schedule runs, with every per-token value computed in generated kernels
 The kernel forms ``E`` as ``exp(a(z) - m) * exp(m - ref)`` with ``m`` each tile's maximum
 of ``a(z)`` per token, and keeps the sum of ``exp(a(z) - m)`` and ``m``: the logsumexp, so
 the loss, is exact whatever the logits. A token beyond the gradient's range (``r - ref``
-over ``MAX_SPREAD``) is flagged on the device; backward reads the flag (``resolve``, the
-one host read, once the forward's work is queued) and, if any token was flagged, takes the
-gradients again with the row kernel (``Chunked``).
+over ``MAX_SPREAD``) is flagged on the device and copied for the host at the end of the
+forward; backward reads it (``resolve``, the one host read, after queuing the gradients'
+scaling by ``grad_output``, so that the GPU works on while the host waits) and, if any token
+was flagged, takes the gradients again with the row kernel (``Chunked``) and scales them
+again.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from fuser.codegen.loss_matmul import (
 )
 from fuser.runtime.loss.chunked import (
     Chunked,
+    HostValue,
     accumulate_mm,
     accumulate_weight_grad,
     logits_buffer,
@@ -158,19 +161,23 @@ class ScaledExp:
         if gw is not None:
             self._weight_terms(x, target, live, coef, gw)
         spread = red[:, self.layout.red_cols[self.form.lse]] - ref
-        out_of_range = (live & ~(spread <= MAX_SPREAD)).any()
+        out_of_range = HostValue((live & ~(spread <= MAX_SPREAD)).any())
         self._pending = (out_of_range, x, weight, target, scale, gx, gw)
 
-    def resolve(self) -> None:
-        """Check the range of the gradients computed in the last ``run`` (one host read, in
-        backward, when the forward's work is queued or done): if a token was beyond
-        ``MAX_SPREAD``, take them again with the row kernel. The loss is right either way."""
+    def resolve(self) -> bool:
+        """Check the range of the gradients computed in the last ``run`` (a host read of a
+        flag copied at the end of ``run``: it waits for the forward's work, not for what
+        backward queued since): if a token was beyond ``MAX_SPREAD``, take them again with
+        the row kernel into the same ``gx`` and ``gw`` and return True. The loss is right
+        either way."""
         if self._pending is None:
-            return
+            return False
         out_of_range, x, weight, target, scale, gx, gw = self._pending
         self._pending = None
-        if bool(out_of_range):
-            self._rerun(x, weight, target, scale, gx, gw)
+        if not out_of_range.read():
+            return False
+        self._rerun(x, weight, target, scale, gx, gw)
+        return True
 
     def _forward(self, xc, weight, y, red, ref, part, e_buf, coef, factor) -> None:
         """The chunk's ``E`` into ``e_buf``, its reductions into ``red`` and its ``s``, ``B``,
