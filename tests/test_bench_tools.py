@@ -1,5 +1,6 @@
-"""The benchmark suite's CPU-side tools: latest.json from recorded result files, and the
-scaling plot (when matplotlib is installed)."""
+"""The benchmark suite's CPU-side tools: latest.json from recorded result files, the
+scaling plot (when matplotlib is installed), the CPU smoke runs of the benchmarks that have
+one, and the Gluon probe's ahead-of-time compile."""
 
 import json
 import os
@@ -152,3 +153,17 @@ def test_state_bench_smoke_runs_on_cpu(tmp_path):
     meta = recorded["meta"]
     assert {"date", "device", "torch", "triton", "versions", "copy_TBps", "command"} <= set(meta)
     assert (tmp_path / result.name.replace(".json", ".md")).read_text().count("| adamw_q8_llama1b |") == 2
+
+
+def test_gluon_probe_compiles_its_kernels_for_sm90_on_cpu():
+    # the Gluon probe's kernels, compiled ahead of time: the ping-pong kernel has its two
+    # warp-specialised partitions and wgmma, and none spills
+    script = os.path.join(ROOT, "benchmarks", "loss_gluon_probe.py")
+    done = subprocess.run([sys.executable, script, "--compile-only"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    kinds = {r["variant"].split("_")[0] for r in rows}
+    assert kinds == {"pingpong", "persistent"} and len(rows) == 4
+    for r in rows:
+        assert r["wgmma"] > 0 and r["spill_bytes"] == 0, r
+        assert r["ws_partitions"] == (2 if r["variant"].startswith("pingpong") else 0), r
