@@ -33,9 +33,10 @@ from fuser.runtime.loss.chunked import BLOCK_BUDGET, HostValue, processor_count,
 
 class KeyRuns:
     """Tokens sorted by key (``n_keys`` for a token without one; ties in token order) and
-    the runs of one key: what the target-row kernels read. ``piece``: the kernels' ``L``."""
+    the runs of one key: what the target-row kernels read. ``piece``: the kernels' ``L``;
+    ``count``: copy the count of pieces for the host now, for ``count_pieces``."""
 
-    def __init__(self, keys: torch.Tensor, n_keys: int, piece: int):
+    def __init__(self, keys: torch.Tensor, n_keys: int, piece: int, count: bool = False):
         n = keys.shape[0]
         self.n_keys = n_keys
         self.key, self.order = torch.sort(keys, stable=True)
@@ -48,15 +49,20 @@ class KeyRuns:
         self.slot = torch.cumsum(long_piece & (self.key < n_keys), 0) - 1
         self.pieces_rows = 2 * -(-n // piece)
         self.counted = False
-        self._last = HostValue(self.slot[-1]) if n else None  # (count_pieces reads it)
+        self._last = HostValue(self.slot[-1]) if n and count else None  # (count_pieces reads it)
 
     def count_pieces(self) -> None:
         """``pieces_rows`` as the pieces there are, at least 1, in place of the bound (the
         bound takes 4 MiB at 8192 tokens of 4096, where most calls have no run that long):
-        a host read the first time, of the count copied when the runs were found, so it
-        waits for that point of the stream, not for the work queued since."""
+        a host read the first time; of the count copied when the runs were found where
+        ``count`` asked for it, so that it waits for that point of the stream, not for the
+        work queued since."""
         if not self.counted:
-            self.pieces_rows = max(1, int(self._last.read()) + 1) if self._last is not None else 1
+            if self._last is not None:
+                last = self._last.read()
+            else:
+                last = int(self.slot[-1]) if self.slot.numel() else -1
+            self.pieces_rows = max(1, last + 1)
             self.counted = True
 
     def positions(self, edges: list[int]) -> list[int]:
@@ -74,8 +80,8 @@ class TargetRows:
         self.pieces, self.run_sums = load_kernel(pieces, device), load_kernel(runs, device)
         self.piece = dict(pieces.constexprs)["L"]
 
-    def runs(self, keys: torch.Tensor, n_keys: int) -> KeyRuns:
-        return KeyRuns(keys, n_keys, self.piece)
+    def runs(self, keys: torch.Tensor, n_keys: int, count: bool = False) -> KeyRuns:
+        return KeyRuns(keys, n_keys, self.piece, count)
 
     def add(self, out, x, coef, runs: KeyRuns, lo: int = 0, hi: int | None = None, key0: int = 0) -> None:
         """The rows of the tokens at sorted positions ``[lo, hi)`` (every key of them whole),
@@ -166,8 +172,8 @@ class Residue:
         ok = (target != self.ignore_index) & (y >= 0) & (y < n_cols)
         return torch.where(ok, y, n_cols)
 
-    def runs(self, target, col_offset: int, n_cols: int) -> KeyRuns:
-        return self.rows.runs(self.local(target, col_offset, n_cols), n_cols)
+    def runs(self, target, col_offset: int, n_cols: int, count: bool = False) -> KeyRuns:
+        return self.rows.runs(self.local(target, col_offset, n_cols), n_cols, count)
 
     def hidden(self, resid, weight, target, col_offset: int, out: torch.Tensor) -> None:
         """``resid[t] * W[y_t]`` added to the fp32 ``out`` (``[T, H]``)."""
@@ -198,7 +204,7 @@ class SliceTerms:
         self.residue = residue
         self.resid = residue.buffer(x.shape[0], x.device)
         self.target, self.col_offset = target, col_offset
-        self.runs = residue.runs(target, col_offset, n_cols)
+        self.runs = residue.runs(target, col_offset, n_cols, count=True)  # (WeightGrad counts)
         self.rows = max(1, BLOCK_BUDGET // max(4 * x.shape[1], 1))
         self.n_cols, self.cols = n_cols, cols
         self.at = self.flag = None
