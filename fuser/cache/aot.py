@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -126,8 +127,52 @@ def compile_function(source: KernelSource, fn, target: str) -> tuple[bytes, byte
             raise CompileError(f"kernel {source.entry} does not compile for {target}: {_one_line(e)}") from e
         metadata = Path(compiled.metadata_group[f"{compiled.name}.json"]).read_bytes()
         binary = compiled.asm["cubin"]
+        overflow = packed_thread_shift(compiled.asm.get("llir", ""), 32 * source.num_warps)
+    if overflow:
+        raise CompileError(
+            f"kernel {source.entry} does not compile correctly for {target} with {source.num_warps} warps: "
+            f"{overflow}; launch it in another shape (for a step kernel: FUSER_OPTIM_SUB, FUSER_OPTIM_WARPS "
+            "or FUSER_OPTIM_QBLOCK)"
+        )
     json.loads(metadata)  # a metadata file that does not parse must not reach the store
     return binary, metadata
+
+
+_TID = re.compile(r"(%[\w.]+) = (?:tail )?call i32 @llvm\.nvvm\.read\.ptx\.sreg\.tid\.x\(\)")
+_AND = re.compile(r"(%[\w.]+) = and i32 (%[\w.]+), (\d+)")
+_LANE = re.compile(r"(%[\w.]+) = insertelement <2 x i32> (poison|%[\w.]+), i32 (%[\w.]+), i64 ([01])")
+_SHL = re.compile(r"= shl nuw(?: nsw)? <2 x i32> (%[\w.]+), <i32 (\d+), i32 (\d+)>")
+
+
+def packed_thread_shift(llir: str, threads: int) -> str:
+    """Why a kernel's LLVM IR would be miscompiled by the NVPTX backend that Triton 3.6
+    bundles, or ``""``: a ``shl nuw`` of two packed 32-bit lanes, one of them the thread
+    index (or the index masked by ``and``) shifted so far that it overflows for the block's
+    ``threads`` (a lane whose value is unused, so LLVM may leave it poison). The backend
+    lowers the pair as one 64-bit value (``mul.wide.u32`` of the index, the other lane
+    shifted into the high word), so the overflowing lane's high bits land in the other one:
+    per-thread offsets come out wrong. On an H100 that read "misaligned address" at the
+    8-byte loads of a step's 8-bit states with 1024 elements a pass over 4 warps (32-element
+    scale blocks); the same IR comes with 512 over 2 warps and 16-element blocks."""
+    if "shl nuw" not in llir:
+        return ""
+    largest = {name: threads - 1 for name in _TID.findall(llir)}  # of the index and its masks
+    for name, value, mask in _AND.findall(llir):
+        if value in largest:
+            largest[name] = min(largest[value], int(mask))
+    lanes: dict[str, list] = {}
+    for name, prev, value, lane in _LANE.findall(llir):
+        pair = list(lanes.get(prev, [None, None]))
+        pair[int(lane)] = value
+        lanes[name] = pair
+    for vec, *shifts in _SHL.findall(llir):
+        for value, shift in zip(lanes.get(vec, ()), shifts):
+            if value in largest and int(shift) < 32 and largest[value] << int(shift) >= 1 << 32:
+                return (
+                    f"a packed shift of the thread index by {shift} overflows 32 bits for {threads} "
+                    "threads, which this Triton's NVPTX backend lets into the other lane"
+                )
+    return ""
 
 
 def _one_line(e: BaseException) -> str:

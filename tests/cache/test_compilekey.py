@@ -170,3 +170,35 @@ def test_compiling_never_reaches_tritons_driver(cache_root, monkeypatch):
     for source in sources:
         _compile(source)
     assert touched == []
+
+
+PACKED = """
+  %7 = tail call i32 @llvm.nvvm.read.ptx.sreg.tid.x(), !dbg !9
+  %8 = and i32 %7, 127, !dbg !9
+  %9 = insertelement <2 x i32> poison, i32 %7, i64 0, !dbg !9
+  %10 = insertelement <2 x i32> %9, i32 %8, i64 1, !dbg !9
+  %11 = shl nuw nsw <2 x i32> %10, <i32 {shift}, i32 3>, !dbg !9
+"""
+
+
+@pytest.mark.parametrize(
+    "shift, threads, flagged",
+    [(31, 128, True), (31, 64, True), (26, 128, True), (25, 128, False), (15, 64, False), (63, 128, False)],
+)
+def test_a_packed_shift_of_the_thread_index_that_overflows_is_named(shift, threads, flagged):
+    # (threads - 1) << shift past 32 bits: the NVPTX lowering of the pair as one 64-bit
+    # value carries it into the other lane. A shift of 32 or more is poison that the
+    # backend drops (no wrong lane), and a shift that fits leaves the other lane alone.
+    why = aot.packed_thread_shift(PACKED.format(shift=shift), threads)
+    assert bool(why) == flagged
+    if flagged:
+        assert f"by {shift} overflows 32 bits for {threads} threads" in why
+
+
+def test_a_packed_shift_of_a_masked_index_is_named_and_of_another_value_is_not():
+    masked = PACKED.replace("i32 %7, i64 0", "i32 %8, i64 0").format(shift=26)
+    assert "by 26 overflows 32 bits for 1024 threads" in aot.packed_thread_shift(masked, 1024)  # (%8 <= 127)
+    assert aot.packed_thread_shift(masked.replace("and i32 %7, 127", "and i32 %7, 63"), 1024) == ""
+    argument = PACKED.replace("i32 %7, i64 0", "i32 %0, i64 0").format(shift=31)
+    assert aot.packed_thread_shift(argument, 128) == ""  # (a value of unknown range)
+    assert aot.packed_thread_shift(PACKED.format(shift=31).replace(" nuw nsw", ""), 128) == ""

@@ -18,6 +18,7 @@ from test_reductions import check_centered_step, fresh, lamb_reference, set_grad
 
 import fuser
 from fuser.cache import precompile
+from fuser.cache.errors import CompileError
 from fuser.cache.keys import entry_key
 from fuser.codegen.render import COMPRESSED_MAX_REGISTERS
 from fuser.optim import builtins
@@ -241,3 +242,25 @@ def test_8bit_step_kernels_compile_within_their_register_cap(monkeypatch):
     assert entry_key(lifted).digest != entry_key(capped).digest
     (result,) = precompile([capped], ["cuda:90"])
     assert _registers(result.binary) <= COMPRESSED_MAX_REGISTERS
+
+
+@pytest.mark.skipif(triton.__version__ != "3.6.0", reason="the shapes Triton 3.6's NVPTX backend miscompiles")
+@pytest.mark.parametrize("sub, warps, qblock", [(1024, 4, 32), (512, 2, 16)])
+def test_8bit_launch_shapes_that_triton_miscompiles_are_refused(monkeypatch, sub, warps, qblock):
+    # With these shapes the per-thread offsets of the 8-bit codes pass through a packed
+    # shift whose unused lane (the thread index << 31) overflows into the used one: on an
+    # H100, "misaligned address" at the codes' 8-byte loads. The compile refuses the kernel
+    # for every target and stores no binary (a second try compiles and refuses again); the
+    # same pass over twice the warps compiles.
+    monkeypatch.setenv("FUSER_OPTIM_SUB", str(sub))
+    monkeypatch.setenv("FUSER_OPTIM_WARPS", str(warps))
+    monkeypatch.setenv("FUSER_OPTIM_QBLOCK", str(qblock))
+    (source,) = kernel_sources(builtins.adamw, "bf16", state_dtype="q8")
+    why = f"packed shift of the thread index by 31 .* {32 * warps} threads"
+    for target in ("cuda:80", "cuda:90", "cuda:90"):
+        with pytest.raises(CompileError, match=why):
+            precompile([source], [target])
+    monkeypatch.setenv("FUSER_OPTIM_WARPS", str(warps * 2))
+    (wider,) = kernel_sources(builtins.adamw, "bf16", state_dtype="q8")
+    (result,) = precompile([wider], ["cuda:90"])
+    assert result.binary.exists()
