@@ -67,51 +67,51 @@ def products(cfg: str) -> list[dict]:
     gw = torch.zeros(v, h, device=dev, dtype=torch.float32)
     spans = [(s, min(s + c, t)) for s in range(0, t, c)]
 
-    def chunked_logits():
-        for s, e in spans:
-            torch.mm(x[s:e], w.t(), out=zc[: e - s])
+    def logits_at(s, e):
+        torch.mm(x[s:e], w.t(), out=zc[: e - s])
 
-    def chunked_dx():
-        for s, e in spans:
-            dxc[: e - s].zero_()
-            accumulate_mm(dxc[: e - s], dz[s:e], w)
+    def dx_at(s, e):
+        dxc[: e - s].zero_()
+        accumulate_mm(dxc[: e - s], dz[s:e], w)
 
-    def chunked_dw():
-        for s, e in spans:
-            accumulate_mm(gw, dz[s:e].t(), x[s:e])
+    def dw_at(s, e):
+        accumulate_mm(gw, dz[s:e].t(), x[s:e])
 
-    def chunked_three():  # (as the schedule orders them: each chunk's three in turn)
-        for s, e in spans:
-            torch.mm(x[s:e], w.t(), out=zc[: e - s])
-            dxc[: e - s].zero_()
-            accumulate_mm(dxc[: e - s], dz[s:e], w)
-            accumulate_mm(gw, dz[s:e].t(), x[s:e])
+    def chunks(*parts):  # (each chunk's parts in turn, as the schedule orders them)
+        def run():
+            for s, e in spans:
+                for part in parts:
+                    part(s, e)
 
-    def chunked_four():  # (the logits again before the gradients, as a lean schedule)
-        for s, e in spans:
-            torch.mm(x[s:e], w.t(), out=zc[: e - s])
-        chunked_three()
+        return run
+
+    def whole_logits():
+        torch.mm(x, w.t())
 
     def whole_three():
-        torch.mm(x, w.t())
+        whole_logits()
         torch.mm(dz, w)
         torch.mm(dz.t(), x)
 
     def whole_four():
-        torch.mm(x, w.t())
+        whole_logits()
         whole_three()
 
+    def chunked_four():  # (the logits of every chunk again before the gradients, as a lean schedule)
+        chunks(logits_at)()
+        chunks(logits_at, dx_at, dw_at)()
+
     forms = {
-        ("logits", "whole, bf16 out"): lambda: torch.mm(x, w.t()),
-        ("logits", f"chunks of {c}, bf16 out"): chunked_logits,
+        ("logits", "whole, bf16 out"): whole_logits,
+        ("logits", f"chunks of {c}, bf16 out"): chunks(logits_at),
         ("dX", "whole, bf16 out"): lambda: torch.mm(dz, w),
         ("dX", "whole, fp32 out"): lambda: torch.mm(dz, w, out_dtype=torch.float32),
-        ("dX", f"chunks of {c}, fp32 out"): chunked_dx,
+        ("dX", f"chunks of {c}, fp32 out"): chunks(dx_at),
         ("dW", "whole, bf16 out"): lambda: torch.mm(dz.t(), x),
         ("dW", "whole, fp32 out"): lambda: torch.mm(dz.t(), x, out_dtype=torch.float32),
-        ("dW", f"chunks of {c}, added to fp32"): chunked_dw,
+        ("dW", f"chunks of {c}, added to fp32"): chunks(dw_at),
         ("all three", "whole, bf16 out, back to back"): whole_three,
-        ("all three", f"chunks of {c}, each chunk's three in turn"): chunked_three,
+        ("all three", f"chunks of {c}, each chunk's three in turn"): chunks(logits_at, dx_at, dw_at),
         ("all four", "whole, bf16 out, back to back"): whole_four,
         ("all four", f"chunks of {c}, the logits of every chunk, then each chunk's three"): chunked_four,
     }
