@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-all lint format docs bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,7 +20,10 @@ demo: $(STAMP)
 	$(PYTHON) examples/demo.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n logical
+	$(PYTHON) -m pytest -q -n logical --durations=20
+
+test-all: $(STAMP)  # every item of every sweep (tests/README.md): an hour or more on two cores
+	FUSER_TEST_ALL=1 $(PYTHON) -m pytest -q -n logical --durations=20
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check fuser tests examples benchmarks

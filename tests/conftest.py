@@ -158,9 +158,54 @@ def device() -> torch.device:
 
 
 def pytest_collection_modifyitems(config, items):
+    _keep_sweep_slices(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- sweeps: expensive exhaustive parametrizations, a slice per run ------------------------
+ALL_ENV = "FUSER_TEST_ALL"
+
+
+def sweep_all() -> bool:
+    """Whether this run takes every item of every sweep (``make test-all``)."""
+    return os.environ.get(ALL_ENV, "") not in ("", "0")
+
+
+def sweep_slice(items: list, runs: int, session: int) -> list:
+    """The items of a sweep that a run with session seed ``session`` takes: those whose
+    index ``i`` has ``(i + session) % runs == 0``. Any ``runs`` consecutive seeds take every
+    item once; ``FUSER_TEST_ALL=1`` takes them all."""
+    if sweep_all() or runs <= 1:
+        return list(items)
+    return [x for i, x in enumerate(items) if (i + session) % runs == 0]
+
+
+def _keep_sweep_slices(config, items):
+    """Deselects, for each test marked ``sweep(runs=K)``, the parametrizations outside this
+    run's slice (by the sorted ids of that test's cases, without the flake hunt's seeds)."""
+    groups: dict[str, list] = {}
+    for item in items:
+        mark = item.get_closest_marker("sweep")
+        if mark is not None:
+            groups.setdefault(item.nodeid.split("[")[0], []).append(item)
+    dropped = []
+    for group in groups.values():
+        runs = group[0].get_closest_marker("sweep").kwargs["runs"]
+        ids = sorted({_base_nodeid(item) for item in group})
+        kept = set(sweep_slice(ids, runs, session_seed(config)))
+        dropped += [item for item in group if _base_nodeid(item) not in kept]
+    if dropped:
+        gone = set(dropped)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in gone]
+
+
+@pytest.fixture
+def sweep(request):
+    """``sweep(items, runs)``: this run's slice of a sweep inside one test (see sweep_slice)."""
+    return lambda items, runs: sweep_slice(list(items), runs, session_seed(request.config))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from childenv import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -24,7 +25,7 @@ def test_latest_json_rows_from_recorded_results(tmp_path):
     ]
     out = tmp_path / "latest.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latest.py"), *files, "--out", str(out)],
-                   check=True, capture_output=True)  # fmt: skip
+                   check=True, capture_output=True, env=child_env())  # fmt: skip
     rows = json.loads(out.read_text())
     by = {(r["workload"], r["impl"]): r for r in rows}
     for r in rows:
@@ -47,7 +48,7 @@ def test_latest_json_keeps_the_option_rows_and_skips_failed_anchors(tmp_path):
         recorded = json.load(f)["rows"]
     out = tmp_path / "latest.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latest.py"), src, "--out", str(out)],
-                   check=True, capture_output=True)  # fmt: skip
+                   check=True, capture_output=True, env=child_env())  # fmt: skip
     by = {(r["workload"], r["impl"]): r for r in json.loads(out.read_text())}
     options = [r for r in recorded if "option" in r]
     assert options
@@ -69,13 +70,15 @@ def test_scaling_plot(tmp_path):
     meta = dict(date="2026-11-22", device="test", torch="t", triton="t")
     src = tmp_path / "scaling.json"
     src.write_text(json.dumps(dict(meta=meta, rows=rows)))
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), str(src)], check=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), str(src)], check=True, env=child_env()
+    )
     png = tmp_path / "scaling.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     script = os.path.join(ROOT, "benchmarks", "shaped_bench.py")
     cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -96,7 +99,7 @@ def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
 
 
 def test_muon_bench_smoke_runs_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     script = os.path.join(ROOT, "benchmarks", "muon_bench.py")
     cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -116,7 +119,7 @@ def test_muon_bench_smoke_runs_on_cpu(tmp_path):
 
 
 def test_state_bench_smoke_runs_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     script = os.path.join(ROOT, "benchmarks", "state_bench.py")
     cmd = [sys.executable, script, "--cpu-smoke", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -159,7 +162,9 @@ def test_gluon_probe_compiles_its_kernels_for_sm90_on_cpu():
     # the Gluon probe's kernels, compiled ahead of time: the ping-pong kernel has its two
     # warp-specialised partitions and wgmma, and none spills
     script = os.path.join(ROOT, "benchmarks", "loss_gluon_probe.py")
-    done = subprocess.run([sys.executable, script, "--compile-only"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, script, "--compile-only"], capture_output=True, text=True, env=child_env()
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     kinds = {r["variant"].split("_")[0] for r in rows}

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from childenv import child_env
 
 import fuser
 from fuser import cli, clitools
@@ -397,9 +398,7 @@ def test_permission_error_is_one_clear_line(cache_root, fake, rules_file, capsys
 
 
 def _env(cache_root):
-    env = dict(os.environ, FUSER_CACHE_DIR=str(cache_root))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests" / "cache"), env.get("PYTHONPATH", "")])
-    return env
+    return child_env(cache=cache_root, path=(REPO / "tests" / "cache",))
 
 
 def test_python_dash_m(cache_root, tmp_path):

@@ -3,7 +3,6 @@ kernel source (found by IPython's own formatter, for classes and instances), Rul
 shown as one message with a caret."""
 
 import io
-import os
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import sympy
 import torch
-from IPython.core.formatters import DisplayFormatter
+from childenv import child_env
 
 import fuser
 from fuser.cache import entry_key
@@ -21,6 +20,12 @@ from fuser.optim import kernel_sources
 from fuser.optim.builtins import adamw as builtin_adamw
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _formatter():
+    """IPython's own display formatter (the notebook displays' tests skip without IPython)."""
+    return pytest.importorskip("IPython.core.formatters").DisplayFormatter()
+
 
 ADAMW = fuser.rule(
     """
@@ -132,8 +137,7 @@ def test_cache_key_is_the_one_the_cache_stores(tmp_path):
     `fuser cache explain KEY` finds it."""
     cls = fuser.compile(ADAMW)
     key = re.search(r"cache key ([0-9a-f]{64})", explained(cls)).group(1)
-    env = dict(os.environ, FUSER_CACHE_DIR=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env(cache=tmp_path)
     step = (
         "import torch, fuser; from tests.test_explain import ADAMW; "
         "p = torch.nn.Parameter(torch.randn(9)); p.grad = torch.randn(9); "
@@ -173,7 +177,7 @@ def test_traced_rule_explained_from_its_function():
 
 # LaTeX -------------------------------------------------------------------------------
 def latex_rows(rule) -> list[str]:
-    tex = DisplayFormatter().format(rule)[0]["text/latex"]
+    tex = _formatter().format(rule)[0]["text/latex"]
     assert tex.startswith("$$\\begin{aligned}") and tex.endswith("\\end{aligned}$$")
     assert tex.count("{") == tex.count("}")
     body = tex[len("$$\\begin{aligned}") : -len("\\end{aligned}$$")]
@@ -231,7 +235,7 @@ def test_traced_rule_latex_primes_its_outputs():
 
 # HTML --------------------------------------------------------------------------------
 def html_of(obj) -> str:
-    data = DisplayFormatter().format(obj)[0]
+    data = _formatter().format(obj)[0]
     assert "text/html" in data, f"IPython finds no HTML for {obj!r}"
     return data["text/html"]
 

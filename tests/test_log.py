@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from childenv import child_env
 
 
 def test_fuser_log_reports_table_rebuilds():
@@ -15,7 +16,7 @@ def test_fuser_log_reports_table_rebuilds():
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**__import__("os").environ, "FUSER_LOG": "info"},
+        env=child_env(FUSER_LOG="info"),
         capture_output=True,
         text=True,
         check=True,

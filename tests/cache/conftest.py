@@ -1,7 +1,7 @@
-import os
 from pathlib import Path
 
 import pytest
+from childenv import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -22,7 +22,4 @@ def cache_root(tmp_path, monkeypatch):
 @pytest.fixture
 def subprocess_env(cache_root):
     """Environment for a child Python that imports fuser and the test kernels."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
-    env["FUSER_CACHE_DIR"] = str(cache_root)
-    return env
+    return child_env(cache=cache_root, path=(HERE,))

@@ -84,6 +84,8 @@ RULES["muon"] = fuser.rule(
 )
 
 
+# 40 cases of 2-20 s each: a quarter a run (tests/README.md, sweeps), every case in 4 runs.
+@pytest.mark.sweep(runs=4)
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize(

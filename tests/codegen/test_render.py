@@ -1,11 +1,11 @@
 """Rendering: deterministic text, the rule quoted on top, hoisting, the printer's table."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import sympy
+from childenv import child_env
 
 import fuser
 from fuser.codegen.printer import TritonPrinter
@@ -48,7 +48,7 @@ def test_rendering_is_byte_identical_across_processes():
     )
     digests = set()
     for seed in ("0", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
+        env = child_env(PYTHONHASHSEED=seed)
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )

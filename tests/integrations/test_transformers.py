@@ -1,7 +1,6 @@
 """fuser in a Hugging Face Trainer: a tiny randomly initialised Llama (built from a config,
 nothing downloaded) trained on CPU, with fuser optimizers beside the Trainer's own AdamW."""
 
-import os
 import re
 import subprocess
 import sys
@@ -9,11 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from childenv import child_env
 from seeds import session_seed
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import fuser
 from fuser.integrations.transformers import trainer_optimizers
+
+transformers = pytest.importorskip("transformers")
+LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+Trainer, TrainingArguments = transformers.Trainer, transformers.TrainingArguments
 
 VOCAB = 96
 STEPS = 4
@@ -194,8 +197,7 @@ def test_checkpoint_resume_restores_fuser_state(tmp_path):
 def test_example_script(tmp_path):
     """examples/hf_trainer.py, run as a new user runs it."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     done = subprocess.run(
         [sys.executable, str(root / "examples" / "hf_trainer.py"), "--steps", "10"],
         capture_output=True,

@@ -6,10 +6,13 @@ through a recording stand-in, the numbers through fuser's fused cross-entropy.""
 import pytest
 import torch
 from seeds import case_seed
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import fuser
 from fuser.integrations.transformers import use_fused_loss
+
+transformers = pytest.importorskip("transformers")
+LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+Trainer, TrainingArguments = transformers.Trainer, transformers.TrainingArguments
 
 VOCAB = 80
 

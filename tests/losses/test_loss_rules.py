@@ -1,12 +1,12 @@
 """Loss rules: checks with RuleError, the traced form, the derived gradient, rendering."""
 
 import hashlib
-import os
 import subprocess
 import sys
 
 import pytest
 import sympy
+from childenv import child_env
 
 import fuser
 import fuser.losses
@@ -121,7 +121,7 @@ def test_rendering_is_byte_identical_across_processes():
     )
     outs = set()
     for seed in ("0", "4242"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
+        env = child_env(PYTHONHASHSEED=seed)
         outs.add(
             subprocess.run(
                 [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
