@@ -36,6 +36,8 @@ def compile_for(source, capability):
     return result.binary.read_bytes()
 
 
+# (a quarter of the cases a run: tests/README.md, sweeps)
+@pytest.mark.sweep(runs=4)
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(RULES))
