@@ -1,5 +1,6 @@
 """The README's and the docs' snippets stay true: each block marked ``<!-- tested: exec -->``
-runs as written (``sh`` blocks in bash, from a folder beside the examples), and each marked
+runs as written (``sh`` blocks in bash, from a folder beside the examples; a ``text`` block
+marked ``<!-- tested: output -->`` right after one is what it prints), and each marked
 ``<!-- tested: FILE#REGION -->`` is, word for word, the region of an example file that its
 own test runs. The performance table (README, docs/performance.md) is the one
 ``docs/perf_plot.py`` prints from the benchmark results."""
@@ -17,13 +18,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TEXT = {p.relative_to(ROOT).as_posix(): p.read_text() for p in PAGES}
-BLOCK = re.compile(r"<!-- tested: (\S+) -->\n```(python|sh)\n(.*?)```", re.S)
+BLOCK = re.compile(r"<!-- tested: (\S+) -->\n```(python|sh|text)\n(.*?)```", re.S)
 # (page, target, code) of every tested block, in page order.
 FOUND = [
     (page, target, lang, code) for page, text in TEXT.items() for target, lang, code in BLOCK.findall(text)
 ]
 BLOCKS = [(page, target, code) for page, target, lang, code in FOUND if lang == "python"]
 SHELL = [(page, code) for page, target, lang, code in FOUND if lang == "sh" and target == "sh"]
+# What an exec block prints, where the next tested block is its output.
+PRINTS = {
+    (page, code): nxt[3]
+    for (page, target, lang, code), nxt in zip(FOUND, FOUND[1:])
+    if target == "exec" and nxt[1] == "output" and nxt[0] == page
+}
 
 
 def _id(page: str, code: str) -> str:
@@ -44,6 +51,8 @@ def test_every_page_has_its_tested_snippets():
     for page, text in TEXT.items():
         assert text.count("<!-- tested: ") == len(BLOCK.findall(text)), f"{page}: a marker without its block"
     assert len(BLOCKS) + len(SHELL) >= 15
+    outputs = [b for b in FOUND if b[1] == "output"]
+    assert len(outputs) == len(PRINTS), "an output block must follow the exec block that prints it"
 
 
 def test_every_section_on_integrations_has_a_tested_snippet():
@@ -74,7 +83,9 @@ def test_snippet_runs(page, code, tmp_path, capsys):
         exec(compile(code, page, "exec"), {"__name__": "__readme__"})
     finally:
         os.chdir(cwd)
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    if (page, code) in PRINTS:
+        assert printed == PRINTS[page, code]
 
 
 @pytest.mark.parametrize("page, code", SHELL, ids=[_id(*b) for b in SHELL])
