@@ -32,6 +32,9 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PYTHON) -m ruff format fuser tests examples benchmarks
 
+docs: $(STAMP)  # the site from docs/ into site/ (mkdocs-material, strict: no broken link)
+	$(PYTHON) -m mkdocs build --strict
+
 DATE := $(shell date +%F)
 RESULTS := benchmarks/results
 
@@ -45,4 +48,4 @@ bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary 
 		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json $(RESULTS)/state_$(DATE).json
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache
