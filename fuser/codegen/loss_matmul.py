@@ -104,7 +104,7 @@ class Tiles:
         tiles, where ``bk`` 64 took 192 KiB, more than an A100 gives a block (163 KiB); and
         its ieee products ran 2.6x faster in the lean schedule (H100, fp32, forward and
         backward: T=4096, H=1024, V=32768, 93.2-93.7 -> 34.1-34.4 ms; ``bk`` 32: 34.8-35.3;
-        ``benchmarks/loss_fp32_tiles.py``)."""
+        ``benchmarks/results/loss_fp32_tiles_2026-11-27.md``)."""
         return replace(self, bk=16) if dtype == "fp32" else self
 
     def for_hidden(self, hid: int, aligned: bool = True) -> Tiles:
