@@ -15,6 +15,16 @@ kernel come from one plan:
 The per-token values travel in the vocabulary-parallel layout of ``fuser.codegen.loss``
 (``ShardLayout``: ``red`` holds ``z[y]`` then each reduction), so the loss itself is the
 last kernel of that sequence, which reads ``red`` alone.
+
+``Tiles`` is their block shape: ``Tiles.for_dtype`` the GPU defaults' fp32 step along H;
+``tma``: tiles through tensor descriptors, the gradient and scaled kernels' programs
+persistent; ``subtile``: the gradient kernel's output formed and stored a half tile at a
+time. ``gradient_tiles`` gives the gradient kernel's default, by the functions its formula
+calls and whether descriptors are TMA (``losses.api.descriptors_pay``). The scaled
+schedule's per-token kernels (``templates/loss_scaled_tokens.py.jinja``) compute ``z[y]``
+and ``a(z[y])``, combine the tiles' partials and form the gradient's terms; ``linear_sums``
+takes sums linear in the logit as ``hidden . sum(W)``; ``scaled_exp_form`` finds the
+schedule's form in a rule.
 """
 
 from __future__ import annotations

@@ -1,7 +1,17 @@
 """Plans -> ``KernelSource`` through jinja2 templates and ``TritonPrinter``.
 
 Jinja carries structure only; every expression comes from the printer. Rendering is a
-pure function of the plan: the same inputs give byte-identical text.
+pure function of the plan: the same inputs give byte-identical text. ``template_dir()``
+names the templates folder.
+
+Launch shapes: ``optim_launch_config`` picks a step kernel's BLOCK elements per program,
+walked SUB at a time, and its warps (the defaults from ``default_launch``, by the bytes of
+the step's element tensors); ``optim_max_registers`` its register cap. A tiled phase's
+program walks ``optim_strip()`` tiles of ``optim_tile()`` down the rows; phases of column
+sums, and of per-tensor sums before the last, walk the same strips in one-warp tiles
+(``SLIM_ROWS``); the rows that no whole aligned tile covers go one at a time, masked
+(``MASKED_ROWS``). ``_zero_guards`` finds where a phase before the last may skip loading
+the parameter.
 """
 
 from __future__ import annotations
