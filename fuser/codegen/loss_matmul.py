@@ -124,28 +124,20 @@ class Tiles:
         return self if even == self.even_k else Tiles(**{**self.__dict__, "even_k": even})
 
 
-# The gradient kernel's block shape for rules whose gradient calls a function besides the
-# softmax's exp (a softcap's tanh): beside a [128, 256] fp32 tile its temporaries overflow
-# the registers (H100, T=32768, H=768, softcap: the lean backward 127 ms with [128, 256]
-# tiles, ~59 ms with these).
+# The gradient kernel's tiles where the gradient calls a function besides exp (a softcap's tanh):
+# its temporaries spill beside a [128, 256] tile (benchmarks/NOTES.md, "A softcap").
 NARROW_GRAD = Tiles(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
 
-# The gradient kernel's block shape for the others: 256 token rows by 128 vocabulary columns
-# (H100, lean schedule, alternating processes against [128, 256]: llama8b 62.3-63.0 ->
-# 59.1-59.4 ms, with `main_grad` 61.4-61.5 -> 59.2-59.9 ms; gist 55.2-55.5 -> 55.3 ms,
-# with `main_grad` 55.8-55.9 -> 55.2-55.3 ms).
+# The pointer gradient kernel's tiles for the others: [256, 128] beat [128, 256] by 3-4 ms at
+# llama8b, even at gist (benchmarks/NOTES.md, "tensor descriptors"; loss_kernels_2026-11-26.md).
 TALL_GRAD = Tiles(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)
 
-# The same through tensor descriptors, persistent: [128, 256] tiles (H100, the kernel alone,
-# against [256, 128] through descriptors: gist 14.70 against 15.26 ms, llama8b 13.74 against
-# 15.32 ms).
+# The same through tensor descriptors, persistent: [128, 256] is the fastest shape there
+# (benchmarks/results/loss_kernels_2026-11-27.md).
 WIDE_GRAD_TMA = Tiles(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, tma=True)
 
-# The same with the epilogue a half tile at a time, for rules whose gradient also calls
-# approx_tanh (one instruction): its temporaries then fit beside the [128, 256] tile (sm_90,
-# ptxas: no spill, where the whole tile's spilled 336 bytes; an exact tanh still spills 608).
-# H100, lean schedule, softcap=30 with approx_tanh, over plain cross-entropy in the same
-# process: gist +6.9% -> +1.9%, llama8b +7.0% -> +0.3% (plain's kernel subtiled: no change).
+# The same a half tile at a time, for gradients that also call approx_tanh: its temporaries
+# then fit beside the [128, 256] tile (benchmarks/results/softcap_approx_2026-11-28.md).
 WIDE_GRAD_TMA_SUBTILE = replace(WIDE_GRAD_TMA, subtile=True)
 
 
