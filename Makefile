@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all lint format docs bench clean
+.PHONY: install demo test test-all lint format docs bench bench-report clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,14 +38,28 @@ docs: $(STAMP)  # the site from docs/ into site/ (mkdocs-material, strict: no br
 DATE := $(shell date +%F)
 RESULTS := benchmarks/results
 
-bench: $(STAMP)  # needs a CUDA GPU; results under benchmarks/results/, summary in latest.json
+# The benchmarks behind the README's performance table (needs a CUDA GPU; anchors that do
+# not import are rows saying so). Results under benchmarks/results/, the summary in
+# latest.json, then benchmarks/RESULTS.md and results/latest.png from it.
+bench: $(STAMP)
 	$(PYTHON) benchmarks/optim_bench.py llama1b small1000 lamb --compile
-	$(PYTHON) benchmarks/loss_bench.py
-	$(PYTHON) benchmarks/scaling.py
-	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
 	$(PYTHON) benchmarks/state_bench.py  # anchors (FlashOptim, bitsandbytes, torchao) when importable
-	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/loss_$(DATE).json \
-		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json $(RESULTS)/state_$(DATE).json
+	$(PYTHON) benchmarks/shaped_bench.py
+	$(PYTHON) benchmarks/muon_bench.py
+	$(PYTHON) benchmarks/loss_bench.py gist llama8b --options --no-compile --tag _options
+	$(PYTHON) benchmarks/loss_bench.py gist llama8b --lean --ignore7
+	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
+	$(PYTHON) benchmarks/scaling.py
+	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/state_$(DATE).json \
+		$(RESULTS)/shaped_$(DATE).json $(RESULTS)/muon_$(DATE).json $(RESULTS)/loss_$(DATE)_options.json \
+		$(RESULTS)/loss_$(DATE).json $(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
+	$(MAKE) bench-report
+
+# RESULTS.md and the plot from the latest.json that is there (any machine; the plot needs matplotlib)
+bench-report: $(STAMP)
+	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q -e '.[bench]'
+	$(PYTHON) benchmarks/results_md.py $(RESULTS)/latest.json --out benchmarks/RESULTS.md
+	$(PYTHON) benchmarks/plot.py $(RESULTS)/latest.json --out $(RESULTS)/latest.png
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache

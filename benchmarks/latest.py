@@ -70,6 +70,7 @@ def loss_rows(doc: dict, source: str) -> list[dict]:
                 loss_rel_err=r.get("loss_rel_err"),
                 wgrad_rel_err=r["grad_weight_rel_err"],
                 hgrad_rel_err=r["grad_hidden_rel_err"],
+                floor_ms=r.get("gemm_floor_ms"),  # three T·H·V products at a fixed GEMM rate
             )
         )
     return out

@@ -364,6 +364,7 @@ def main(argv=None):
         triton=triton.__version__,
         fuser=fuser.__version__,
         bf16_gemm_TFLOPs=round(gemm_tflops(), 1),
+        command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
     )
     print(json.dumps(meta), flush=True)
     rows = []

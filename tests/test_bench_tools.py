@@ -1,5 +1,5 @@
-"""The benchmark suite's CPU-side tools: latest.json from recorded result files, the
-scaling plot (when matplotlib is installed), the CPU smoke runs of the benchmarks that have
+"""The benchmark suite's CPU-side tools: latest.json from recorded result files, RESULTS.md
+from latest.json, the plots (when matplotlib is installed), the CPU smoke runs of the benchmarks that have
 one, and the Gluon probe's ahead-of-time compile."""
 
 import json
@@ -75,6 +75,64 @@ def test_scaling_plot(tmp_path):
     )
     png = tmp_path / "scaling.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write_latest(folder):
+    """A latest.json of two workloads and the result file its rows name."""
+    meta = dict(
+        date="2026-11-25", device="GPU", command="python benchmarks/optim_bench.py lamb --out /x/y --tag _v2"
+    )
+    (folder / "optim_2026-11-25_v2.json").write_text(json.dumps(dict(meta=meta, rows=[])))
+    row = dict(device="GPU", source="optim_2026-11-25_v2.json")
+    rows = [
+        dict(workload="lamb_fp32_llama1b", impl="fuser.optim.LAMB static", ms=9.0, pct_of_floor=99.0, **row),
+        dict(workload="lamb_fp32_llama1b", impl="fuser.optim.LAMB", ms=10.0, pct_of_floor=90.0, **row),
+        dict(workload="lamb_fp32_llama1b", impl="pytorch_optimizer.Lamb foreach", ms=31.0, **row),
+        dict(workload="lamb_fp32_llama1b", impl="other Lamb", ms=25.0, **row),
+        dict(
+            workload="lamb_fp32_llama1b",
+            impl="old anchor",
+            ms=12.0,
+            device="GPU",
+            source="optim_2026-11-20.json",
+        ),
+        dict(
+            workload="first_step_warm",
+            impl="fuser.optim.AdamW",
+            ms=80.0,
+            device="GPU",
+            source="first_step_x.json",
+        ),
+    ]
+    (folder / "latest.json").write_text(json.dumps(rows))
+    return folder / "latest.json"
+
+
+def test_results_md_one_line_a_workload(tmp_path):
+    latest = write_latest(tmp_path)
+    out = tmp_path / "RESULTS.md"
+    script = os.path.join(ROOT, "benchmarks", "results_md.py")
+    subprocess.run([sys.executable, script, str(latest), "--out", str(out)], check=True, capture_output=True)
+    lines = out.read_text().splitlines()
+    lamb = next(line for line in lines if line.startswith("| `lamb_fp32_llama1b`"))
+    cells = [c.strip() for c in lamb.strip("|").split("|")]
+    # the default call (not static); the fastest anchor of the same run (not the other run's 12 ms)
+    assert cells[1] == "10.00 ms (fuser.optim.LAMB)"
+    assert cells[2] == "other Lamb 25.00 ms"
+    assert cells[3] == f"{25.0 / 10.0:.2f}x" and cells[4] == "90.0%"
+    assert cells[5:7] == ["GPU", "2026-11-25"]
+    assert cells[7] == "`python benchmarks/optim_bench.py lamb --tag _v2`"  # --out left out
+    first = next(line for line in lines if line.startswith("| `first_step_warm`"))
+    assert "| – | – | – |" in first and "flags are not recorded" in first  # no anchor, no floor, no file
+    assert lines.index(lamb) < lines.index(first)
+    assert sum(line.startswith("### `") for line in lines) == 2  # every row, by workload
+
+
+def test_latest_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    latest = write_latest(tmp_path)
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), str(latest)], check=True)
+    assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_shaped_bench_smoke_runs_on_cpu(tmp_path):

@@ -1,5 +1,13 @@
 """Kernels on disk: content-addressed entries, ahead-of-time compilation, loading.
 
+Keys (``keys``, ``compilekey``), the atomic on-disk store (``store``, ``entries``),
+ahead-of-time compiles (``aot``, with ``worker`` / ``worker_main`` for interpreted
+processes; ``aot`` refuses a kernel whose LLVM IR the bundled NVPTX backend miscompiles,
+``packed_thread_shift``), loading a ``KernelSource`` as a launchable kernel (``loader``;
+``launcher``: stored cubins launched through the CUDA driver, with each program's global
+scratch for kernels that make tensor descriptors) and the memo of rendered sources
+(``rendered``, which receives the template folder from its caller).
+
 load_kernel(source, device)    # launchable kernel(grid, *args), from the store if there
 precompile(sources, targets)   # write sources and compile binaries, no GPU needed
 stored_binary(source, target)  # the binary load_kernel would find, or None (writes nothing)

@@ -20,11 +20,8 @@ from fuser.rules.parse import symbol
 
 TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
-# Columns of one row handled per loop step, and warps per program. A row of V = 128256
-# bf16 logits is 62 steps of 2048; 2048 fp32 values over 8 warps are 8 registers per live
-# temporary per thread. (On an H100, 1024 to 8192 columns with 4 to 16 warps run the
-# sweeps within 5% of each other; 2048 also keeps the vocabulary slices of the ``vocab``
-# schedule whole blocks.)
+# Columns of one row per loop step, and warps per program: 1024-8192 over 4-16 warps ran within
+# 5%, and 2048 keeps `vocab`'s slices whole blocks (benchmarks/NOTES.md, "The chunks schedule").
 DEFAULT_BLOCK = 2048
 DEFAULT_WARPS = 8
 

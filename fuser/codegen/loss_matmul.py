@@ -15,6 +15,16 @@ kernel come from one plan:
 The per-token values travel in the vocabulary-parallel layout of ``fuser.codegen.loss``
 (``ShardLayout``: ``red`` holds ``z[y]`` then each reduction), so the loss itself is the
 last kernel of that sequence, which reads ``red`` alone.
+
+``Tiles`` is their block shape: ``Tiles.for_dtype`` the GPU defaults' fp32 step along H;
+``tma``: tiles through tensor descriptors, the gradient and scaled kernels' programs
+persistent; ``subtile``: the gradient kernel's output formed and stored a half tile at a
+time. ``gradient_tiles`` gives the gradient kernel's default, by the functions its formula
+calls and whether descriptors are TMA (``losses.api.descriptors_pay``). The scaled
+schedule's per-token kernels (``templates/loss_scaled_tokens.py.jinja``) compute ``z[y]``
+and ``a(z[y])``, combine the tiles' partials and form the gradient's terms; ``linear_sums``
+takes sums linear in the logit as ``hidden . sum(W)``; ``scaled_exp_form`` finds the
+schedule's form in a rule.
 """
 
 from __future__ import annotations
@@ -104,7 +114,7 @@ class Tiles:
         tiles, where ``bk`` 64 took 192 KiB, more than an A100 gives a block (163 KiB); and
         its ieee products ran 2.6x faster in the lean schedule (H100, fp32, forward and
         backward: T=4096, H=1024, V=32768, 93.2-93.7 -> 34.1-34.4 ms; ``bk`` 32: 34.8-35.3;
-        ``benchmarks/loss_fp32_tiles.py``)."""
+        ``benchmarks/results/loss_fp32_tiles_2026-11-27.md``)."""
         return replace(self, bk=16) if dtype == "fp32" else self
 
     def for_hidden(self, hid: int, aligned: bool = True) -> Tiles:
@@ -114,28 +124,20 @@ class Tiles:
         return self if even == self.even_k else Tiles(**{**self.__dict__, "even_k": even})
 
 
-# The gradient kernel's block shape for rules whose gradient calls a function besides the
-# softmax's exp (a softcap's tanh): beside a [128, 256] fp32 tile its temporaries overflow
-# the registers (H100, T=32768, H=768, softcap: the lean backward 127 ms with [128, 256]
-# tiles, ~59 ms with these).
+# The gradient kernel's tiles where the gradient calls a function besides exp (a softcap's tanh):
+# its temporaries spill beside a [128, 256] tile (benchmarks/NOTES.md, "A softcap").
 NARROW_GRAD = Tiles(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
 
-# The gradient kernel's block shape for the others: 256 token rows by 128 vocabulary columns
-# (H100, lean schedule, alternating processes against [128, 256]: llama8b 62.3-63.0 ->
-# 59.1-59.4 ms, with `main_grad` 61.4-61.5 -> 59.2-59.9 ms; gist 55.2-55.5 -> 55.3 ms,
-# with `main_grad` 55.8-55.9 -> 55.2-55.3 ms).
+# The pointer gradient kernel's tiles for the others: [256, 128] beat [128, 256] by 3-4 ms at
+# llama8b, even at gist (benchmarks/NOTES.md, "tensor descriptors"; loss_kernels_2026-11-26.md).
 TALL_GRAD = Tiles(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)
 
-# The same through tensor descriptors, persistent: [128, 256] tiles (H100, the kernel alone,
-# against [256, 128] through descriptors: gist 14.70 against 15.26 ms, llama8b 13.74 against
-# 15.32 ms).
+# The same through tensor descriptors, persistent: [128, 256] is the fastest shape there
+# (benchmarks/results/loss_kernels_2026-11-27.md).
 WIDE_GRAD_TMA = Tiles(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, tma=True)
 
-# The same with the epilogue a half tile at a time, for rules whose gradient also calls
-# approx_tanh (one instruction): its temporaries then fit beside the [128, 256] tile (sm_90,
-# ptxas: no spill, where the whole tile's spilled 336 bytes; an exact tanh still spills 608).
-# H100, lean schedule, softcap=30 with approx_tanh, over plain cross-entropy in the same
-# process: gist +6.9% -> +1.9%, llama8b +7.0% -> +0.3% (plain's kernel subtiled: no change).
+# The same a half tile at a time, for gradients that also call approx_tanh: its temporaries
+# then fit beside the [128, 256] tile (benchmarks/results/softcap_approx_2026-11-28.md).
 WIDE_GRAD_TMA_SUBTILE = replace(WIDE_GRAD_TMA, subtile=True)
 
 

@@ -12,7 +12,7 @@ the tile and its mirror):
 The iteration's third product, ``B X``, is a general one: the runtime runs it as a batched
 ``torch.bmm``. Each kernel has a variant per shape-independent option (``TALL``, ``FIRST``,
 ``EVEN``: the shape is a multiple of the tiles, no masks), so ``matrix_kernel_sources``
-lists them all for ahead-of-time compilation.
+lists them all for ahead-of-time compilation. ``MatrixTiles`` is their block shape.
 """
 
 from __future__ import annotations

@@ -1,7 +1,17 @@
 """Plans -> ``KernelSource`` through jinja2 templates and ``TritonPrinter``.
 
 Jinja carries structure only; every expression comes from the printer. Rendering is a
-pure function of the plan: the same inputs give byte-identical text.
+pure function of the plan: the same inputs give byte-identical text. ``template_dir()``
+names the templates folder.
+
+Launch shapes: ``optim_launch_config`` picks a step kernel's BLOCK elements per program,
+walked SUB at a time, and its warps (the defaults from ``default_launch``, by the bytes of
+the step's element tensors); ``optim_max_registers`` its register cap. A tiled phase's
+program walks ``optim_strip()`` tiles of ``optim_tile()`` down the rows; phases of column
+sums, and of per-tensor sums before the last, walk the same strips in one-warp tiles
+(``SLIM_ROWS``); the rows that no whole aligned tile covers go one at a time, masked
+(``MASKED_ROWS``). ``_zero_guards`` finds where a phase before the last may skip loading
+the parameter.
 """
 
 from __future__ import annotations
@@ -82,30 +92,17 @@ TILED_SIGNATURE = (
     ("total_cols", "i64"),
 )
 REDUCE_BLOCK = 128
-# A tiled phase's tile: TILE_ROWS x TILE_COLS elements of one tensor's [rows, cols] view,
-# over TILE_WARPS warps; each program walks TILE_STRIP tiles down the rows (its strip). The
-# fastest of 28 (tile, warps, strip) for Adafactor and CAME on TinyLlama's tensors on an
-# H200: 7.9 and 15.8 ms against 15.4 and 33.1 ms with one 32 x 128 tile per program over
-# 8 warps (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
+# A tiled phase's tile (rows x cols of one tensor's 2-D view) over TILE_WARPS warps, TILE_STRIP
+# tiles a program: the fastest of 28 shapes (benchmarks/results/sweep_tiles_2026-11-26_strip*.json).
 TILE_ROWS, TILE_COLS, TILE_WARPS, TILE_STRIP = 8, 128, 2, 32
-# Phases of column sums (and no per-tensor reduction of elements), and phases of
-# per-tensor sums before the last, walk the same strips in tiles of SLIM_ROWS rows over one
-# warp: a column's sum over a tile's rows, or a tile's share of a per-tensor sum, then
-# stays in its warp (over two warps, split by rows, a tile synchronised them three to five
-# times); where such a phase moves one element tensor, its tiles hold 1 KiB of it (CAME's
-# sums of g**2: 2 rows of fp32). On an H100, TinyLlama-1.1B's tensors, CAME's first three
-# phases 2.41, 1.75-1.79 and 5.90 ms -> 1.91, 1.52-1.55 and 5.61; a phase of row sums
-# alone (NorMuon's second) was 13% slower so (benchmarks/NOTES.md).
+# Phases of column sums, and of per-tensor sums before the last, walk one-warp tiles (1 KiB where
+# one tensor moves) so no sum crosses warps (benchmarks/NOTES.md, "Rules of rows and columns").
 SLIM_ROWS, SLIM_WARPS = 4, 1
-# Rows a tiled phase's masked path takes at a time (a strip's short last tile, or rows whose
-# columns do not align). A masked tile's loads are not vectorised (an address per value):
-# with whole tiles masked, CAME's phase of residual sums needed 224 registers, with one row
-# 159, and took 4.72 ms against 5.64 on an H100 (benchmarks/NOTES.md).
+# Rows a tiled phase's masked path takes at a time: masked loads hold an address per value, and one
+# row keeps the kernel's registers near the unmasked path's (benchmarks/NOTES.md, tiled phases).
 MASKED_ROWS = 1
-# Registers a thread of a flat step kernel with 8-bit states or split masters may hold.
-# ptxas gives AdamW's with 8-bit states and split masters 80 (six programs of 4 warps on a
-# multiprocessor) and fits it in 48 without spilling (ten): on an H100, TinyLlama-1.1B's
-# tensors, 6.08-6.12 -> 5.52-5.70 ms (benchmarks/NOTES.md).
+# Registers a thread of a flat step kernel with 8-bit states or split masters may hold: 48 fits
+# without spilling and doubles the programs a multiprocessor (benchmarks/results/state_2026-11-26_cap*.md).
 COMPRESSED_MAX_REGISTERS = 48
 
 

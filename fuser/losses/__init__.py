@@ -11,6 +11,9 @@
 Loss functions may also be written in Python and traced: they take ``z`` and ``y`` (and
 hyperparameters as keyword-only arguments), use ``z[y]``, fuser's elementwise functions and
 the vocabulary reductions below, and return the per-token loss.
+
+``api.py`` holds ``CompiledLoss`` (argument checks, the schedule's choice); ``builtins.py``
+the built-in rules (a new loss is a rule there); their execution is ``fuser.runtime.loss``'s.
 """
 
 from fuser.losses.api import CompiledLoss, kernel_sources, make_loss

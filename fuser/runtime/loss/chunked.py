@@ -42,10 +42,8 @@ from fuser.codegen.loss_matmul import GRAD_SCALE_BLOCK, render_grad_scale
 from fuser.codegen.source import KernelSource
 
 MIB = 1 << 20
-# Bytes of the fp32 block a 16-bit gradient passes through to take the target column's
-# residue before its one rounding (cuBLAS's C of a 16-bit addmm may meet a product already
-# rounded to 16 bits: H100, torch 2.11); large enough for the block's product to run at
-# the rate of the whole one.
+# The fp32 block a 16-bit gradient passes through to take the target residue before its one
+# rounding (cuBLAS may add C after rounding: benchmarks/results/cublas_c_probe_2026-11-27.txt).
 BLOCK_BUDGET = 64 * MIB
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

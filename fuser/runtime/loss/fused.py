@@ -53,9 +53,8 @@ from fuser.runtime.loss.residue import SliceTerms
 
 # Bytes of the fp32 temporaries of the gathered z[y] dot product.
 ZY_BUDGET = 64 * MIB
-# Tokens per launch of the tile-sums kernel (its partials: 16 MiB at V = 128256 for a rule
-# with a logsumexp alone; H200, gist: 11.03 ms, against 10.97 with 8192 and 10.92 with every
-# token at once, whose partials take 128 MiB).
+# Tokens per launch of the tile-sums kernel: 16 MiB of partials at V = 128256, within 1% of
+# larger blocks (benchmarks/NOTES.md, "The lean forward through the tile-sums kernel").
 TILE_SUMS_ROWS = 4096
 
 
