@@ -409,7 +409,7 @@ class CompiledLoss:
         their ``grad_hidden`` are 0. The count of the others is the mean's denominator. Then
         the schedule runs."""
         n = y.shape[0]
-        slices = None if group is None else self._shards(call, group)[0]
+        slices = None if group is None else self._vocab_slices(call, group)
         vocab = call.vocab if group is None else sum(slices)  # (targets are global indices)
         idx, count = live_rows(y, call.ignore_index, vocab, shape, slices)  # (the one host read)
         if idx is not None:
@@ -640,14 +640,19 @@ class CompiledLoss:
             )
         return self._shard_sizes_of(group, call.vocab, call.device), dist.get_rank(group)
 
-    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
-        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
-        of tokens that every rank runs alike."""
-        if self.schedule not in ("auto", "chunks"):
+    def _vocab_slices(self, call: _Call, group) -> tuple[int, ...]:
+        """Every rank's vocabulary slice length (their sum bounds the targets), for a
+        schedule that runs with ``group``."""
+        if self.schedule in ("whole", "vocab", "scaled"):
             raise ValueError(
                 f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
                 "(process_group=) runs in chunks of tokens, or with memory='lean' in the matmul kernels"
             )
+        return self._shards(call, group)[0]
+
+    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
+        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
+        of tokens that every rank runs alike."""
         sizes, rank = self._shards(call, process_group)
         total = sum(sizes)
         # Every rank must run as many chunks (each has its collectives): size them by

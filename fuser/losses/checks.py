@@ -1,9 +1,9 @@
 """The checks of a fused linear + loss call's tensors and targets, before anything runs.
 
 ``check_tensors`` raises on shapes, dtypes, devices and ``main_grad``; ``live_rows`` is the
-one host read a call makes (how many targets are not ignored, which leaves the ignored rows
-out of every kernel), and in the same small reduction and the same device-to-host copy it
-finds the targets outside the vocabulary, so the range check adds no synchronisation.
+one host read a call makes (how many targets are ignored, which leaves their rows out of
+every kernel), and in the same sum and the same device-to-host copy it counts the targets
+outside the vocabulary, so the range check adds no synchronisation to a call that passes.
 """
 
 from __future__ import annotations
@@ -90,17 +90,17 @@ def live_rows(
     n = y.shape[0]
     if n == 0:
         return None, 0
-    keep = y != ignore_index
-    bad = keep & ((y < 0) | (y >= vocab))
-    first = torch.where(bad, torch.arange(n, device=y.device), n).min()
-    value = y.gather(0, first.clamp(max=n - 1).reshape(1))  # (y[first] would read first on the host)
-    stats = torch.cat((keep.sum().reshape(1), bad.sum().reshape(1), first.reshape(1), value))
-    n_keep, n_bad, first, value = stats.tolist()  # (the call's one device-to-host copy)
-    if n_bad:
-        raise ValueError(_out_of_range(shape, first, value, n_bad, vocab, ignore_index, slices))
-    if 0 < n_keep < n:
-        # (the count is known: no second synchronisation for the positions)
-        return torch.nonzero_static(keep, size=n_keep)[:, 0], n_keep
+    ignored = y == ignore_index
+    out = y.clamp(0, vocab - 1) != y if vocab else torch.ones_like(ignored)
+    # an ignored target counts n + 1, another one out of range 1: both counts in one sum
+    packed = int(torch.where(ignored, n + 1, out).sum())  # (the call's one device-to-host copy)
+    n_ignored, n_bad = divmod(packed, n + 1)
+    if n_bad:  # (reads more, to say which: nothing runs after it)
+        first = int((out & ~ignored).to(torch.uint8).argmax())  # (argmax: the first of the maxima)
+        raise ValueError(_out_of_range(shape, first, int(y[first]), n_bad, vocab, ignore_index, slices))
+    n_keep = n - n_ignored
+    if 0 < n_keep < n:  # (the count is known: no second synchronisation for the positions)
+        return torch.nonzero_static(~ignored, size=n_keep)[:, 0], n_keep
     return None, n_keep
 
 
