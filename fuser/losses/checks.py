@@ -27,7 +27,8 @@ CAPTURE = (
 def check_tensors(hidden, weight, target, bias, accumulate_into: str | None) -> str:
     """The inputs' dtype name, after raising the error of the first tensor of a call that is
     out of contract: shapes, dtypes, one device for all, and ``weight.main_grad`` (fp32, of
-    the weight's shape, on its device, contiguous: kernels write its rows in place)."""
+    the weight's shape, on its device, contiguous: kernels write its rows in place); then
+    ``RuntimeError`` inside a CUDA graph capture (``CAPTURE``)."""
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] or [B, S, H], not {list(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -55,6 +56,8 @@ def check_tensors(hidden, weight, target, bias, accumulate_into: str | None) -> 
         )
     if accumulate_into == "main_grad" and weight.requires_grad:
         _check_main_grad(weight)
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # (before any device work)
+        raise RuntimeError(CAPTURE)
     return dtype
 
 
@@ -82,11 +85,9 @@ def live_rows(
     that are not ``ignore_index`` (``None`` where that is all of them or none) and their
     count, read on the host once. Raises ``ValueError`` naming the first target outside
     ``[0, vocab)`` (``slices``: the process group's vocabulary slices, whose sum ``vocab``
-    is) and nothing has run; ``RuntimeError`` inside a CUDA graph capture (``CAPTURE``)."""
+    is) and nothing has run."""
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, not {ignore_index!r}")
-    if y.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(CAPTURE)
     n = y.shape[0]
     if n == 0:
         return None, 0
