@@ -26,8 +26,9 @@ from fuser.codegen.loss_matmul import (
 )
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
+from fuser.losses.checks import check_tensors, live_rows
 from fuser.rules.rule import Rule
-from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows, dtype_name
+from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows
 from fuser.runtime.loss.fused import Fused, TileSums, slice_cols
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
@@ -121,7 +122,14 @@ class CompiledLoss:
     kernels over each rank's rows, any other runs row kernels over chunks of tokens.
 
     Rows whose target is ``ignore_index`` are left out of every kernel, matmul and
-    collective; finding them reads their count on the host, once per call.
+    collective; finding them reads their count on the host, once per call. The same read
+    checks the other targets: one outside ``[0, V)`` (with ``process_group``, ``V`` is the
+    global vocabulary, the sum of the ranks' slices) raises a ``ValueError`` that names the
+    first such position (in ``target``'s shape), its value and ``V``, before any kernel runs
+    or any gradient or ``main_grad`` is written. That host read is why a call cannot be
+    captured in a CUDA graph: inside a capture it raises a ``RuntimeError`` saying so. A
+    strided ``hidden``, ``weight`` or ``bias`` is copied to a contiguous one first; with
+    ``accumulate_into="main_grad"``, ``weight`` and its ``main_grad`` must be contiguous.
     """
 
     def __init__(
@@ -385,36 +393,41 @@ class CompiledLoss:
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
-        out = self._run_call(call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group)
+        out = self._run_call(
+            call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
+        )
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
 
-    def _run_call(self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group):
+    def _run_call(
+        self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group, shape
+    ):
         """Rows whose target is ``ignore_index`` are left out of every kernel, matmul and
         collective (finding them reads their count on the host, once per call; every rank
         of ``group`` holds the same targets, so all leave out the same rows): their loss and
         their ``grad_hidden`` are 0. The count of the others is the mean's denominator. Then
         the schedule runs."""
         n = y.shape[0]
-        idx = (y != call.ignore_index).nonzero()[:, 0]  # (the one host read)
-        if 0 < idx.shape[0] < n:
+        slices = None if group is None else self._vocab_slices(call, group)
+        vocab = call.vocab if group is None else sum(slices)  # (targets are global indices)
+        idx, count = live_rows(y, call.ignore_index, vocab, shape, slices)  # (the one host read)
+        if idx is not None:
             x, y = x.index_select(0, idx), y.index_select(0, idx)
-            call = replace(call, n_tokens=idx.shape[0])
+            call = replace(call, n_tokens=count)
+        x, weight = x.contiguous(), weight.contiguous()  # (the kernels take rows H elements apart)
+        bias = bias.contiguous() if bias is not None else None
         main_grad = main_grad and weight.requires_grad
         plan = self._schedule_of(call, memory, want_grad, main_grad, weight, group, bias, reduction)
         if plan == "fused":
-            x, weight = x.contiguous(), weight.contiguous()
             run = self._fused_run(call, x, weight, bias, group)
         elif plan == "scaled" and want_grad:
-            x, weight = x.contiguous(), weight.contiguous()
             run = self._scaled_run(call, x, weight)
         elif group is not None:
             run = self._vocab_parallel_run(call, group)
         else:
             run = self._one_device_run(call, plan, want_grad)
         buffered = main_grad and self._buffers_main_grad(memory)
-        count = idx.shape[0]  # (the targets not ignored)
         out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, buffered, count)
         if call.n_tokens < n and reduction == "none":
             out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
@@ -627,14 +640,19 @@ class CompiledLoss:
             )
         return self._shard_sizes_of(group, call.vocab, call.device), dist.get_rank(group)
 
-    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
-        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
-        of tokens that every rank runs alike."""
-        if self.schedule not in ("auto", "chunks"):
+    def _vocab_slices(self, call: _Call, group) -> tuple[int, ...]:
+        """Every rank's vocabulary slice length (their sum bounds the targets), for a
+        schedule that runs with ``group``."""
+        if self.schedule in ("whole", "vocab", "scaled"):
             raise ValueError(
                 f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
                 "(process_group=) runs in chunks of tokens, or with memory='lean' in the matmul kernels"
             )
+        return self._shards(call, group)[0]
+
+    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
+        """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
+        of tokens that every rank runs alike."""
         sizes, rank = self._shards(call, process_group)
         total = sum(sizes)
         # Every rank must run as many chunks (each has its collectives): size them by
@@ -729,38 +747,12 @@ class _Call:
 
 def _check_call(hidden, weight, target, bias, reduction: str, accumulate_into: str | None) -> str:
     """The inputs' dtype name, after raising the error of the first argument of a call
-    that is out of contract."""
+    that is out of contract (``checks.check_tensors``: the tensors)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
     if accumulate_into not in (None, "main_grad"):
         raise ValueError(f"accumulate_into must be None or 'main_grad', not {accumulate_into!r}")
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [T, H] or [B, S, H], not {list(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], not {list(weight.shape)}")
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        raise TypeError(
-            f"hidden, weight and bias must share a dtype; got {hidden.dtype}, {weight.dtype}"
-            + (f", {bias.dtype}" if bias is not None else "")
-        )
-    dtype = dtype_name(hidden.dtype)
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], not {list(bias.shape)}")
-    lead = hidden.shape[:-1]
-    if target.shape != lead:
-        raise ValueError(f"target must have hidden's leading shape {list(lead)}, not {list(target.shape)}")
-    if target.dtype.is_floating_point or target.dtype == torch.bool:
-        raise TypeError(f"target holds class indices (an integer tensor), not {target.dtype}")
-    devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if accumulate_into == "main_grad" and weight.requires_grad:
-        mg = getattr(weight, "main_grad", None)
-        if not isinstance(mg, torch.Tensor) or mg.shape != weight.shape or mg.dtype != torch.float32:
-            raise ValueError(
-                "accumulate_into='main_grad' needs weight.main_grad, an fp32 tensor of weight's shape"
-            )
-    return dtype
+    return check_tensors(hidden, weight, target, bias, accumulate_into)
 
 
 def make_loss(rule: Rule, **options) -> CompiledLoss:

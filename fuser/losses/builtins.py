@@ -127,7 +127,10 @@ def cross_entropy(
     one-instruction approximation (``fuser.approx_tanh``: relative error within 2**-10.987);
     the default is the exact ``tanh``. With
     ``process_group``, ``weight`` and ``bias`` are this rank's slice of the vocabulary;
-    ``memory="lean"`` keeps no logits in memory (see ``CompiledLoss`` for both).
+    ``memory="lean"`` keeps no logits in memory (see ``CompiledLoss`` for both). A target
+    outside ``[0, V)`` that is not ``ignore_index`` (``V``: the global vocabulary with
+    ``process_group``) raises a ``ValueError`` naming its position and value before anything
+    runs, where ``torch.nn.functional.cross_entropy`` raises an ``IndexError``.
     """
     _check_options(label_smoothing, temperature, softcap, approx_tanh)
     common = dict(
@@ -180,7 +183,8 @@ def entropy_regularized_cross_entropy(
     memory: str = "auto",
 ) -> torch.Tensor:
     """Fused ``cross_entropy(z, target) - entropy_coef * entropy(softmax(z))`` per token, with
-    ``z = (hidden @ weight.T + bias) / temperature``."""
+    ``z = (hidden @ weight.T + bias) / temperature``. Targets are checked as
+    ``cross_entropy``'s are."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
     return _compiled("entropy_regularized_cross_entropy")(
