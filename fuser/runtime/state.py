@@ -15,7 +15,7 @@ from fuser.ir.optim import COL, QFORMATS, ROW, SCALAR, has_matrix_functions, is_
 from fuser.runtime import distributed, quant
 from fuser.runtime.distributed import local
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, state_format
-from fuser.runtime.tables import check_layout, view_2d
+from fuser.runtime.tables import check_layout, is_batched, matrix_2d, n_matrices, view_2d
 
 
 def validate(opt, items) -> None:
@@ -113,8 +113,10 @@ def _validate_shaped(opt, items) -> None:
     row), and a matrix function gathers a matrix from shards of whole rows."""
     name = type(opt).__name__
     tiled, matrix = is_tiled(opt.rule), has_matrix_functions(opt.rule)
-    for p, g, _ in items:
+    for p, g, gi in items:
         where = f"parameter of shape {tuple(p.shape)}"
+        if is_batched(p.shape, opt._view_of(opt.param_groups[gi])):
+            _validate_batched(opt, p, where)
         if tiled:
             distributed.split_axis(p)
         if matrix:
@@ -126,14 +128,39 @@ def _validate_shaped(opt, items) -> None:
             )
 
 
+def _validate_batched(opt, p: torch.Tensor, where: str) -> None:
+    """A batched view walks each matrix of a plain tensor as a tensor of its own: not yet
+    DTensor shards, 8-bit states (blocks of the whole tensor), or per-tensor scalar states
+    (which each matrix would update on its own)."""
+    name = type(opt).__name__
+    if isinstance(p, distributed.DTensor):
+        raise NotImplementedError(
+            f"{name} takes a batched 2-D view of a {where}, a DTensor: batched views of sharded "
+            "tensors are not supported; use view='flatten' for its param group, or a plain tensor"
+        )
+    scalars = [s for s, k in state_kinds(opt.rule).items() if k == SCALAR]
+    if scalars:
+        raise RuntimeError(
+            f"{name} takes a batched 2-D view of a {where}, and its rule keeps {scalars} as one "
+            "number per tensor, which each matrix would update on its own: use view='flatten'"
+        )
+    quantized = _quantized_states(opt)
+    if quantized:
+        raise RuntimeError(
+            f"{name} takes a batched 2-D view of a {where}, which does not store 8-bit states "
+            f"({', '.join(quantized)}): store them as fp32 or bf16 (state_dtype), or use view='flatten'"
+        )
+
+
 def ensure_states(opt, items) -> None:
     """Create each missing element state, and give each one its parameter's device, layout
     and the state dtype; check that per-tensor (scalar) states are one number."""
     init = dict(opt.rule.state)
     kinds = state_kinds(opt.rule)
-    for p, _, _ in items:
+    for p, _, gi in items:
         st = opt.state[p]
         pdtype = TORCH_DTYPES[p.dtype]
+        view = opt._view_of(opt.param_groups[gi])
         if opt.options.master_weights and p.dtype == torch.bfloat16:
             _ensure_master(opt, p, st)
         for s, key in opt._state_keys.items():
@@ -146,7 +173,7 @@ def ensure_states(opt, items) -> None:
                 continue
             want = FROM_NAME[fmt]
             if kinds[s] in (ROW, COL):
-                st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want)
+                st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want, view)
                 continue
             if key not in st:
                 st[key] = _initial(p, init[s], want)
@@ -207,21 +234,23 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
         st[key + "_absmax"] = scales.to(device=lp.device, dtype=torch.float32).reshape(-1)
 
 
-def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype) -> torch.Tensor:
-    """A state of one number per row (column) of ``p``'s 2-D view: new, or checked and
-    moved to the state dtype. Its shape is the front end's ``_reduced_shape(p, kind)``; a
-    DTensor parameter's is a DTensor, sharded like the axis it follows
-    (``distributed.reduced_like``)."""
-    rows, cols = view_2d(p.shape)
-    n = rows if kind == ROW else cols
+def _reduced(
+    opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype, view: str = "flatten"
+) -> torch.Tensor:
+    """A state of one number per row (column) of each matrix of ``p``'s 2-D view ``view``:
+    new, or checked and moved to the state dtype. Its shape is the front end's
+    ``_reduced_shape(p, kind, view)``; a DTensor parameter's is a DTensor, sharded like the
+    axis it follows (``distributed.reduced_like``)."""
+    rows, cols = matrix_2d(p.shape, view)
+    n = (rows if kind == ROW else cols) * n_matrices(p.shape, view)
     if value is None:
-        return distributed.new_reduced(p, kind, opt._reduced_shape(p, kind), float(init), dtype)
+        return distributed.new_reduced(p, kind, opt._reduced_shape(p, kind, view), float(init), dtype)
     if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
     if value.numel() != n:
         raise RuntimeError(
             f"state {key!r} of a parameter of shape {tuple(p.shape)} holds one number per {kind} "
-            f"({n}), but has shape {tuple(value.shape)}"
+            f"of its {view} 2-D view ({n}), but has shape {tuple(value.shape)}"
         )
     value = distributed.reduced_like(p, kind, value)
     here, device = local(value), local(p).device
