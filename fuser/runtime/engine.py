@@ -497,7 +497,7 @@ class BatchCombine:
             if combine == "sum":
                 total = torch.zeros_like(values).index_add_(0, self.owner, values)
             else:
-                total = torch.full_like(values, -math.inf).index_reduce_(0, self.owner, values, "amax")
+                total = torch.full_like(values, -math.inf).scatter_reduce_(0, self.owner, values, "amax")
             values.copy_(total.index_select(0, self.owner))
 
 

@@ -96,12 +96,10 @@ def build_tables(
 ) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
-    ``logical_shapes`` give what a rule's ``numel`` (and ``mean``), ``rows`` and ``cols``
-    read: the whole tensor's where a row holds one shard of it (DTensor parameters); the
-    rows' own by default; ``views``, where given, the (rows, cols) that ``rows`` and
-    ``cols`` read instead of the 2-D view of ``logical_shapes`` (a matrix of a batched
-    view: its own, while ``numel`` stays the whole tensor's). Kernels walk the tensors here,
-    by their own sizes.
+    ``logical_shapes`` give what ``numel`` (and ``mean``), ``rows`` and ``cols`` read: the
+    whole tensor's where a row holds a shard of it (DTensor parameters), the rows' own by
+    default; ``views`` the (rows, cols) where not those shapes' 2-D views (a batched view's
+    matrices: their own). Kernels walk the tensors here, by their own sizes.
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
@@ -117,8 +115,7 @@ def build_tables(
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
     shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
     logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
-    views = [view_2d(s) for s in shapes_of] if views is None else views
-    sizes = torch.tensor(views, dtype=torch.int64).reshape(n, 2)
+    sizes = torch.tensor(views or [view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     here = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
     starts = None
