@@ -392,10 +392,11 @@ def table_entries(opt, members: list, shaped: bool) -> list[Entry]:
 
 def entry_slice(t: torch.Tensor, role: str, e: Entry) -> torch.Tensor:
     """Entry ``e``'s part of a slot's tensor ``t`` (a plain, contiguous tensor where ``e``
-    is one of several matrices)."""
+    is one of several matrices; 8-bit scales: its blocks, each matrix a whole number of
+    them, ``state._validate_batched``)."""
     if not e.batched or role == "matrix":
         return t
-    per = {"row": (e.rows,), "col": (e.cols,)}.get(role, (e.rows, e.cols))
+    per = {"row": (e.rows,), "col": (e.cols,), "scale": (-1,)}.get(role, (e.rows, e.cols))
     return t.reshape(e.count, *per)[e.index]
 
 

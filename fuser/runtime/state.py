@@ -15,7 +15,7 @@ from fuser.ir.optim import COL, QFORMATS, ROW, SCALAR, has_matrix_functions, is_
 from fuser.runtime import distributed, quant
 from fuser.runtime.distributed import local
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, state_format
-from fuser.runtime.tables import check_layout, is_batched, matrix_2d, n_matrices, view_2d
+from fuser.runtime.tables import check_layout, is_batched, matrix_2d, n_matrices
 
 
 def validate(opt, items) -> None:
@@ -79,7 +79,7 @@ def _validate_compressed(opt, items) -> None:
         if any(state_format(opt.options, opt.rule, s, d) == "fp8e4m3" for d in DTYPE_NAMES)
     ]
     old_gpus = set()
-    for p, _, _ in items:
+    for p, _, gi in items:
         where = f"parameter of shape {tuple(p.shape)}"
         if opt.options.master_weights and p.dtype == torch.float16:
             raise RuntimeError(
@@ -91,10 +91,11 @@ def _validate_compressed(opt, items) -> None:
                 f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
                 f"so a {where} must be contiguous (call .contiguous() on it)"
             )
-        if quantized and tiled and view_2d(local(p).shape)[1] % block:
+        cols = matrix_2d(local(p).shape, opt._view_of(opt.param_groups[gi]))[1]
+        if quantized and tiled and cols % block:
             raise RuntimeError(
                 f"{name} reads rows and columns, so it stores {', '.join(quantized)} in 8-bit blocks of "
-                f"{block} elements within rows; a {where} has rows of {view_2d(local(p).shape)[1]} "
+                f"{block} elements within rows; a {where} has rows of {cols} "
                 "elements here, not a multiple of that: store those states as fp32 or bf16 (state_dtype)"
             )
         device = local(p).device
@@ -115,8 +116,9 @@ def _validate_shaped(opt, items) -> None:
     tiled, matrix = is_tiled(opt.rule), has_matrix_functions(opt.rule)
     for p, g, gi in items:
         where = f"parameter of shape {tuple(p.shape)}"
-        if is_batched(p.shape, opt._view_of(opt.param_groups[gi])):
-            _validate_batched(opt, p, where)
+        view = opt._view_of(opt.param_groups[gi])
+        if is_batched(p.shape, view):
+            _validate_batched(opt, p, view, where)
         if tiled:
             distributed.split_axis(p)
         if matrix:
@@ -128,10 +130,11 @@ def _validate_shaped(opt, items) -> None:
             )
 
 
-def _validate_batched(opt, p: torch.Tensor, where: str) -> None:
+def _validate_batched(opt, p: torch.Tensor, view: str, where: str) -> None:
     """A batched view walks each matrix of a plain tensor as a tensor of its own: not yet
-    DTensor shards, 8-bit states (blocks of the whole tensor), or per-tensor scalar states
-    (which each matrix would update on its own)."""
+    DTensor shards, nor per-tensor scalar states (which each matrix would update on its
+    own); 8-bit states where each matrix starts a block (whose rows are whole blocks, for
+    a rule that reads rows and columns)."""
     name = type(opt).__name__
     if isinstance(p, distributed.DTensor):
         raise NotImplementedError(
@@ -144,11 +147,14 @@ def _validate_batched(opt, p: torch.Tensor, where: str) -> None:
             f"{name} takes a batched 2-D view of a {where}, and its rule keeps {scalars} as one "
             "number per tensor, which each matrix would update on its own: use view='flatten'"
         )
-    quantized = _quantized_states(opt)
-    if quantized:
+    quantized, block = _quantized_states(opt), quant_block()
+    rows, cols = matrix_2d(p.shape, view)
+    size, what = (cols, "rows") if is_tiled(opt.rule) else (rows * cols, "matrices")
+    if quantized and size % block:
         raise RuntimeError(
-            f"{name} takes a batched 2-D view of a {where}, which does not store 8-bit states "
-            f"({', '.join(quantized)}): store them as fp32 or bf16 (state_dtype), or use view='flatten'"
+            f"{name} stores {', '.join(quantized)} in 8-bit blocks of {block} elements, and a batched "
+            f"2-D view of a {where} has {what} of {size} elements, not a multiple of that: store "
+            "those states as fp32 or bf16 (state_dtype), or use view='flatten'"
         )
 
 

@@ -420,7 +420,8 @@ def test_batched_view_refuses_what_it_cannot_keep_before_anything_changes(device
     # FACTORED keeps s, one number per tensor, which each matrix would update on its own.
     with pytest.raises(RuntimeError, match=r"keeps \['s'\] as one number per tensor"):
         fuser.compile(FACTORED, view="batched")([p]).step()
-    with pytest.raises(RuntimeError, match=r"does not store 8-bit states \(momentum_buffer\)"):
+    # 8-bit blocks of 32 elements: each [5, 16] matrix is 80 of them.
+    with pytest.raises(RuntimeError, match="has matrices of 80 elements, not a multiple of that"):
         fuser.optim.Muon([p], state_dtype="int8", view="batched").step()
     with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'cols'"):
         fuser.compile(BATCHED, view="cols")
@@ -428,3 +429,20 @@ def test_batched_view_refuses_what_it_cannot_keep_before_anything_changes(device
     with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'matrix'"):
         opt.step()
     assert torch.equal(p.detach(), start) and not opt.state[p]
+
+
+@pytest.mark.parametrize("name", ["came", "muon"])
+def test_batched_views_keep_8_bit_momentum(name, device):
+    # Each matrix is whole 8-bit blocks (CAME: rows of 32; Muon: matrices of 128): q8 steps
+    # against fp32-state steps from the same start, apart by the codes' resolution only.
+    shape = (3, 5, 32) if name == "came" else (2, 8, 16)
+    make = dict(
+        came=lambda ps, **kw: fuser.optim.CAME(ps, lr=1e-2, weight_decay=0.01, **kw),
+        muon=lambda ps, **kw: fuser.optim.Muon(ps, lr=0.02, view="batched", **kw),
+    )[name]
+    key = "exp_avg" if name == "came" else "momentum_buffer"
+    params, grads = params_and_grads([shape], 3, device=device)
+    (full, full_opt), (q8, q8_opt) = (run(make, params, grads, state_dtype=sd) for sd in (None, "q8"))
+    assert q8_opt.state[q8[0]][key].dtype == torch.int8
+    assert rel_err(q8[0] - params[0], full[0] - params[0]) < 0.05
+    assert rel_err(q8_opt.state_dict()["state"][0][key], full_opt.state[full[0]][key]) < 0.03
