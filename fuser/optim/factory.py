@@ -8,6 +8,7 @@ hooks and ``zero_grad``. What a step checks, rebuilds and launches is the step e
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -28,7 +29,7 @@ from fuser.runtime.plans import (
     state_dtype,
 )
 from fuser.runtime.state import check_saved_format, dequantized, labelled, quantize_loaded, saved_scales
-from fuser.runtime.tables import view_2d
+from fuser.runtime.tables import check_view, is_batched, matrix_2d
 from fuser.runtime.tracking import ParamState
 
 __all__ = ["FuserOptimizer", "Options", "kernel_sources", "make_optimizer", "parse_options"]
@@ -60,8 +61,9 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     # step unscale and skip on its own device, with no host synchronisation.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, **hyper):
+    def __init__(self, params, *, view=None, **hyper):
         defaults = dict(self.rule.hyper_defaults)
+        self._set_view(view)
         unknown = set(hyper) - set(defaults)
         if unknown:
             raise TypeError(
@@ -81,6 +83,25 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         self._fuser = StepEngine()
         self._engines: dict = {}  # rule -> (view, StepEngine), where groups use several rules
         torch.optim.Optimizer.__init__(self, params, defaults)
+
+    def _set_view(self, view) -> None:
+        """The instance's default 2-D view of tensors of 3 or more dimensions (the class's
+        where ``view`` is None): ``"flatten"`` ``[shape[0], prod(rest)]``, or ``"batched"``,
+        a batch of ``[shape[-2], shape[-1]]`` matrices. A param group's ``view`` key
+        overrides it."""
+        if view is not None:
+            self.options = dataclasses.replace(self.options, view=check_view(view, type(self).__name__))
+
+    def _view_of(self, group: dict) -> str:
+        """A param group's 2-D view: its ``view`` key, else the optimizer's."""
+        return check_view(group.get("view", self.options.view), f"{type(self).__name__}'s param group")
+
+    def _view_of_param(self, p: torch.Tensor) -> str:
+        """The 2-D view of the param group that holds ``p``."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return self._view_of(group)
+        return self.options.view
 
     # Hooks for built-ins whose constructor keywords differ from the rule's names.
     def _group_hyper(self, group: dict) -> dict:
@@ -160,11 +181,14 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
         8-bit one, which the step quantizes."""
         return state_dtype(self.options, p.dtype, self.rule, state)
 
-    def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
+    def _reduced_shape(self, p: torch.Tensor, kind: str, view: str = "flatten") -> tuple[int, ...]:
         """The shape of a new state of one number per row (``kind="row"``) or column of
-        ``p``'s 2-D view: a vector (built-ins may keep torch's shapes)."""
-        rows, cols = view_2d(p.shape)
-        return (rows if kind == "row" else cols,)
+        ``p``'s 2-D view: a vector, or for a batched view ``[*shape[:-2], rows]``
+        (``[..., cols]``), as pytorch-optimizer keeps them (built-ins may keep torch's
+        shapes)."""
+        rows, cols = matrix_2d(p.shape, view)
+        lead = tuple(p.shape[:-2]) if is_batched(p.shape, view) else ()
+        return (*lead, rows if kind == "row" else cols)
 
     def state_dict(self, compressed: bool = False) -> dict:
         """torch's state dict. States stored in 8 bits are given as fp32 tensors (which
@@ -308,7 +332,8 @@ class MultiRuleOptimizer(FuserOptimizer):
 
     rules: dict
 
-    def __init__(self, params, **hyper):
+    def __init__(self, params, *, view=None, **hyper):
+        self._set_view(view)
         known = {h for r in self.rules.values() for h in r.hyper_defaults}
         unknown = set(hyper) - known
         if unknown:
@@ -341,7 +366,12 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
     ``static``: the caller promises that no parameter, gradient or state tensor is replaced
     between steps (``p.data = ...``, ``p.grad = None``, ``optimizer.state[p][k] = ...``), so
     a step checks nothing per tensor (as a replayed CUDA graph would not); ``zero_grad()``
-    then zeroes gradients in place, and ``refresh()`` re-reads everything once.
+    then zeroes gradients in place, and ``refresh()`` re-reads everything once. ``view``:
+    the 2-D view that ``rows``, ``cols``, axis reductions, row and column states and
+    ``orthogonalize`` take of a tensor of 3 or more dimensions, ``"flatten"`` (default:
+    one matrix ``[shape[0], prod(rest)]``) or ``"batched"`` (each ``[shape[-2], shape[-1]]``
+    matrix of the leading dimensions' batch on its own); the constructor's ``view=`` and a
+    param group's ``"view"`` key override it.
     """
     opts = parse_options(**options)
     if isinstance(rule, dict):

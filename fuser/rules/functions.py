@@ -101,8 +101,9 @@ class GlobalSum(Reduction):
 
 
 class MatrixFunction(Reduction):
-    """A function of a tensor's whole 2-D view ``[rows, cols]`` (an N-D tensor is
-    ``[shape[0], prod(rest)]``), one value per element. ``args`` are the argument then
+    """A function of each matrix ``[rows, cols]`` of a tensor's 2-D view (an N-D tensor is
+    ``[shape[0], prod(rest)]``, or with ``view="batched"`` a batch of its last two
+    dimensions, each matrix on its own), one value per element. ``args`` are the argument then
     the keywords' values, in ``keywords``' order (numbers, fixed when the rule is made)."""
 
     keywords: dict = {}
@@ -134,8 +135,12 @@ class Orthogonalize(MatrixFunction):
 
 class AxisReduction(Reduction):
     """A reduction along one axis of a tensor's 2-D view ``[rows, cols]`` (a 1-D tensor is
-    one row; an N-D one is ``[shape[0], prod(rest)]``): ``axis`` ``"row"`` gives one value
-    per row (over its columns), ``"col"`` one per column (over the rows)."""
+    one row; an N-D one is ``[shape[0], prod(rest)]``, or with ``view="batched"`` a batch
+    of ``[shape[-2], shape[-1]]`` matrices): ``axis`` ``"row"`` gives one value per row
+    (over its columns), ``"col"`` one per column of each matrix (over its rows). A
+    per-tensor reduction of such values (``mean(row_var)``) runs over each matrix's rows or
+    columns: one value per matrix of a batched view, where per-tensor reductions of element
+    values run over the whole tensor."""
 
     axis = ""
 

@@ -1,5 +1,6 @@
 """What each value of an optimizer rule holds per tensor: one number (``scalar``), one
-per row or column of the tensor's 2-D view (``row``, ``col``), or one per element.
+per row or column of the tensor's 2-D view (``row``, ``col``; of each of its matrices for
+a batched view), or one per element.
 
 A row value combined with a column value is per element (an outer product, as in
 Adafactor's ``row_var * col_var``). A state's kind is the kind of what the rule assigns

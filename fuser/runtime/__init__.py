@@ -11,7 +11,11 @@ device pointer tables (``tables``), DTensor shards (``distributed``) and loss ex
 - ``state.py``: state creation and checks (8-bit states' codes and scales, split masters'
   low parts), the scalar table, dequantized and labelled state dicts.
 - ``quant.py``: the 8-bit codecs and split masters in torch, for state dicts.
-- ``tables.py``: device pointer tables.
+- ``tables.py``: device pointer tables, and the 2-D views of tensors (``VIEWS``: ``flatten``,
+  ``[shape[0], prod(rest)]``, or ``batched``, whose matrices of the last two dimensions are
+  table rows of their own, ``engine.table_entries``; a ``CombineStep`` after a phase,
+  ``engine.BatchCombine``, makes their per-tensor reductions of element values the whole
+  tensor's).
 - ``distributed.py``: DTensor shards and their collectives (per-tensor partials, and the
   partial row or column reductions of shards that split an axis), the row spans a matrix
   function gathers, the layout of row and column states of sharded tensors, and the

@@ -25,14 +25,14 @@ import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0
 
 from fuser.cache import load_kernel
 from fuser.counters import count
-from fuser.ir.optim import MASTER_SLOT, is_tiled, scalar_state_names, scale_slot
+from fuser.ir.optim import ACCUMULATE, MASTER_SLOT, is_tiled, scalar_state_names, scale_slot
 from fuser.log import logger
 from fuser.rules.signs import interval_hyper, nonneg_states
 from fuser.runtime import distributed
 from fuser.runtime.matrix import build_matrices
 from fuser.runtime.plans import TORCH_DTYPES, StepLayout, dtype_plan, plan_and_sources
 from fuser.runtime.state import ensure_states, pack_scalars, validate
-from fuser.runtime.tables import Tables, build_tables
+from fuser.runtime.tables import Tables, build_tables, is_batched, matrix_2d, n_matrices
 from fuser.runtime.tracking import Snapshot, take_snapshot, unchanged
 
 
@@ -47,12 +47,14 @@ class LaunchGroup:
     scalars: torch.Tensor  # fp32 [n_tensors, 1 + n_scalar_states]
     red: torch.Tensor  # fp32 [n_tensors, n_reductions]: per-tensor reduction results
     partials: torch.Tensor  # fp32 [n_blocks, n_reductions]
-    members: list[int]  # index in the step's parameter list of each table row
+    members: list[int]  # index in the step's parameter list of each table row (a tensor's matrices: one each)
     grad_column: int  # column of the gradient in ``tables.ptrs``
     part: int  # row of this launch in its device's global-reduction table
     axis: torch.Tensor | None = None  # fp32: axis reductions' per-row, then per-column results
     axis_init: torch.Tensor | None = None  # what ``axis`` holds before a step (0, or -inf for amax)
     matrices: list = field(default_factory=list)  # MatrixWork of each matrix function
+    grad_offsets: list = field(default_factory=list)  # bytes into its gradient of each table row
+    combine: BatchCombine | None = None  # batched views: per-tensor totals over each tensor's matrices
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,17 @@ class MatrixStep:
 
 
 @dataclass(frozen=True)
+class CombineStep:
+    """Combine the per-tensor reductions of a batched tensor's matrices after ``phase``."""
+
+    combine: object
+    phase: int
+
+    def __call__(self, engine: StepEngine, opt, seed: int) -> None:
+        self.combine(self.phase)
+
+
+@dataclass(frozen=True)
 class CollectiveStep:
     """Combine the reductions of DTensor shards after ``phase`` (``runtime.distributed``)."""
 
@@ -127,6 +140,7 @@ def program(groups: list[LaunchGroup], shards) -> list:
     n_phases = len(groups[0].kernels)
     for phase in range(n_phases):
         steps += [KernelStep(group.kernels[phase], group, phase == 0) for group in groups]
+        steps += [CombineStep(group.combine, phase) for group in groups if group.combine is not None]
         if shards is not None and phase < n_phases - 1:
             steps.append(CollectiveStep(phase))
         steps += [MatrixStep(w) for group in groups for w in group.matrices if w.phase == phase]
@@ -215,7 +229,8 @@ class StepEngine:
     def refresh_grad_column(self, grad_ptrs: list) -> None:
         """Same parameters, states and gradient layouts; only the gradients moved."""
         for group in self.launches:
-            column = torch.tensor([grad_ptrs[i] for i in group.members], dtype=torch.int64)
+            column = [grad_ptrs[i] + off for i, off in zip(group.members, group.grad_offsets)]
+            column = torch.tensor(column, dtype=torch.int64)
             group.tables.ptrs[:, group.grad_column].copy_(column)
         self.grad_ptrs = grad_ptrs
 
@@ -349,38 +364,65 @@ def partition(opt, items) -> dict[tuple, list]:
     return parts
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One table row: matrix ``index`` of ``count`` of member ``member``'s 2-D view (a
+    batched view's matrices are rows of their own, ``batched``; ``count`` is 1 otherwise),
+    whose ``rows`` and ``cols`` the rule reads."""
+
+    member: int
+    index: int
+    count: int
+    rows: int
+    cols: int
+    batched: bool = False
+
+
+def table_entries(opt, members: list, shaped: bool) -> list[Entry]:
+    """The table rows of ``members`` ((p, g, group index)): one per tensor, or where a
+    rule of rows, columns or matrices takes a batched view, one per matrix."""
+    entries = []
+    for k, (p, _, gi) in enumerate(members):
+        view = opt._view_of(opt.param_groups[gi]) if shaped else "flatten"
+        rows, cols = matrix_2d(p.shape, view)
+        n = n_matrices(p.shape, view)
+        entries += [Entry(k, j, n, rows, cols, is_batched(p.shape, view)) for j in range(n)]
+    return entries
+
+
+def entry_slice(t: torch.Tensor, role: str, e: Entry) -> torch.Tensor:
+    """Entry ``e``'s part of a slot's tensor ``t`` (a plain, contiguous tensor where ``e``
+    is one of several matrices; 8-bit scales: its blocks, each matrix a whole number of
+    them, ``state._validate_batched``)."""
+    if not e.batched or role == "matrix":
+        return t
+    per = {"row": (e.rows,), "col": (e.cols,), "scale": (-1,)}.get(role, (e.rows, e.cols))
+    return t.reshape(e.count, *per)[e.index]
+
+
 def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bool = False) -> LaunchGroup:
     """The kernels, pointer tables, scalar table and reduction buffers of one launch group
     (``sharded``: lowered for DTensor shards of a rule of rows and columns)."""
     members = [m[1:] for m in indexed]
     plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded)
     kernels = [load_kernel(src, device) for src in sources]
-    keys = opt._state_keys
-    scalar_names = scalar_state_names(opt.rule)
-    shards = (
-        [distributed.row_shard(p) for p, _, _ in members] if any(r.matrix for r in plan.reductions) else None
-    )
-    matrices, matrix_slots = build_matrices(plan.reductions, [p.shape for p, _, _ in members], device, shards)
-    rows = []
-    for (p, g, _), mats in zip(members, matrix_slots):
-        st = opt.state[p]
-        slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}, **mats}
-        slot_tensor.update(
-            {scale_slot(s): st[keys[s] + "_absmax"] for s in keys if keys[s] + "_absmax" in st}
-        )
-        if "master_lo" in st:
-            slot_tensor[MASTER_SLOT] = st["master_lo"]
-        rows.append([distributed.local(slot_tensor[sl.name]) for sl in plan.slots])
+    matrix = any(r.matrix for r in plan.reductions)
+    entries = table_entries(opt, members, plan.tiled or matrix)
+    shards = [distributed.row_shard(members[e.member][0]) for e in entries] if matrix else None
+    shapes = [(e.rows, e.cols) if e.batched else members[e.member][0].shape for e in entries]
+    matrices, matrix_slots = build_matrices(plan.reductions, shapes, device, shards)
+    rows = [entry_row(opt, plan, members[e.member], e, mats) for e, mats in zip(entries, matrix_slots)]
     block = dict(sources[0].constexprs)["BLOCK"]
     tables = build_tables(
         rows,
-        [gi for _, _, gi in members],
+        [members[e.member][2] for e in entries],
         block,
         device,
-        [p.shape for p, _, _ in members],
+        [members[e.member][0].shape for e in entries],
         plan.tile if plan.tiled else None,
+        [(e.rows, e.cols) for e in entries],
     )
-    scalars = pack_scalars(opt, members, scalar_names, device)
+    scalars = pack_scalars(opt, [members[e.member] for e in entries], scalar_state_names(opt.rule), device)
     nred = max(1, plan.n_reductions)
     red = torch.zeros(tables.n_tensors, nred, device=device)
     partials = torch.zeros(tables.n_blocks if plan.n_reductions else 1, nred, device=device)
@@ -393,13 +435,71 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bo
         scalars,
         red,
         partials,
-        [m[0] for m in indexed],
+        [indexed[e.member][0] for e in entries],
         grad_column,
         part,
         axis,
         axis_init,
         matrices,
+        [_grad_offset(members[e.member][1], e) for e in entries],
+        batch_combine(plan, entries, red),
     )
+
+
+def entry_row(opt, plan: StepLayout, member: tuple, e: Entry, mats: dict) -> list[torch.Tensor]:
+    """The pointer table's tensors of entry ``e`` of ``member`` (p, g, group index), one
+    per slot of ``plan``."""
+    p, g, _ = member
+    keys = opt._state_keys
+    scalar_names = scalar_state_names(opt.rule)
+    st = opt.state[p]
+    slot_tensor = {"p": p, "g": g, **{s: st[keys[s]] for s in keys if s not in scalar_names}, **mats}
+    slot_tensor.update({scale_slot(s): st[keys[s] + "_absmax"] for s in keys if keys[s] + "_absmax" in st})
+    if "master_lo" in st:
+        slot_tensor[MASTER_SLOT] = st["master_lo"]
+    return [entry_slice(distributed.local(slot_tensor[sl.name]), sl.role, e) for sl in plan.slots]
+
+
+def _grad_offset(g: torch.Tensor, e: Entry) -> int:
+    """Bytes from the gradient's start to entry ``e``'s part of it."""
+    return e.index * e.rows * e.cols * g.element_size()
+
+
+def batch_combine(plan: StepLayout, entries: list[Entry], red: torch.Tensor):
+    """Where a batched view splits a tensor into matrices: the combine that makes each
+    matrix's per-tensor reductions of element values the whole tensor's, else None."""
+    if all(e.count == 1 for e in entries):
+        return None
+    owner, first = [], 0
+    for i, e in enumerate(entries):
+        first = i if e.index == 0 else first
+        owner.append(first)
+    return BatchCombine(plan.reductions, torch.tensor(owner, dtype=torch.int64, device=red.device), red)
+
+
+class BatchCombine:
+    """Per-tensor reductions of element values (``norm(p)``, ``mean(g)``) over every matrix
+    of a batched tensor: after the phase that accumulates them, each matrix's raw
+    partial total (a sum, or a max for ``amax``) becomes the sum (max) over the tensor's
+    matrices, in place, on the device. Reductions of row or column values stay one per
+    matrix (``mean(row_var)``: each matrix's rows)."""
+
+    def __init__(self, reductions, owner: torch.Tensor, red: torch.Tensor):
+        self.owner, self.red = owner, red
+        self.columns: dict[int, list] = {}
+        for r in reductions:
+            if r.column >= 0 and r.global_column < 0 and not r.matrix and r.over == "element":
+                combine = ACCUMULATE[r.op][1]
+                self.columns.setdefault(r.phase, []).append((r.column, combine))
+
+    def __call__(self, phase: int) -> None:
+        for column, combine in self.columns.get(phase, ()):
+            values = self.red[:, column]
+            if combine == "sum":
+                total = torch.zeros_like(values).index_add_(0, self.owner, values)
+            else:
+                total = torch.full_like(values, -math.inf).scatter_reduce_(0, self.owner, values, "amax")
+            values.copy_(total.index_select(0, self.owner))
 
 
 def axis_buffers(plan: StepLayout, tables: Tables, device) -> tuple:

@@ -33,6 +33,7 @@ from fuser.ir.optim import (
 )
 from fuser.rules.rule import Rule
 from fuser.rules.signs import nonneg_states
+from fuser.runtime.tables import check_view
 
 TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FROM_NAME = {v: k for k, v in TORCH_DTYPES.items()}
@@ -52,6 +53,9 @@ class Options:
     seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
     static: bool = False  # storage of params, grads and states never replaced: no per-tensor check
     master_weights: str | None = None  # "bf16+int8" / "bf16+int16": split fp32 masters of bf16 params
+    # The 2-D view of tensors of 3 or more dimensions (runtime.tables.VIEWS); a param
+    # group's "view" key overrides it.
+    view: str = "flatten"
 
 
 # state_dtype's names: a dtype, each parameter's ("param"), an 8-bit format, or "q8".
@@ -79,8 +83,10 @@ def parse_options(
     seed=0,
     static=False,
     master_weights=None,
+    view="flatten",
 ) -> Options:
     """``Options`` from ``fuser.compile``'s keywords, checked."""
+    check_view(view, "fuser.compile")
     if isinstance(state_dtype, dict):
         if not all(isinstance(k, str) for k in state_dtype):
             raise ValueError("state_dtype's keys must be the rule's state names (or 'default')")
@@ -110,6 +116,7 @@ def parse_options(
         seed,
         static,
         master_weights,
+        view,
     )
 
 

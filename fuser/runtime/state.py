@@ -15,7 +15,7 @@ from fuser.ir.optim import COL, QFORMATS, ROW, SCALAR, has_matrix_functions, is_
 from fuser.runtime import distributed, quant
 from fuser.runtime.distributed import local
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, state_format
-from fuser.runtime.tables import check_layout, view_2d
+from fuser.runtime.tables import check_layout, is_batched, matrix_2d, n_matrices
 
 
 def validate(opt, items) -> None:
@@ -79,7 +79,7 @@ def _validate_compressed(opt, items) -> None:
         if any(state_format(opt.options, opt.rule, s, d) == "fp8e4m3" for d in DTYPE_NAMES)
     ]
     old_gpus = set()
-    for p, _, _ in items:
+    for p, _, gi in items:
         where = f"parameter of shape {tuple(p.shape)}"
         if opt.options.master_weights and p.dtype == torch.float16:
             raise RuntimeError(
@@ -91,10 +91,11 @@ def _validate_compressed(opt, items) -> None:
                 f"{name} stores {', '.join(quantized)} in 8-bit blocks of the parameter's memory order, "
                 f"so a {where} must be contiguous (call .contiguous() on it)"
             )
-        if quantized and tiled and view_2d(local(p).shape)[1] % block:
+        cols = matrix_2d(local(p).shape, opt._view_of(opt.param_groups[gi]))[1]
+        if quantized and tiled and cols % block:
             raise RuntimeError(
                 f"{name} reads rows and columns, so it stores {', '.join(quantized)} in 8-bit blocks of "
-                f"{block} elements within rows; a {where} has rows of {view_2d(local(p).shape)[1]} "
+                f"{block} elements within rows; a {where} has rows of {cols} "
                 "elements here, not a multiple of that: store those states as fp32 or bf16 (state_dtype)"
             )
         device = local(p).device
@@ -113,8 +114,11 @@ def _validate_shaped(opt, items) -> None:
     row), and a matrix function gathers a matrix from shards of whole rows."""
     name = type(opt).__name__
     tiled, matrix = is_tiled(opt.rule), has_matrix_functions(opt.rule)
-    for p, g, _ in items:
+    for p, g, gi in items:
         where = f"parameter of shape {tuple(p.shape)}"
+        view = opt._view_of(opt.param_groups[gi])
+        if is_batched(p.shape, view):
+            _validate_batched(opt, p, view, where)
         if tiled:
             distributed.split_axis(p)
         if matrix:
@@ -126,14 +130,43 @@ def _validate_shaped(opt, items) -> None:
             )
 
 
+def _validate_batched(opt, p: torch.Tensor, view: str, where: str) -> None:
+    """A batched view walks each matrix of a plain tensor as a tensor of its own: not yet
+    DTensor shards, nor per-tensor scalar states (which each matrix would update on its
+    own); 8-bit states where each matrix starts a block (whose rows are whole blocks, for
+    a rule that reads rows and columns)."""
+    name = type(opt).__name__
+    if isinstance(p, distributed.DTensor):
+        raise NotImplementedError(
+            f"{name} takes a batched 2-D view of a {where}, a DTensor: batched views of sharded "
+            "tensors are not supported; use view='flatten' for its param group, or a plain tensor"
+        )
+    scalars = [s for s, k in state_kinds(opt.rule).items() if k == SCALAR]
+    if scalars:
+        raise RuntimeError(
+            f"{name} takes a batched 2-D view of a {where}, and its rule keeps {scalars} as one "
+            "number per tensor, which each matrix would update on its own: use view='flatten'"
+        )
+    quantized, block = _quantized_states(opt), quant_block()
+    rows, cols = matrix_2d(p.shape, view)
+    size, what = (cols, "rows") if is_tiled(opt.rule) else (rows * cols, "matrices")
+    if quantized and size % block:
+        raise RuntimeError(
+            f"{name} stores {', '.join(quantized)} in 8-bit blocks of {block} elements, and a batched "
+            f"2-D view of a {where} has {what} of {size} elements, not a multiple of that: store "
+            "those states as fp32 or bf16 (state_dtype), or use view='flatten'"
+        )
+
+
 def ensure_states(opt, items) -> None:
     """Create each missing element state, and give each one its parameter's device, layout
     and the state dtype; check that per-tensor (scalar) states are one number."""
     init = dict(opt.rule.state)
     kinds = state_kinds(opt.rule)
-    for p, _, _ in items:
+    for p, _, gi in items:
         st = opt.state[p]
         pdtype = TORCH_DTYPES[p.dtype]
+        view = opt._view_of(opt.param_groups[gi])
         if opt.options.master_weights and p.dtype == torch.bfloat16:
             _ensure_master(opt, p, st)
         for s, key in opt._state_keys.items():
@@ -146,7 +179,7 @@ def ensure_states(opt, items) -> None:
                 continue
             want = FROM_NAME[fmt]
             if kinds[s] in (ROW, COL):
-                st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want)
+                st[key] = _reduced(opt, p, key, kinds[s], st.get(key), init[s], want, view)
                 continue
             if key not in st:
                 st[key] = _initial(p, init[s], want)
@@ -207,21 +240,23 @@ def _ensure_quantized(p: torch.Tensor, st, key: str, init, fmt: str) -> None:
         st[key + "_absmax"] = scales.to(device=lp.device, dtype=torch.float32).reshape(-1)
 
 
-def _reduced(opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype) -> torch.Tensor:
-    """A state of one number per row (column) of ``p``'s 2-D view: new, or checked and
-    moved to the state dtype. Its shape is the front end's ``_reduced_shape(p, kind)``; a
-    DTensor parameter's is a DTensor, sharded like the axis it follows
-    (``distributed.reduced_like``)."""
-    rows, cols = view_2d(p.shape)
-    n = rows if kind == ROW else cols
+def _reduced(
+    opt, p: torch.Tensor, key: str, kind: str, value, init, dtype: torch.dtype, view: str = "flatten"
+) -> torch.Tensor:
+    """A state of one number per row (column) of each matrix of ``p``'s 2-D view ``view``:
+    new, or checked and moved to the state dtype. Its shape is the front end's
+    ``_reduced_shape(p, kind, view)``; a DTensor parameter's is a DTensor, sharded like the
+    axis it follows (``distributed.reduced_like``)."""
+    rows, cols = matrix_2d(p.shape, view)
+    n = (rows if kind == ROW else cols) * n_matrices(p.shape, view)
     if value is None:
-        return distributed.new_reduced(p, kind, opt._reduced_shape(p, kind), float(init), dtype)
+        return distributed.new_reduced(p, kind, opt._reduced_shape(p, kind, view), float(init), dtype)
     if not torch.is_tensor(value):
         raise RuntimeError(f"state {key!r} of a parameter is {type(value).__name__}, not a tensor")
     if value.numel() != n:
         raise RuntimeError(
             f"state {key!r} of a parameter of shape {tuple(p.shape)} holds one number per {kind} "
-            f"({n}), but has shape {tuple(value.shape)}"
+            f"of its {view} 2-D view ({n}), but has shape {tuple(value.shape)}"
         )
     value = distributed.reduced_like(p, kind, value)
     here, device = local(value), local(p).device

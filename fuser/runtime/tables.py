@@ -53,6 +53,38 @@ def view_2d(shape) -> tuple[int, int]:
     return shape[0], cols
 
 
+# A rule's 2-D view of a tensor of 3 or more dimensions: "flatten" is one matrix
+# [shape[0], prod(rest)]; "batched" a batch of [shape[-2], shape[-1]] matrices over the
+# leading dimensions. Tensors of fewer dimensions have one view.
+VIEWS = ("flatten", "batched")
+
+
+def check_view(view, where: str) -> str:
+    """``view`` if it names a view, else a ValueError naming ``where`` it was given."""
+    if view not in VIEWS:
+        raise ValueError(f"{where}: view must be 'flatten' or 'batched', not {view!r}")
+    return view
+
+
+def is_batched(shape, view: str) -> bool:
+    """Whether ``view`` splits a tensor of ``shape`` into matrices of its last two
+    dimensions (batched, 3 or more dimensions, some elements)."""
+    shape = tuple(shape)
+    return view == "batched" and len(shape) >= 3 and math.prod(shape) > 0
+
+
+def n_matrices(shape, view: str) -> int:
+    """Matrices of a tensor of ``shape`` in ``view``: the product of its leading dimensions
+    where ``is_batched``, else one."""
+    return math.prod(tuple(shape)[:-2]) if is_batched(shape, view) else 1
+
+
+def matrix_2d(shape, view: str) -> tuple[int, int]:
+    """(rows, cols) of each matrix of a tensor of ``shape`` in ``view``: its last two
+    dimensions where ``is_batched``, else ``view_2d``."""
+    return tuple(tuple(shape)[-2:]) if is_batched(shape, view) else view_2d(shape)
+
+
 def build_tables(
     rows: list[list[torch.Tensor]],
     groups: list[int],
@@ -60,12 +92,14 @@ def build_tables(
     device: torch.device,
     logical_shapes: list | None = None,
     tile: tuple[int, int] | None = None,
+    views: list | None = None,
 ) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
-    ``logical_shapes`` give what a rule's ``numel`` (and ``mean``), ``rows`` and ``cols``
-    read: the whole tensor's where a row holds one shard of it (DTensor parameters); the
-    rows' own by default. Kernels walk the tensors here, by their own sizes.
+    ``logical_shapes`` give what ``numel`` (and ``mean``), ``rows`` and ``cols`` read: the
+    whole tensor's where a row holds a shard of it (DTensor parameters), the rows' own by
+    default; ``views`` the (rows, cols) where not those shapes' 2-D views (a batched view's
+    matrices: their own). Kernels walk the tensors here, by their own sizes.
 
     Every tensor must be non-overlapping and dense with the same strides as the others of
     its row, so that element ``i`` of storage order is element ``i`` of each of them. An
@@ -81,7 +115,7 @@ def build_tables(
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
     shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
     logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
-    sizes = torch.tensor([view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
+    sizes = torch.tensor(views or [view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     here = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
     starts = None

@@ -52,12 +52,13 @@ ROWS_AND_COLUMNS = fuser.rule(
 
 
 def make_optimizer(name, params):
+    # (Adafactor and CAME factor the flatten view here: batched views take no DTensors)
     if name == "normuon":
         return fuser.optim.NorMuon(params, lr=0.02, weight_decay=0.01)
     if name == "adafactor":
-        return fuser.optim.Adafactor(params, lr=0.02, weight_decay=0.01)
+        return fuser.optim.Adafactor(params, lr=0.02, weight_decay=0.01, view="flatten")
     if name == "came":
-        return fuser.optim.CAME(params, lr=0.02, weight_decay=0.01)
+        return fuser.optim.CAME(params, lr=0.02, weight_decay=0.01, view="flatten")
     return fuser.compile(ROWS_AND_COLUMNS)(params)
 
 
@@ -150,6 +151,31 @@ def test_row_shards_follow_the_same_optimizer_on_whole_tensors(name):
         want_b = ((Shard(0),), here) if cols_split else ((Replicate(),), (cols,))
         assert placed["a"] == (str(want_a[0]), want_a[1]), (i, placed)
         assert placed["b"] == (str(want_b[0]), want_b[1]), (i, placed)
+
+
+def batched_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    messages = []
+    for make in (fuser.optim.Adafactor, lambda ps: fuser.optim.Muon(ps, view="batched")):
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3, 5), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.randn(4, 3, 5), mesh, [Shard(0)])
+        before = p.to_local().clone()
+        opt = make([p])
+        try:
+            opt.step()
+            messages.append(None)
+        except NotImplementedError as e:
+            messages.append((str(e), torch.equal(p.to_local(), before), not opt.state[p]))
+    return messages
+
+
+def test_batched_views_of_dtensors_are_refused_before_any_change():
+    for messages in run_ranks(batched_worker):
+        for message, unchanged, no_state in messages:
+            assert "batched views of sharded tensors are not supported" in message, message
+            assert "view='flatten'" in message and unchanged and no_state
 
 
 def fsdp_worker(rank, world):

@@ -85,15 +85,36 @@ def test_adafactor_follows_torch(case, device):
         }
 
 
-def test_adafactor_factors_nd_tensors_over_the_first_dimension(device):
-    # fuser's view of a (3, 5, 4) tensor is [3, 20]: torch's Adafactor on that matrix.
-    ours, theirs = pairs([(3, 5, 4), (2, 3, 2, 5)], device)
-    theirs = [q.reshape(q.shape[0], -1) for q in theirs]
-    opt, ref = fo.Adafactor(ours, lr=0.05), torch.optim.Adafactor(theirs, lr=0.05, eps=(FP32_EPS, 1e-3))
+# Parameters of every rank: a batch of 3 matrices, a 2 x 3 batch of matrices, a batch of
+# one, beside a matrix and a vector (torch factors the last two dimensions of each).
+ND_SHAPES = [(3, 5, 7), (2, 3, 5, 4), (1, 6, 3), (29,)]
+
+
+def test_adafactor_follows_torch_on_tensors_of_every_rank(device):
+    kw = dict(lr=0.05, weight_decay=0.1)
+    ours, theirs = pairs(ND_SHAPES, device)
+    opt, ref = fo.Adafactor(ours, **kw), torch.optim.Adafactor(theirs, **torch_kwargs(kw))
     train(opt, ours, ref, theirs, 4)
     assert_close(ours, theirs, opt, ref, adafactor_keys)
+    for p, q in zip(ours, theirs):  # torch's shapes: [*lead, rows, 1] and [*lead, 1, cols], or [n]
+        assert {k: v.shape for k, v in ref.state[q].items() if k != "step"} == {
+            k: opt.state[p][m].shape for m, k in adafactor_keys(p).items()
+        }
+
+
+def test_adafactor_flatten_view_factors_nd_tensors_over_the_first_dimension(device):
+    # view="flatten": a (3, 5, 4) tensor is the matrix [3, 20], torch's Adafactor on that matrix;
+    # a param group's "view" key overrides the constructor's (torch's view beside it).
+    ours, theirs = pairs([(3, 5, 4), (2, 3, 2, 5), (3, 5, 7)], device)
+    flat = [q.reshape(q.shape[0], -1) for q in theirs[:2]]
+    groups = [dict(params=ours[:2]), dict(params=ours[2:], view="batched")]
+    opt = fo.Adafactor(groups, lr=0.05, view="flatten")
+    ref = torch.optim.Adafactor(flat + theirs[2:], lr=0.05, eps=(FP32_EPS, 1e-3))
+    train(opt, ours, ref, flat + theirs[2:], 4)
+    assert_close(ours, flat + theirs[2:], opt, ref, adafactor_keys)
     assert opt.state[ours[0]]["row_var"].shape == (3, 1, 1)
     assert opt.state[ours[0]]["col_var"].shape == (1, 5, 4)
+    assert opt.state[ours[2]]["row_var"].shape == (3, 5, 1)
 
 
 def test_adafactor_eps1_none_is_the_parameter_dtype_epsilon(device):
@@ -124,7 +145,7 @@ def test_adafactor_eps1_none_is_the_parameter_dtype_epsilon(device):
 
 @pytest.mark.parametrize("direction", ["fuser-to-torch", "torch-to-fuser"])
 def test_adafactor_checkpoints_move_between_fuser_and_torch(direction, device):
-    shapes = [(7, 13), (29,), (1,), (40, 17)]
+    shapes = [(7, 13), (29,), (1,), (40, 17), (3, 5, 7), (2, 3, 5, 4)]
     kw = dict(lr=0.05, weight_decay=0.1, eps=(FP32_EPS, 1e-3))
     ours, theirs = pairs(shapes, device)
     first = fo.Adafactor(ours, **kw) if direction == "fuser-to-torch" else torch.optim.Adafactor(theirs, **kw)
@@ -172,17 +193,19 @@ def test_adafactor_state_dict_round_trip_is_exact(device):
 
 
 def test_adafactor_refuses_another_factoring_with_the_sizes(device):
-    # torch's state of a (3, 5, 4) tensor factors its last two dimensions.
+    # torch's state of a (3, 5, 4) tensor factors its last two dimensions; the flatten view does not.
     p = torch.nn.Parameter(torch.randn(3, 5, 4, dtype=torch.float64))
     ref = torch.optim.Adafactor([p])
     p.grad = torch.randn_like(p)
     ref.step()
     mine = torch.randn(3, 5, 4, device=device)
-    opt = fo.Adafactor([mine])
+    opt = fo.Adafactor([mine], view="flatten")
     opt.load_state_dict(ref.state_dict())
     mine.grad = torch.randn_like(mine)
-    with pytest.raises(RuntimeError, match="one number per row"):
+    before = mine.clone()
+    with pytest.raises(RuntimeError, match="one number per row of its flatten 2-D view"):
         opt.step()
+    assert torch.equal(mine, before)
 
 
 @pytest.mark.parametrize(
@@ -241,10 +264,24 @@ def test_came_follows_pytorch_optimizer(case, device):
         }
 
 
+def test_came_follows_pytorch_optimizer_on_tensors_of_every_rank(device):
+    # The reference factors the last two dimensions, the leading ones a batch.
+    kw = dict(lr=1e-2, weight_decay=0.1, clip_threshold=0.5)
+    ours, theirs = pairs(ND_SHAPES, device)
+    opt, ref = fo.CAME(ours, **kw), pytorch_optimizer.CAME(theirs, **kw)
+    train(opt, ours, ref, theirs, 4)
+    assert_close(ours, theirs, opt, ref, came_keys)
+    saved = opt.state_dict()["state"]
+    for i, q in enumerate(theirs):
+        assert {k: v.shape for k, v in saved[i].items() if k != "step"} == {
+            k: v.shape for k, v in ref.state[q].items() if k != "RMS"
+        }
+
+
 @pytest.mark.parametrize("direction", ["fuser-to-reference", "reference-to-fuser"])
 def test_came_checkpoints_move_between_fuser_and_pytorch_optimizer(direction, device):
     kw = dict(lr=1e-2, weight_decay=0.1)
-    ours, theirs = pairs([(9, 11), (17,)], device)
+    ours, theirs = pairs([(9, 11), (17,), (3, 5, 7)], device)
     first = fo.CAME(ours, **kw) if direction == "fuser-to-reference" else pytorch_optimizer.CAME(theirs, **kw)
     mine = ours if direction == "fuser-to-reference" else theirs
     for _ in range(2):

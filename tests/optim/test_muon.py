@@ -251,3 +251,48 @@ def test_reductions_of_an_orthogonal_factor(device):
         step = 0.01 * (o.norm() * g2 + (o * g2).sum() * s)
         # The factor's norm and its dot with g carry bf16 Newton-Schulz's error.
         assert rel(view(start.double() - p.detach().double()), step) < 0.05
+
+
+def test_muon_batched_view_orthogonalises_each_expert(device):
+    # Expert weights [experts, out, in] (and a 2 x 2 batch of tall matrices): view="batched"
+    # orthogonalises each matrix on its own, a per-expert loop of the float64 reference,
+    # and every matrix of one shape, the 2-D one's too, shares one batched product.
+    shapes = [(3, 9, 13), (2, 2, 13, 9), (9, 13)]
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [[torch.randn(s, device=device) for s in shapes] for _ in range(3)]
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = fuser.optim.Muon(mine, lr=0.02, weight_decay=0.01, view="batched")
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g.clone()
+        before = fuser.stats()["launches"]
+        opt.step()
+        # 2 phases, and 3 launches an iteration for each of the 2 shapes ([9, 13], [13, 9])
+        assert fuser.stats()["launches"] - before == 2 + 2 * 3 * 5
+    for i, p in enumerate(mine):
+        rows, cols = shapes[i][-2:]
+        experts = params[i].reshape(-1, rows, cols)
+        for e in range(experts.shape[0]):
+            expert_grads = [gs[i].reshape(-1, rows, cols)[e] for gs in grads]
+            want, buf = muon_reference(experts[e], expert_grads, 0.02, 0.95, 0.01)
+            got = p.detach().reshape(-1, rows, cols)[e]
+            assert rel(got - experts[e], want - experts[e].double().cpu()) < 0.03, (shapes[i], e)
+            assert rel(opt.state[p]["momentum_buffer"].reshape(-1, rows, cols)[e], buf) < 1e-6
+
+
+def test_muon_param_groups_choose_their_view(device):
+    # One optimizer, a flatten group (the default: [3, 9 * 13]) beside a batched one.
+    start = torch.randn(3, 9, 13, device=device)
+    grad = torch.randn(3, 9, 13, device=device)
+    flat, batched = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = fuser.optim.Muon([dict(params=[flat]), dict(params=[batched], view="batched")], lr=0.1)
+    flat.grad, batched.grad = grad.clone(), grad.clone()
+    opt.step()
+    want_flat, _ = muon_reference(start, [grad], 0.1, 0.95, 0.0)
+    assert rel(flat.detach() - start, want_flat - start.double().cpu()) < 0.03
+    for e in range(3):
+        want, _ = muon_reference(start[e], [grad[e]], 0.1, 0.95, 0.0)
+        assert rel(batched.detach()[e] - start[e], want - start[e].double().cpu()) < 0.03, e
+    assert rel(flat.detach(), batched.detach()) > 1e-3  # the two views step differently
+    with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'rows'"):
+        fuser.optim.Muon([flat], view="rows")

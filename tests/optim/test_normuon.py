@@ -147,3 +147,40 @@ def test_normuon_refuses_what_it_cannot_run():
         fuser.optim.NorMuon([matrix], update_scale="unit")
     with pytest.raises(ValueError, match="beta2"):
         fuser.optim.NorMuon([matrix], beta2=1.0)
+
+
+def test_normuon_batched_view_is_a_loop_of_the_reference_over_experts(device, monkeypatch):
+    # view="batched": each [rows, cols] matrix of an expert tensor is the reference's own
+    # parameter (orthogonal factor, row second moments, norms and match_rms scale per matrix).
+    exact_newton_schulz(monkeypatch)
+    shapes = [(3, 5, 7), (2, 2, 7, 5)]
+    start = [torch.randn(s) for s in shapes]
+    mine = [torch.nn.Parameter(p.clone().to(device)) for p in start]
+    experts = [e.clone().double() for p in start for e in p.reshape(-1, *p.shape[-2:])]
+    theirs = [torch.nn.Parameter(e) for e in experts]
+    kw = dict(lr=0.02, momentum=0.9, beta2=0.9, weight_decay=0.1, update_scale="match_rms")
+    opt = fuser.optim.NorMuon(mine, view="batched", **kw)
+    ref = pytorch_optimizer.NorMuon([dict(params=theirs, use_muon=True)], **kw)
+    worst = [0.0] * len(theirs)
+    for step in range(1, 4):
+        grads = [torch.randn(s) for s in shapes]
+        expert_grads = [e.double() for g in grads for e in g.reshape(-1, *g.shape[-2:])]
+        before = [e.double() for p in mine for e in p.detach().cpu().reshape(-1, *p.shape[-2:])]
+        ref_before = [q.detach().clone() for q in theirs]
+        for p, g in zip(mine, grads):
+            p.grad = g.to(device)
+        for q, g in zip(theirs, expert_grads):
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+        after = [e.double() for p in mine for e in p.detach().cpu().reshape(-1, *p.shape[-2:])]
+        for j, q in enumerate(theirs):
+            worst[j] = max(worst[j], bf16_error(ref, q, expert_grads[j], ref.param_groups[0]))
+            got, want = after[j] - before[j], q.detach() - ref_before[j]
+            assert rel(got, want) < 2 * worst[j], (j, step, rel(got, want), worst[j])
+    assert opt.state[mine[0]]["second_momentum_buffer"].shape == (3, 5, 1)
+    assert opt.state[mine[1]]["second_momentum_buffer"].shape == (2, 2, 7, 1)
+    # (the reference's [rows, 1] buffers, expert after expert, are ours in memory order)
+    sm = torch.cat([opt.state[p]["second_momentum_buffer"].reshape(-1) for p in mine])
+    ref_sm = torch.cat([ref.state[q]["second_momentum_buffer"].reshape(-1) for q in theirs])
+    assert rel(sm, ref_sm) < 4 * max(worst)

@@ -355,3 +355,94 @@ def test_a_term_a_zero_hyperparameter_scales_is_not_read(device, kind, c):
             assert p.view(-1)[0].item() == float("inf")
             p, want = p.view(-1)[1:], want.reshape(-1)[1:]
         assert rel_err(p, want) < 2e-6, (start.shape, kind, c)
+
+
+# A batched view: rows, columns, axis reductions and row and column states per matrix of
+# the last two dimensions; reductions of row or column values (mean(r), amax(c)) one value
+# per matrix; reductions of element values (norm(u), mean(p), amax(abs(g))) and numel the
+# whole tensor's.
+BATCHED = fuser.rule(
+    """
+    r = beta * r + (1 - beta) * rowmean(g**2)
+    c = beta * c + (1 - beta) * colmean(g**2)
+    v = r * c / mean(r) + amax(c) / cols
+    u = g / (sqrt(v) + eps)
+    p = p - lr * u / maximum(norm(u) / sqrt(numel), 1) - lr * 1e-2 * (mean(p) + amax(abs(g))) * rows / cols
+""",
+    name="batched",
+    hyper=dict(lr=0.01, beta=0.9, eps=1e-8),
+    state=dict(r=0.0, c=0.0),
+)
+
+
+def batched_reference(start, grads, batched=True, lr=0.01, beta=0.9, eps=1e-8):
+    """``BATCHED`` in float64 on the matrices of ``start`` (its last two dimensions where
+    ``batched`` and it has 3 or more, else its one ``[shape[0], prod(rest)]``)."""
+    m, n = start.shape[-2:] if batched and start.dim() >= 3 else view(start).shape
+    x = start.double().cpu().reshape(-1, m, n)
+    r = torch.zeros(x.shape[0], m, 1, dtype=torch.float64)
+    c = torch.zeros(x.shape[0], 1, n, dtype=torch.float64)
+    for g in grads:
+        g = g.double().cpu().reshape(x.shape)
+        r = beta * r + (1 - beta) * (g**2).mean(2, keepdim=True)
+        c = beta * c + (1 - beta) * (g**2).mean(1, keepdim=True)
+        v = r * c / r.mean(1, keepdim=True) + c.amax(2, keepdim=True) / n
+        u = g / (v.sqrt() + eps)
+        scale = max((u.norm() / x.numel() ** 0.5).item(), 1.0)
+        x = x - lr * u / scale - lr * 1e-2 * (x.mean() + g.abs().amax()) * m / n
+    return x.reshape(start.shape), r.reshape(-1), c.reshape(-1)
+
+
+def test_batched_view_takes_each_matrix_of_the_last_two_dimensions(device):
+    # (and a param group's "view" overrides the compiled class's: the flatten group's
+    # (3, 5, 4) tensor is one [3, 20] matrix)
+    shapes = [(3, 5, 7), (2, 3, 5, 4), (1, 6, 3), (7, 13), (29,), (3, 5, 4)]
+    params, grads = params_and_grads(shapes, 3, device=device)
+    mine = [torch.nn.Parameter(p.clone()) for p in params]
+    Batched = fuser.compile(BATCHED, view="batched")
+    opt = Batched([dict(params=mine[:-1]), dict(params=mine[-1:], view="flatten")])
+    for gs in grads:
+        for p, g in zip(mine, gs):
+            p.grad = g.clone()
+        opt.step()
+    for i, p in enumerate(mine):
+        want, r, c = batched_reference(params[i], [gs[i] for gs in grads], batched=i < len(shapes) - 1)
+        assert rel_err(p, want) < 2e-6, p.shape
+        assert rel_err(opt.state[p]["r"], r) < 2e-6 and rel_err(opt.state[p]["c"], c) < 2e-6, p.shape
+    assert opt.state[mine[1]]["r"].shape == (2, 3, 5) and opt.state[mine[1]]["c"].shape == (2, 3, 4)
+    assert opt.state[mine[-1]]["r"].shape == (3,) and opt.state[mine[-1]]["c"].shape == (20,)
+
+
+def test_batched_view_refuses_what_it_cannot_keep_before_anything_changes(device):
+    p = torch.nn.Parameter(torch.randn(3, 5, 16, device=device))
+    p.grad = torch.randn(3, 5, 16, device=device)
+    start = p.detach().clone()
+    # FACTORED keeps s, one number per tensor, which each matrix would update on its own.
+    with pytest.raises(RuntimeError, match=r"keeps \['s'\] as one number per tensor"):
+        fuser.compile(FACTORED, view="batched")([p]).step()
+    # 8-bit blocks of 32 elements: each [5, 16] matrix is 80 of them.
+    with pytest.raises(RuntimeError, match="has matrices of 80 elements, not a multiple of that"):
+        fuser.optim.Muon([p], state_dtype="int8", view="batched").step()
+    with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'cols'"):
+        fuser.compile(BATCHED, view="cols")
+    opt = fuser.compile(BATCHED)([dict(params=[p], view="matrix")])
+    with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'matrix'"):
+        opt.step()
+    assert torch.equal(p.detach(), start) and not opt.state[p]
+
+
+@pytest.mark.parametrize("name", ["came", "muon"])
+def test_batched_views_keep_8_bit_momentum(name, device):
+    # Each matrix is whole 8-bit blocks (CAME: rows of 32; Muon: matrices of 128): q8 steps
+    # against fp32-state steps from the same start, apart by the codes' resolution only.
+    shape = (3, 5, 32) if name == "came" else (2, 8, 16)
+    make = dict(
+        came=lambda ps, **kw: fuser.optim.CAME(ps, lr=1e-2, weight_decay=0.01, **kw),
+        muon=lambda ps, **kw: fuser.optim.Muon(ps, lr=0.02, view="batched", **kw),
+    )[name]
+    key = "exp_avg" if name == "came" else "momentum_buffer"
+    params, grads = params_and_grads([shape], 3, device=device)
+    (full, full_opt), (q8, q8_opt) = (run(make, params, grads, state_dtype=sd) for sd in (None, "q8"))
+    assert q8_opt.state[q8[0]][key].dtype == torch.int8
+    assert rel_err(q8[0] - params[0], full[0] - params[0]) < 0.05
+    assert rel_err(q8_opt.state_dict()["state"][0][key], full_opt.state[full[0]][key]) < 0.03

@@ -142,10 +142,11 @@ class BuiltinOptimizer(FuserOptimizer):
         seed=0,
         static=False,
         master_weights=None,
+        view="flatten",
     ) -> None:
         """fuser's own keywords, on every built-in: ``state_dtype``, ``grad_attr``
         (``"main_grad"``), ``stochastic_rounding``, ``seed``, ``static`` and
-        ``master_weights`` (see ``fuser.compile``)."""
+        ``master_weights`` (see ``fuser.compile``); shaped built-ins also take ``view``."""
         if defaults.get("differentiable"):
             raise ValueError("fuser optimizers are not differentiable")
         self._variant_key = None
@@ -156,6 +157,7 @@ class BuiltinOptimizer(FuserOptimizer):
             seed=seed,
             static=static,
             master_weights=master_weights,
+            view=view,
         )
         options = dataclasses.replace(
             type(self).options,
@@ -165,6 +167,7 @@ class BuiltinOptimizer(FuserOptimizer):
             seed=checked.seed,
             static=checked.static,
             master_weights=checked.master_weights,
+            view=checked.view,
         )
         rules = self.variants.rules.values() if self.variants else [type(self).rule]
         check_state_formats(rules, options)

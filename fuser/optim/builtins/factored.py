@@ -1,12 +1,14 @@
 """Factored second moments: Adafactor and CAME keep one running mean of the squared gradient
-per row and one per column of each tensor's 2-D view, and rebuild the per-element estimate
-as their outer product over the mean of the rows.
+per row and one per column of each matrix of a tensor's 2-D view, and rebuild the
+per-element estimate as their outer product over the mean of that matrix's rows.
 
-A tensor's 2-D view is ``[shape[0], prod(rest)]`` (a 1-D tensor is one row). For a 1-D
-tensor the rules reduce to an unfactored second moment: the column state then holds one
-number per element, which is what torch's ``variance`` holds, and the row state is unused.
-Tensors of more than 2 dimensions are factored over that view, whereas torch and
-pytorch-optimizer factor the last two dimensions batched over the leading ones.
+Both take ``view="batched"`` by default, as their references factor tensors: the last two
+dimensions are a matrix, the leading ones a batch of them (each matrix its own row and
+column means, and its own mean of the rows), while the RMS of the parameter and of the
+update stay the whole tensor's. ``view="flatten"`` (the keyword, or a param group's
+``"view"`` key) factors ``[shape[0], prod(rest)]`` instead. A 1-D tensor is one row: the
+rules reduce to an unfactored second moment, the column state then holds one number per
+element, which is what the references' ``variance`` holds, and the row state is unused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import fuser
 from fuser.ir.optim import state_kinds
 from fuser.optim.builtins._base import BuiltinOptimizer, Variants, flag
+from fuser.runtime.tables import is_batched
 
 
 class _Factored(BuiltinOptimizer):
@@ -52,16 +55,17 @@ class _Factored(BuiltinOptimizer):
         state = {}
         for pid, st in state_dict["state"].items():
             st, p = dict(st), id_to_param.get(pid)
+            view = self._view_of_param(p) if p is not None else "flatten"
             if p is not None and key in st:
                 st[col] = st.pop(key)
                 for name, kind in self.unused.items():
                     st[name] = torch.zeros(
-                        self._reduced_shape(p, kind), dtype=st[col].dtype, device=st[col].device
+                        self._reduced_shape(p, kind, view), dtype=st[col].dtype, device=st[col].device
                     )
             for name, kind in kinds.items():
                 # Another size is refused, with the sizes, at the next step.
                 if p is not None and torch.is_tensor(st.get(name)):
-                    shape = self._reduced_shape(p, kind)
+                    shape = self._reduced_shape(p, kind, view)
                     if st[name].numel() == math.prod(shape):
                         st[name] = st[name].reshape(shape)
             state[pid] = st
@@ -107,16 +111,17 @@ def _eps1(group: dict) -> float:
 
 class Adafactor(_Factored):
     """Drop-in for ``torch.optim.Adafactor``: the same keywords, defaults, checks, update and
-    state keys (``step``; ``row_var`` of shape ``[rows, 1]`` and ``col_var`` of shape
-    ``[1, cols]`` for a 2-D parameter; ``variance`` for a 1-D one in ``state_dict()``), so
-    checkpoints move both ways for 1-D and 2-D parameters.
+    state keys (``step``; ``row_var`` of shape ``[*lead, rows, 1]`` and ``col_var`` of shape
+    ``[*lead, 1, cols]`` for a parameter of shape ``[*lead, rows, cols]``; ``variance`` for a
+    1-D one in ``state_dict()``), so checkpoints move both ways for parameters of every rank.
 
-    ``eps=(None, ...)`` takes the machine epsilon of each param group's first parameter's
-    dtype. A parameter of more than 2 dimensions is factored over ``[shape[0], prod(rest)]``
-    (``row_var`` of shape ``[shape[0], 1, ...]``, ``col_var`` of shape ``[1, *shape[1:]]``),
-    whereas torch factors its last two dimensions batched over the others; such states do
-    not move between the two. In ``optimizer.state`` a 1-D parameter's ``variance`` is
-    ``col_var`` beside an unused one-element ``row_var``.
+    ``view="batched"`` (the default) factors as torch does: the last two dimensions are a
+    matrix, the leading ones a batch of them. ``view="flatten"`` factors
+    ``[shape[0], prod(rest)]`` instead (``row_var`` of shape ``[shape[0], 1, ...]``,
+    ``col_var`` of shape ``[1, *shape[1:]]``), whose states of 3-D and larger parameters
+    do not move to torch's. ``eps=(None, ...)`` takes the machine epsilon of each param
+    group's first parameter's dtype. In ``optimizer.state`` a 1-D parameter's ``variance``
+    is ``col_var`` beside an unused one-element ``row_var``.
     """
 
     rule = adafactor
@@ -141,6 +146,7 @@ class Adafactor(_Factored):
         seed=0,
         static=False,
         master_weights=None,
+        view="batched",
     ):
         if torch.is_tensor(lr) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -166,14 +172,18 @@ class Adafactor(_Factored):
             maximize=maximize,
         )
         self._init_builtin(
-            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights, view
         )
 
-    def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
-        """torch's shapes: ``[rows, 1]`` and ``[1, cols]`` for 2-D (keeping every dimension
-        for N-D), ``variance``'s ``p.shape`` for the columns of a 1-D tensor."""
+    def _reduced_shape(self, p: torch.Tensor, kind: str, view: str = "flatten") -> tuple[int, ...]:
+        """torch's shapes: ``[*lead, rows, 1]`` and ``[*lead, 1, cols]`` (batched), or
+        ``[rows, 1, ...]`` and ``[1, *shape[1:]]`` (flatten), ``variance``'s ``p.shape``
+        for the columns of a 1-D tensor."""
         if p.dim() < 2:
             return tuple(p.shape) if kind == "col" else (1,)
+        if is_batched(p.shape, view):
+            lead = tuple(p.shape[:-2])
+            return (*lead, p.shape[-2], 1) if kind == "row" else (*lead, 1, p.shape[-1])
         if kind == "row":
             return (p.shape[0],) + (1,) * (p.dim() - 1)
         return (1, *p.shape[1:])
@@ -252,9 +262,12 @@ class CAME(_Factored):
     Differences from the reference: the gradient is read, never negated or decayed in place;
     ``step`` is counted per parameter (not per group); the unused diagnostic ``RMS`` state
     is not kept; ``clip_threshold``, ``eps1``, ``eps2`` and ``maximize`` are param-group
-    keywords (the reference reads the constructor's values for every group). A parameter of
-    more than 2 dimensions is factored over ``[shape[0], prod(rest)]``, the reference's over
-    its last two dimensions batched over the others.
+    keywords (the reference reads the constructor's values for every group).
+
+    ``view="batched"`` (the default) factors as the reference does: the last two dimensions
+    are a matrix, the leading ones a batch of them (``exp_avg_sq_row`` of shape
+    ``[*lead, rows]``, ``exp_avg_sq_col`` of shape ``[*lead, cols]``); ``view="flatten"``
+    factors ``[shape[0], prod(rest)]`` instead.
     """
 
     rule = came
@@ -284,6 +297,7 @@ class CAME(_Factored):
         seed=0,
         static=False,
         master_weights=None,
+        view="batched",
     ):
         if lr is not None and lr < 0.0:
             raise ValueError(f"learning rate must be positive. ({lr} > 0)")
@@ -305,7 +319,7 @@ class CAME(_Factored):
             maximize=maximize,
         )
         self._init_builtin(
-            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights, view
         )
 
     def load_state_dict(self, state_dict) -> None:

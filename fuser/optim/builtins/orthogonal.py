@@ -12,6 +12,7 @@ import torch
 import fuser
 from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_betas, check_lr, check_nonneg
 from fuser.rules.rule import Rule
+from fuser.runtime.tables import is_batched
 
 _MUON = """
     momentum_buffer = momentum * momentum_buffer + (1 - momentum) * g
@@ -68,8 +69,14 @@ class Muon(BuiltinOptimizer):
     """Muon (Keller Jordan et al. 2024): SGD momentum whose update, for each matrix, is
     replaced by its orthogonal factor, from ``ns_steps`` Newton–Schulz iterations in bf16
     (fp32 accumulation) batched over the matrices of each shape. Keywords and defaults of
-    muon-optimizer 0.1.0's ``SingleDeviceMuon``; state key ``momentum_buffer``. N-D
-    parameters are viewed as ``[shape[0], prod(rest)]``.
+    muon-optimizer 0.1.0's ``SingleDeviceMuon``; state key ``momentum_buffer``.
+
+    ``view="flatten"`` (the default, the reference's for conv filters) orthogonalises an
+    N-D parameter as the matrix ``[shape[0], prod(rest)]``; ``view="batched"`` (the
+    keyword, or a param group's ``"view"`` key) each ``[shape[-2], shape[-1]]`` matrix of
+    its leading dimensions on its own, with its own ``sqrt(max(1, rows / cols))``: expert
+    weights ``[experts, out, in]``, orthogonalised expert by expert, their products
+    batched with every other matrix of that shape.
 
     Param groups with ``use_muon=False`` are updated by AdamW as ``MuonWithAuxAdam``
     does (its defaults: ``lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0``, for
@@ -95,6 +102,7 @@ class Muon(BuiltinOptimizer):
         seed=0,
         static=False,
         master_weights=None,
+        view="flatten",
     ):
         check_lr(lr)
         check_nonneg(weight_decay=weight_decay, momentum=momentum)
@@ -104,7 +112,7 @@ class Muon(BuiltinOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps
         )
         self._init_builtin(
-            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights, view
         )
 
     def _rule_for(self, key: tuple) -> Rule:
@@ -150,7 +158,8 @@ _NORMUON = """
 _PRESERVE_NORM = """moonlight = 0.2 * sqrt(maximum(rows, cols))
     lr_ratio = where(use_adjusted_lr > 0, moonlight, maximum(1, rows / cols) ** 0.5)
     scale = lr_ratio * norm(o_rows) / (norm(o_rows / de_nom) + eps)"""
-_MATCH_RMS = "scale = 0.2 * sqrt(numel) / (norm(o_rows / de_nom) + eps)"
+# (rows * cols: the matrix's size, numel in the flatten view, one matrix's in the batched.)
+_MATCH_RMS = "scale = 0.2 * sqrt(rows * cols) / (norm(o_rows / de_nom) + eps)"
 
 # Newton–Schulz coefficients by pytorch-optimizer's preset names: one (a, b, c) for every
 # iteration. Its schedules of several tuples ("quintic", "polar_express") change the
@@ -267,7 +276,13 @@ class NorMuon(BuiltinOptimizer):
     ``second_momentum_buffer`` (shape ``[rows, 1]``) in ``use_muon=True`` groups,
     ``exp_avg``, ``exp_avg_sq`` in ``use_muon=False`` (AdamW) groups, which take
     ``adamw_lr``, ``adamw_betas``, ``adamw_wd`` and ``adamw_eps`` for the keys they leave
-    out. One ``step()`` runs both. N-D parameters are viewed as ``[shape[0], prod(rest)]``.
+    out. One ``step()`` runs both.
+
+    ``view="flatten"`` (the default, the reference's) takes an N-D parameter as the matrix
+    ``[shape[0], prod(rest)]``; ``view="batched"`` (the keyword, or a param group's
+    ``"view"`` key) each ``[shape[-2], shape[-1]]`` matrix of its leading dimensions on
+    its own (expert weights): its own orthogonal factor, row second moments
+    (``second_momentum_buffer`` of shape ``[*lead, rows, 1]``) and norms.
 
     Differences from the reference: a group without ``use_muon`` is a NorMuon group (the
     reference refuses it) and must hold matrices; ``ns_coeffs`` is one ``(a, b, c)`` for every
@@ -312,6 +327,7 @@ class NorMuon(BuiltinOptimizer):
         seed=0,
         static=False,
         master_weights=None,
+        view="flatten",
     ):
         check_lr(lr)
         check_lr(adamw_lr)
@@ -342,14 +358,17 @@ class NorMuon(BuiltinOptimizer):
             foreach=foreach,
         )
         self._init_builtin(
-            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights, view
         )
 
     def _rule_for(self, key: tuple) -> Rule:
         return normuon_adamw if key == (False,) else normuon_rule(*key[1:])
 
-    def _reduced_shape(self, p: torch.Tensor, kind: str) -> tuple[int, ...]:
-        """The reference's ``second_momentum_buffer``: ``[shape[0], 1]``."""
+    def _reduced_shape(self, p: torch.Tensor, kind: str, view: str = "flatten") -> tuple[int, ...]:
+        """The reference's ``second_momentum_buffer``: ``[shape[0], 1]``; batched,
+        ``[*lead, rows, 1]``."""
+        if is_batched(p.shape, view):
+            return (*p.shape[:-1], 1)
         return (p.shape[0], 1)
 
     def add_param_group(self, param_group: dict) -> None:
