@@ -4,7 +4,7 @@ One table, ``FUNCTIONS``, maps each sympy function to its Triton spelling. Every
 whose Triton meaning differs from Python's is overridden: powers (integer powers become
 products, square roots use the correctly rounded ``tl.sqrt_rn``), numbers (always float
 literals, so ``1/2`` never becomes integer division), comparisons and boolean logic (``&``,
-``|`` on tensors), ``Piecewise`` (``tl.where``).
+``|`` on tensors, each operand a true int1 through ``_cond``), ``Piecewise`` (``tl.where``).
 """
 
 from __future__ import annotations
@@ -176,11 +176,19 @@ class TritonPrinter(PythonCodePrinter):
         op = _RELATIONS[expr.rel_op]
         return f"({self._print(expr.lhs)} {op} {self._print(expr.rhs)})"
 
+    def _cond(self, expr) -> str:
+        # Each operand of `&` and `|` passes through _cond (templates/helpers.py.jinja), so a
+        # per-step condition joins a per-element one under the interpreter too.
+        text = self._print(expr)
+        if isinstance(expr, sympy.core.relational.Relational):
+            text = text[1:-1]
+        return f"_cond({text})"
+
     def _print_And(self, expr):
-        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+        return "(" + " & ".join(self._cond(a) for a in expr.args) + ")"
 
     def _print_Or(self, expr):
-        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+        return "(" + " | ".join(self._cond(a) for a in expr.args) + ")"
 
     def _print_Not(self, expr):
         return f"({self._print(expr.args[0])} == 0)"
