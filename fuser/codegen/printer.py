@@ -13,7 +13,7 @@ import sympy
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.printing.pycode import PythonCodePrinter
 
-from fuser.rules.functions import Sigmoid
+from fuser.rules.functions import Remainder, Sigmoid
 
 # Triton spellings; helpers prefixed `_` are jitted functions in templates/helpers.py.jinja.
 FUNCTIONS = {
@@ -25,6 +25,10 @@ FUNCTIONS = {
     Sigmoid: "_sigmoid",
     log1p: "_log1p",
     expm1: "_expm1",
+    sympy.cos: "tl.cos",
+    sympy.sin: "tl.sin",
+    sympy.floor: "tl.floor",
+    Remainder: "_mod",
 }
 
 _RELATIONS = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
@@ -140,6 +144,10 @@ class TritonPrinter(PythonCodePrinter):
     _print_Sigmoid = _print_Function
     _print_log1p = _print_Function
     _print_expm1 = _print_Function
+    _print_cos = _print_Function
+    _print_sin = _print_Function
+    _print_floor = _print_Function
+    _print_Remainder = _print_Function
 
     def _print_ApproxTanh(self, expr):
         # (every kernel that prints a rule takes INTERPRETED: the interpreter runs no assembly)

@@ -53,6 +53,35 @@ class ApproxTanh(sympy.Function):
         return text if exp is None else rf"{text}^{{{exp}}}"
 
 
+class Remainder(sympy.Function):
+    """``mod(a, b)``: the remainder of ``a / b`` with Python's sign convention for floats,
+    ``a - b * floor(a / b)``: the sign of ``b`` (``mod(-1, 3) = 2``, ``mod(1, -3) = -2``),
+    in ``[0, b)`` for ``b > 0`` (the kernel corrects the rounding of ``a / b`` that would
+    leave it outside); ``mod(a, 0)`` is NaN in a kernel (a RuleError where ``b`` is
+    written as 0)."""
+
+    nargs = 2
+    is_real = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Number and b.is_Number and not b.is_zero:
+            return a - b * sympy.floor(a / b)
+        return None
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return sympy.S.One if argindex == 1 else -sympy.floor(a / b)
+
+    def _sympystr(self, printer):
+        return f"mod({printer._print(self.args[0])}, {printer._print(self.args[1])})"
+
+    def _latex(self, printer, exp=None):
+        a, b = (printer._print(x) for x in self.args)
+        text = rf"\operatorname{{mod}}\left({a}, {b}\right)"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
 class Reduction(sympy.Function):
     """A reduction of an expression to one number (per tensor, per device or per token).
 
@@ -189,6 +218,21 @@ def _clamp(x, lo, hi):
     return sympy.Min(sympy.Max(x, lo), hi)
 
 
+def _mod(a, b):
+    if sympy.sympify(b).is_zero:
+        raise ValueError("mod(a, b) with b = 0 has no value")
+    return Remainder(a, b)
+
+
+def every(k, step=None):
+    """The condition "this step is a multiple of ``k``": true on steps ``k, 2k, 3k, ...``
+    (``mod(step, k) == 0``; ``step`` counts from 1), for ``where(every(k), a, b)``."""
+    k = sympy.sympify(k)
+    if k.is_Number and not k > 0:
+        raise ValueError(f"every(k) needs k > 0, not {k}")
+    return sympy.Eq(Remainder(sympy.Symbol("step", real=True) if step is None else step, k), 0)
+
+
 # name -> (builder, number of arguments)
 ELEMENTWISE: dict[str, tuple] = {
     "sqrt": (sympy.sqrt, 1),
@@ -206,7 +250,21 @@ ELEMENTWISE: dict[str, tuple] = {
     "maximum": (sympy.Max, 2),
     "where": (_where, 3),
     "clamp": (_clamp, 3),
+    "cos": (sympy.cos, 1),
+    "sin": (sympy.sin, 1),
+    "mod": (_mod, 2),
 }
+
+# Named constants of the rule language (a hyperparameter, state or temporary of the same
+# name takes precedence, as in Python).
+CONSTANTS: dict[str, sympy.Expr] = {"pi": sympy.pi}
+
+# Functions of optimizer rules only (they read the step): name -> (builder, arguments).
+# ``every(k)`` is a condition, for ``where``.
+OPTIM_FUNCTIONS: dict[str, tuple] = {
+    "every": (every, 1),
+}
+CONDITIONS = frozenset({"every"})
 
 # Reductions a rule of each kind may call, by the name it calls them.
 OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {

@@ -13,7 +13,13 @@ from types import MappingProxyType
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS, MatrixFunction
+from fuser.rules.functions import (
+    ELEMENTWISE,
+    LOSS_REDUCTIONS,
+    OPTIM_FUNCTIONS,
+    OPTIM_REDUCTIONS,
+    MatrixFunction,
+)
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.shapes import check_kinds
 
@@ -86,7 +92,9 @@ def identifier(name: str) -> str:
 def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
     """Raise ``RuleError`` for a hyperparameter or state name that is no identifier or is
     reserved, or whose default is not a finite number."""
-    reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
+    reserved = (
+        set(inputs) | set(ELEMENTWISE) | set(OPTIM_FUNCTIONS) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
+    )
     reserved |= {*SHAPE_SYMBOLS, ZY, "loss"}
     for what, names in (("hyperparameter", hyper), ("state", state)):
         for n in names:
@@ -115,7 +123,12 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     hyperparameter, may call the per-tensor reductions ``norm sum mean amax``,
     ``global_norm`` and ``global_sum`` (over every tensor the step updates) and the axis reductions
     ``rowsum rowmean rownorm rowamax colsum colmean colnorm colamax`` of the tensor's 2-D
-    view, and must assign ``p``. A state assigned from row (column) values holds one
+    view, and must assign ``p``. Besides the elementwise functions (``cos``, ``sin`` and
+    ``mod(a, b)``, the remainder with the sign of ``b``, among them) and the constant
+    ``pi``, it may gate on the step: ``where(every(k), a, b)`` takes ``a`` on steps ``k, 2k,
+    ...``. Values of hyperparameters and ``step`` alone (a cosine schedule,
+    ``lr * 0.5 * (1 + cos(pi * step / total))``) are computed once per step in fp64.
+    A state assigned from row (column) values holds one
     number per row (column); one assigned from per-tensor values, one number per tensor.
     A function is called once with sympy symbols (per-element inputs as positional
     parameters, hyperparameters and ``step`` as keyword-only ones) and returns a dict of
@@ -133,6 +146,8 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
         frozen=frozenset({"g", "step", *SHAPE_SYMBOLS, *hyper}),
         reductions=OPTIM_REDUCTIONS,
         subscripts={},
+        functions=OPTIM_FUNCTIONS,
+        per_step=frozenset({"step", *SHAPE_SYMBOLS, *hyper}),
     )
     rule_name = name or getattr(source, "__name__", None) or "rule"
     try:
@@ -262,7 +277,7 @@ def _traceback_line(exc: BaseException, fn) -> int | None:
 
 # Traced functions call fuser.sqrt, fuser.where, ... : the same builders as rule text.
 def _export(name: str):
-    builder, nargs = ELEMENTWISE[name]
+    builder, nargs = ELEMENTWISE.get(name) or OPTIM_FUNCTIONS[name]
 
     def f(*args):
         if len(args) != nargs:
@@ -293,5 +308,5 @@ def _export_reduction(name: str):
     return f
 
 
-FUNCTIONS = {n: _export(n) for n in ELEMENTWISE}
+FUNCTIONS = {n: _export(n) for n in (*ELEMENTWISE, *OPTIM_FUNCTIONS)}
 REDUCTIONS = {n: _export_reduction(n) for n in OPTIM_REDUCTIONS}
