@@ -47,8 +47,10 @@ clamp = _FUNCTIONS["clamp"]
 cos = _FUNCTIONS["cos"]
 sin = _FUNCTIONS["sin"]
 mod = _FUNCTIONS["mod"]
-# Functions of traced optimizer rules only: the step gate.
+# Functions of traced optimizer rules only: the step gate, random values per element.
 every = _FUNCTIONS["every"]
+rand = _FUNCTIONS["rand"]
+randn = _FUNCTIONS["randn"]
 pi = _CONSTANTS["pi"]
 # Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
 norm = _REDUCTIONS["norm"]

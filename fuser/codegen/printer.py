@@ -149,6 +149,14 @@ class TritonPrinter(PythonCodePrinter):
     _print_floor = _print_Function
     _print_Remainder = _print_Function
 
+    # A draw's stream counters: 2i for the i-th call of the rule (and 2i + 1, randn's second
+    # uniform). ``rng_key`` and ``offs`` are the step kernel's (codegen.render).
+    def _print_Rand(self, expr):
+        return f"_uniform(rng_key, offs, {2 * expr.index})"
+
+    def _print_Randn(self, expr):
+        return f"_normal(rng_key, offs, {2 * expr.index})"
+
     def _print_ApproxTanh(self, expr):
         # (every kernel that prints a rule takes INTERPRETED: the interpreter runs no assembly)
         return f"_approx_tanh({self._print(expr.args[0])}, INTERPRETED)"

@@ -34,7 +34,7 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.ir.stores import plan_early_stores
-from fuser.rules.functions import AxisReduction, MatrixFunction, Reduction
+from fuser.rules.functions import AxisReduction, MatrixFunction, RandomValue, Reduction
 from fuser.rules.parse import symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
@@ -205,7 +205,8 @@ class _Hoister:
         self.found: dict[sympy.Expr, sympy.Symbol] = {}
 
     def is_scalar(self, e) -> bool:
-        return isinstance(e, sympy.Expr) and e.free_symbols <= self.scalar
+        # (a random value reads no symbol but is one per element)
+        return isinstance(e, sympy.Expr) and e.free_symbols <= self.scalar and not e.has(RandomValue)
 
     def name(self, e: sympy.Expr) -> sympy.Expr:
         if e.is_Atom:

@@ -337,7 +337,8 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
 
     Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
     or ``"param"`` to store each state like its parameter), ``grad_attr`` (``"main_grad"``
-    reads Megatron-style fp32 gradients), ``stochastic_rounding`` and its ``seed``, and
+    reads Megatron-style fp32 gradients), ``stochastic_rounding``, ``seed`` (of stochastic
+    rounding and of the rule's ``rand()`` / ``randn()``), and
     ``static``: the caller promises that no parameter, gradient or state tensor is replaced
     between steps (``p.data = ...``, ``p.grad = None``, ``optimizer.state[p][k] = ...``), so
     a step checks nothing per tensor (as a replayed CUDA graph would not); ``zero_grad()``

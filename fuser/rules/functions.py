@@ -7,6 +7,8 @@ printer in ``fuser.codegen`` knows how to print every object these builders prod
 
 from __future__ import annotations
 
+import itertools
+
 import sympy
 from sympy.codegen.cfunctions import expm1 as _Expm1
 from sympy.codegen.cfunctions import log1p as _Log1p
@@ -80,6 +82,67 @@ class Remainder(sympy.Function):
         a, b = (printer._print(x) for x in self.args)
         text = rf"\operatorname{{mod}}\left({a}, {b}\right)"
         return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+class RandomValue(sympy.Function):
+    """A random value per element, drawn afresh each step: ``rand()``, ``randn()``.
+
+    The argument, a symbol ``draw$<i>``, numbers the call within its rule (0, 1, ... in
+    the order the rule makes them, ``rule.number_draws``), so that two calls are two
+    independent values and one value assigned to a name is the same wherever it is read,
+    in every phase of a step. (A symbol, not a number: sympy's conditions over values
+    that read no symbol at all fail to fold, ``where(m < 1, ...)`` after
+    ``m = where(rand() < 0.9, ...)``.)
+    Its bits come from the counter-based generator of stochastic rounding, on a stream of
+    their own: reproducible from (``seed``, ``step``, tensor, element), with no state."""
+
+    nargs = 1
+    is_real = True
+    spelling = ""
+
+    @property
+    def index(self) -> int:
+        """The call's number within its rule."""
+        return int(self.args[0].name.partition("$")[2])
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero
+
+    def _sympystr(self, printer):
+        return f"{self.spelling}()"
+
+    def _latex(self, printer, exp=None):
+        text = rf"\operatorname{{{self.spelling}}}()"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+class Rand(RandomValue):
+    """``rand()``: uniform on [0, 1), a multiple of 2**-24: ``(bits >> 8) * 2**-24``."""
+
+    spelling = "rand"
+
+    def _eval_is_nonnegative(self):
+        return True
+
+
+class Randn(RandomValue):
+    """``randn()``: standard normal, by Box and Muller from two uniforms,
+    ``sqrt(-2 log u1) * cos(2 pi u2)``, ``u1 = ((bits1 >> 8) + 1) * 2**-24`` in (0, 1]."""
+
+    spelling = "randn"
+
+
+# Numbers each call of rand() / randn() as it is made; a rule renumbers its own from 0.
+_DRAWS = itertools.count()
+
+
+def draw_symbol(i: int) -> sympy.Symbol:
+    """The argument of a rule's ``i``-th ``rand()`` / ``randn()``."""
+    return sympy.Symbol(f"draw${i}", real=True)
+
+
+def _drawer(cls):
+    return lambda: cls(draw_symbol(next(_DRAWS)))
 
 
 class Reduction(sympy.Function):
@@ -259,10 +322,13 @@ ELEMENTWISE: dict[str, tuple] = {
 # name takes precedence, as in Python).
 CONSTANTS: dict[str, sympy.Expr] = {"pi": sympy.pi}
 
-# Functions of optimizer rules only (they read the step): name -> (builder, arguments).
+# Functions of optimizer rules only (they read the step, or draw per step): name ->
+# (builder, arguments).
 # ``every(k)`` is a condition, for ``where``.
 OPTIM_FUNCTIONS: dict[str, tuple] = {
     "every": (every, 1),
+    "rand": (_drawer(Rand), 0),
+    "randn": (_drawer(Randn), 0),
 }
 CONDITIONS = frozenset({"every"})
 

@@ -19,6 +19,8 @@ from fuser.rules.functions import (
     OPTIM_FUNCTIONS,
     OPTIM_REDUCTIONS,
     MatrixFunction,
+    RandomValue,
+    draw_symbol,
 )
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.shapes import check_kinds
@@ -128,6 +130,9 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     ``pi``, it may gate on the step: ``where(every(k), a, b)`` takes ``a`` on steps ``k, 2k,
     ...``. Values of hyperparameters and ``step`` alone (a cosine schedule,
     ``lr * 0.5 * (1 + cos(pi * step / total))``) are computed once per step in fp64.
+    ``rand()`` (uniform on [0, 1)) and ``randn()`` (standard normal) draw a value per
+    element, afresh each step, reproducible from the compile option ``seed``, the step,
+    the tensor and the element; each call is its own draw.
     A state assigned from row (column) values holds one
     number per row (column); one assigned from per-tensor values, one number per tensor.
     A function is called once with sympy symbols (per-element inputs as positional
@@ -159,6 +164,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
             text = "\n".join(lines)
             if not any(s.target == "p" for s in statements):
                 raise RuleError("the rule never assigns p (its last value is the new parameter)")
+        statements, env = number_draws(statements, env)
         outputs = [("p", env["p"])]
         outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
         check_kinds(statements, dict(outputs), tuple(state.items()), lines)
@@ -173,6 +179,21 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
         tuple(statements),
         tuple(outputs),
     )
+
+
+def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement], dict]:
+    """The rule's ``rand()`` / ``randn()`` calls numbered 0, 1, ... in the order they were
+    made: the same rule text gives the same kernel, and each call its own stream."""
+    draws = set()
+    for st in statements:
+        draws |= st.expr.atoms(RandomValue)
+    if not draws:
+        return statements, env
+    order = sorted(draws, key=lambda d: d.index)
+    mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order)}
+    statements = [Statement(s.target, s.expr.xreplace(mapping), s.line, s.col) for s in statements]
+    env = {n: e.xreplace(mapping) if isinstance(e, sympy.Basic) else e for n, e in env.items()}
+    return statements, env
 
 
 def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
@@ -254,7 +275,8 @@ def _traced_statements(result, lang: Language, state: dict, first_line: int | No
             raise RuleError(f"the value returned for {key!r} is not an expression", line=first_line) from None
         if value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
             raise RuleError(f"the value returned for {key!r} is not finite", line=first_line)
-        unknown = {s.name for s in value.free_symbols} - set(lang.readable)
+        draws = {d.args[0] for d in value.atoms(RandomValue)}
+        unknown = {s.name for s in value.free_symbols - draws} - set(lang.readable)
         if unknown:
             raise RuleError(
                 f"the value returned for {key!r} uses unknown symbols {sorted(unknown)}", line=first_line

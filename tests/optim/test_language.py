@@ -121,3 +121,120 @@ def test_sin_cos_and_mod_per_element(device):
             close = (got - want).abs() <= 4 * U * (x.abs() + abs(d))
             assert bool((close | edge).all()), name
             assert int(edge.sum()) <= 2
+
+
+# --- rand() and randn(): the documented generator, written here in torch -------------------
+
+M32 = 0xFFFFFFFF
+
+
+def mul32(x, c: int):
+    """``x * c`` modulo 2**32 for int64 tensors of 32-bit values (in halves: no overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def hash32(x):
+    """The kernels' 32-bit mixer (``_hash32``), on int64 tensors or Python ints."""
+    if isinstance(x, int):
+        return int(hash32(torch.tensor([x], dtype=torch.int64))[0])
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rand_bits(seed: int, step: int, tensor: int, n: int, counter: int):
+    """The 32 random bits of ``counter`` at elements 0 .. n-1 of table row ``tensor``: the
+    stream key of (seed, step, tensor), made apart from stochastic rounding's."""
+    k = hash32((seed & M32) ^ hash32(((seed >> 32) & M32) ^ 0x9E3779B9))
+    k = hash32(k ^ step)
+    key = hash32(hash32(k ^ tensor ^ 0x85EBCA6B) ^ 0x52414E44)
+    return hash32(torch.arange(n, dtype=torch.int64) ^ hash32((key + counter) & M32))
+
+
+def uniform(seed, step, tensor, n, call):
+    """The ``call``-th draw of the rule (counting rand() and randn() together) as rand()."""
+    return (rand_bits(seed, step, tensor, n, 2 * call) >> 8).double() * 2.0**-24
+
+
+def normal(seed, step, tensor, n, call):
+    u1 = ((rand_bits(seed, step, tensor, n, 2 * call) >> 8).double() + 1) * 2.0**-24
+    u2 = (rand_bits(seed, step, tensor, n, 2 * call + 1) >> 8).double() * 2.0**-24
+    return torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
+
+
+DRAWS = """
+    u = randn()
+    a = rand()
+    d = rand() - rand()
+    n = u / norm(u)
+    p = p - lr * a * g
+"""
+
+
+def draw(seed, steps, shapes, device, text=DRAWS, state=("a", "d", "n")):
+    """Run ``steps`` steps of the rule; the states after each, per tensor."""
+    rule = fuser.rule(text, hyper=dict(lr=0.1), state={s: 0.0 for s in state})
+    params = [torch.randn(s, device=device) for s in shapes]
+    opt = fuser.compile(rule, seed=seed)(params)
+    seen = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        seen.append([{s: opt.state[p][s].double().cpu().reshape(-1).clone() for s in state} for p in params])
+    return seen
+
+
+def test_rand_and_randn_follow_the_documented_generator(device, seed):
+    shapes, mine = [(7,), (2500,), (33, 5)], seed % 2**40
+    seen = draw(mine, 2, shapes, device)
+    for step, per_tensor in enumerate(seen, 1):
+        for t, (shape, got) in enumerate(zip(shapes, per_tensor)):
+            n = math.prod(shape)
+            # calls in the order written: randn (0), rand (1), rand (2), rand (3)
+            assert torch.equal(got["a"], uniform(mine, step, t, n, 1))  # exact in fp32
+            assert torch.equal(got["d"], uniform(mine, step, t, n, 2) - uniform(mine, step, t, n, 3))
+            u = normal(mine, step, t, n, 0)
+            # the norm of phase 1 over the values phase 2 reads again
+            torch.testing.assert_close(got["n"], u / u.norm(), rtol=2e-5, atol=1e-6)
+
+
+def test_draws_are_reproducible_and_differ_across_steps_tensors_and_seeds(device, seed):
+    shapes = [(2500,), (2500,)]
+    first, again = draw(seed, 2, shapes, device), draw(seed, 2, shapes, device)
+    other = draw(seed + 1, 1, shapes, device)
+    for s in ("a", "n"):
+        assert all(torch.equal(x[s], y[s]) for st1, st2 in zip(first, again) for x, y in zip(st1, st2))
+        a1, a2 = first[0][0][s], first[1][0][s]
+        b1, c1 = first[0][1][s], other[0][0][s]
+        for x, y in ((a1, a2), (a1, b1), (a1, c1)):  # steps, tensors, seeds
+            assert float((x == y).double().mean()) < 0.01
+        assert a1.unique().numel() > 2400  # elements
+
+
+def test_draws_are_statistically_sane(device, seed):
+    # 5000 draws of each: means and standard deviations within 5 standard errors
+    (per_tensor,) = draw(seed, 1, [(2500,), (50, 50)], device)
+    a = torch.cat([x["a"] for x in per_tensor])
+    n = a.numel()
+    assert bool(((a >= 0) & (a < 1)).all())
+    assert abs(float(a.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(a.std()) - (1 / 12) ** 0.5) < 5 * 0.0745 / n**0.5  # (the sd of a uniform's sd)
+    # randn() itself, as the kernel normalised it per tensor
+    raw = [normal(seed, 1, t, 2500, 0) for t in range(2)]
+    for x, r in zip(per_tensor, raw):
+        torch.testing.assert_close(x["n"], r / r.norm(), rtol=2e-5, atol=1e-6)
+    raw = torch.cat(raw)
+    assert abs(float(raw.mean())) < 5 / n**0.5
+    assert abs(float(raw.std()) - 1) < 5 / (2 * n) ** 0.5
+    assert float(raw.abs().max()) <= (48 * math.log(2)) ** 0.5
+
+
+def test_draws_of_a_tiled_rule_are_those_of_the_flat_one(device, seed):
+    # a row state walks tiles of the 2-D view: each element still draws at its flat index
+    text = "r = 0.5 * r + rowmean(g)\na = rand() + 0 * r\nb = randn()\np = p - lr * a * g"
+    (per_tensor,) = draw(seed, 1, [(19, 133)], device, text=text, state=("r", "a", "b"))
+    assert torch.equal(per_tensor[0]["a"], uniform(seed, 1, 0, 19 * 133, 0))
+    torch.testing.assert_close(per_tensor[0]["b"], normal(seed, 1, 0, 19 * 133, 1), rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import sympy
 
 import fuser
 from fuser.display import expr_text, rule_latex
-from fuser.rules.functions import Remainder
+from fuser.rules.functions import Rand, Randn, RandomValue, Remainder
 
 HYPER = dict(lr=0.1, k=4.0)
 
@@ -35,6 +35,9 @@ def bad(text, **kw):
         ("p = p - lr * every(k) * g", 1, 14, "every() is a condition"),
         ("cos = g\np = p - lr * cos", 1, 1, "'cos' is a function name"),
         ("p = p - lr * mod * g", 1, 14, "'mod' is a function"),
+        ("p = p - lr * rand(3) * g", 1, 14, "rand() takes 0 arguments, got 1"),
+        ("u = g\np = p - lr * randn(g, g)", 2, 14, "randn() takes 0 arguments, got 2"),
+        ("p = p - lr * randn * g", 1, 14, "'randn' is a function"),
     ],
 )
 def test_misuse_is_a_rule_error_at_its_line_and_column(text, line, col, words):
@@ -44,7 +47,7 @@ def test_misuse_is_a_rule_error_at_its_line_and_column(text, line, col, words):
 
 
 def test_function_names_are_reserved_for_hyperparameters_and_states():
-    for name in ("cos", "sin", "mod", "every"):
+    for name in ("cos", "sin", "mod", "every", "rand", "randn"):
         with pytest.raises(fuser.RuleError, match="reserved"):
             fuser.rule("p = p - lr * g", hyper=dict(lr=0.1, **{name: 1.0}))
 
@@ -90,3 +93,30 @@ def test_traced_mod_by_zero_is_a_rule_error():
         @fuser.rule(hyper=HYPER)
         def traced(p, g, *, lr):
             return dict(p=p - lr * fuser.mod(g, 0))
+
+
+def test_draws_are_numbered_in_call_order_and_one_name_is_one_draw():
+    r = fuser.rule(
+        "u = randn()\nm = u * rand() + u\np = p - lr * (rand() - m) * g", hyper=HYPER, state=dict(m=0.0)
+    )
+    draws = sorted(r.output("p").atoms(RandomValue), key=lambda d: d.index)
+    assert [(type(d), d.index) for d in draws] == [(Randn, 0), (Rand, 1), (Rand, 2)]
+    again = fuser.rule(
+        "u = randn()\nm = u * rand() + u\np = p - lr * (rand() - m) * g", hyper=HYPER, state=dict(m=0.0)
+    )
+    assert r.output("p") == again.output("p")  # the same text, the same draws
+    assert expr_text(r.output("m")) in ("randn()*rand() + randn()", "rand()*randn() + randn()")
+    assert r"\operatorname{rand}()" in rule_latex(r)
+
+    @fuser.rule(hyper=HYPER)
+    def traced(p, g, *, lr):
+        u = fuser.rand()
+        return dict(p=p - lr * (u - fuser.rand()) * u * g)
+
+    assert sorted(d.index for d in traced.output("p").atoms(RandomValue)) == [0, 1]
+
+
+def test_loss_rules_have_no_draws_or_step_gate():
+    for text in ("loss = logsumexp(z) - z[y] + rand()", "loss = where(every(2), logsumexp(z) - z[y], 0)"):
+        with pytest.raises(fuser.RuleError, match="unknown function"):
+            fuser.loss(text)
