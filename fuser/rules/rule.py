@@ -30,6 +30,8 @@ OPTIM_INPUTS = ("p", "g", "step")
 # Per-tensor sizes an optimizer rule may read: elements, and the rows and columns of the
 # tensor's 2-D view (a 1-D tensor is one row; an N-D one is [shape[0], prod(rest)]).
 SHAPE_SYMBOLS = ("numel", "rows", "cols")
+# The value a step's closure returned (``opt.step(closure)``), one number per step.
+LOSS_VALUE = "loss"
 LOSS_INPUTS = ("z", "y")
 # The symbol that stands for the logit at the target, z[y].
 ZY = "z_y"
@@ -132,7 +134,8 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     ``lr * 0.5 * (1 + cos(pi * step / total))``) are computed once per step in fp64.
     ``rand()`` (uniform on [0, 1)) and ``randn()`` (standard normal) draw a value per
     element, afresh each step, reproducible from the compile option ``seed``, the step,
-    the tensor and the element; each call is its own draw.
+    the tensor and the element; each call is its own draw. ``loss`` is the value the step's closure
+    returned (``opt.step(closure)``, one number per step, read from device memory).
     A state assigned from row (column) values holds one
     number per row (column); one assigned from per-tensor values, one number per tensor.
     A function is called once with sympy symbols (per-element inputs as positional
@@ -146,14 +149,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     if source is None:
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
     check_names("optim", hyper, state, OPTIM_INPUTS)
-    lang = Language(
-        readable=frozenset({*OPTIM_INPUTS, *SHAPE_SYMBOLS, *hyper, *state}),
-        frozen=frozenset({"g", "step", *SHAPE_SYMBOLS, *hyper}),
-        reductions=OPTIM_REDUCTIONS,
-        subscripts={},
-        functions=OPTIM_FUNCTIONS,
-        per_step=frozenset({"step", *SHAPE_SYMBOLS, *hyper}),
-    )
+    lang = optim_language(hyper, state)
     rule_name = name or getattr(source, "__name__", None) or "rule"
     try:
         lines = None
@@ -179,6 +175,26 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
         tuple(statements),
         tuple(outputs),
     )
+
+
+def optim_language(hyper: dict, state: dict) -> Language:
+    """What an optimizer rule with these hyperparameters and states may read and call."""
+    per_step = frozenset({"step", *SHAPE_SYMBOLS, LOSS_VALUE, *hyper})
+    return Language(
+        readable=frozenset({*OPTIM_INPUTS, *per_step, *state}),
+        frozen=frozenset({"g", *per_step}),
+        reductions=OPTIM_REDUCTIONS,
+        subscripts={},
+        functions=OPTIM_FUNCTIONS,
+        per_step=per_step,
+    )
+
+
+def reads_loss(rule: Rule) -> bool:
+    """Whether an optimizer rule's update reads ``loss``, the value its step's closure
+    returns."""
+    loss = symbol(LOSS_VALUE)
+    return rule.kind == "optim" and any(loss in e.free_symbols for _, e in rule.outputs)
 
 
 def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement], dict]:
@@ -234,7 +250,7 @@ def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tu
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}
-    keyword_only = {*hyper, "step", *SHAPE_SYMBOLS}
+    keyword_only = {*hyper, "step", *SHAPE_SYMBOLS, LOSS_VALUE}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise RuleError(
@@ -243,7 +259,7 @@ def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tu
         if param.kind == param.KEYWORD_ONLY:
             if pname not in keyword_only:
                 raise RuleError(
-                    f"keyword-only parameter {pname!r} is neither a hyperparameter nor 'step'",
+                    f"keyword-only parameter {pname!r} is neither a hyperparameter, 'step' nor 'loss'",
                     line=first_line,
                 )
             kwargs[pname] = symbol(pname)

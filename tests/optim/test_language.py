@@ -238,3 +238,102 @@ def test_draws_of_a_tiled_rule_are_those_of_the_flat_one(device, seed):
     (per_tensor,) = draw(seed, 1, [(19, 133)], device, text=text, state=("r", "a", "b"))
     assert torch.equal(per_tensor[0]["a"], uniform(seed, 1, 0, 19 * 133, 0))
     torch.testing.assert_close(per_tensor[0]["b"], normal(seed, 1, 0, 19 * 133, 1), rtol=1e-5, atol=1e-5)
+
+
+# --- loss: the value of the step's closure ---------------------------------------------------
+
+LOSS_RULE = """
+    ema = where(step == 1, loss, beta * ema + (1 - beta) * loss)
+    p = p - lr * g * loss / ema
+"""
+
+
+def model_and_closure(device, opt_box, record):
+    """A least-squares problem of two weights; the closure records its loss and gradients."""
+    w1 = torch.randn(37, device=device, requires_grad=True)
+    w2 = torch.randn(5, 3, device=device, requires_grad=True)
+    x1, x2 = torch.randn(37, device=device), torch.randn(3, device=device)
+
+    def closure():
+        opt_box[0].zero_grad()
+        loss = ((w1 * x1 - 1) ** 2).mean() + ((w2 @ x2 - 2) ** 2).mean()
+        loss.backward()
+        record.append((loss.detach().double().item(), w1.grad.clone(), w2.grad.clone()))
+        return loss
+
+    return [w1, w2], closure
+
+
+def test_rule_reads_the_closures_loss(device):
+    rule = fuser.rule(LOSS_RULE, hyper=dict(lr=0.05, beta=0.8), state=dict(ema=0.0))
+    box, record = [None], []
+    (w1, w2), closure = model_and_closure(device, box, record)
+    start = [w1.detach().clone(), w2.detach().clone()]
+    # two param groups: the loss reaches each group's row
+    box[0] = opt = fuser.compile(rule)([dict(params=[w1]), dict(params=[w2], lr=0.02)])
+    returned = [opt.step(closure) for _ in range(4)]
+    assert all(torch.is_tensor(r) and r.requires_grad for r in returned)  # as torch.optim returns
+    for i, (lr, w) in enumerate(((0.05, w1), (0.02, w2))):
+        want, stored = Tracked.exact(start[i]), None
+        for step, (loss, *grads) in enumerate(record, 1):
+            # ema is a per-tensor scalar state: folded in fp64, stored in fp32 between steps
+            ema = loss if step == 1 else 0.8 * stored + 0.2 * loss
+            stored = float(torch.tensor(ema, dtype=torch.float32))
+            want = want - Tracked.constant(lr * loss / ema) * Tracked.exact(grads[i])
+        assert_fp32_close(w, want, f"w{i + 1}")
+        assert float(opt.state[w]["ema"]) == stored
+
+
+def test_a_rule_that_reads_loss_needs_a_closure_returning_one_number(device):
+    rule = fuser.rule(LOSS_RULE, hyper=dict(lr=0.05, beta=0.8), state=dict(ema=0.0))
+    box, record = [None], []
+    params, closure = model_and_closure(device, box, record)
+    box[0] = opt = fuser.compile(rule)(params)
+    closure()  # gradients, but no closure at the step
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"reads `loss`: call step\(closure\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state
+    with pytest.raises(TypeError, match="not NoneType"):
+        opt.step(lambda: None)
+    with pytest.raises(ValueError, match=r"one real number, not a tensor of shape \(2,\)"):
+        opt.step(lambda: torch.ones(2, device=device))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    opt.step(lambda: 0.5)  # a Python number is a loss too
+    assert float(opt.state[params[0]]["ema"]) == 0.5
+
+
+def test_rules_without_loss_take_no_closure_value():
+    rule = fuser.rule("p = p - lr * g", hyper=dict(lr=0.1))
+    from fuser.ir.optim import hyper_columns
+
+    assert hyper_columns(rule) == ("lr",)
+    assert hyper_columns(fuser.rule(LOSS_RULE, hyper=dict(lr=0.05, beta=0.8), state=dict(ema=0.0))) == (
+        "lr",
+        "beta",
+        "loss",
+    )
+
+
+@pytest.mark.gpu
+def test_the_loss_reaches_the_kernel_without_a_host_sync():
+    device = torch.device("cuda")
+    rule = fuser.rule(LOSS_RULE, hyper=dict(lr=0.05, beta=0.8), state=dict(ema=0.0))
+    w = torch.randn(4096, device=device, requires_grad=True)
+    opt = fuser.compile(rule)([w])
+
+    def closure():
+        opt.zero_grad(set_to_none=False)
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # builds the tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt.step(closure)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -8,6 +8,7 @@ import sympy
 import fuser
 from fuser.display import expr_text, rule_latex
 from fuser.rules.functions import Rand, Randn, RandomValue, Remainder
+from fuser.rules.rule import reads_loss
 
 HYPER = dict(lr=0.1, k=4.0)
 
@@ -120,3 +121,17 @@ def test_loss_rules_have_no_draws_or_step_gate():
     for text in ("loss = logsumexp(z) - z[y] + rand()", "loss = where(every(2), logsumexp(z) - z[y], 0)"):
         with pytest.raises(fuser.RuleError, match="unknown function"):
             fuser.loss(text)
+
+
+def test_loss_is_a_per_step_input_of_text_and_traced_rules():
+    text = fuser.rule("p = where(every(k), p - lr * loss * g, p)", hyper=HYPER)
+
+    @fuser.rule(hyper=HYPER)
+    def traced(p, g, *, lr, k, loss):
+        return dict(p=fuser.where(fuser.every(k), p - lr * loss * g, p))
+
+    assert sympy.simplify(traced.output("p") - text.output("p")) == 0
+    assert reads_loss(text) and not reads_loss(fuser.rule("p = p - lr * g", hyper=HYPER))
+    assert bad("loss = 2\np = p - lr * loss * g").line == 1  # an input, not a temporary
+    with pytest.raises(fuser.RuleError, match="reserved"):
+        fuser.rule("p = p - lr * g", hyper=dict(lr=0.1, loss=1.0))
