@@ -14,6 +14,7 @@ from fuser.log import configure_from_env as _configure_logging
 from fuser.rules import FUNCTIONS as _FUNCTIONS
 from fuser.rules import REDUCTIONS as _REDUCTIONS
 from fuser.rules import Rule, loss, rule
+from fuser.rules.functions import CONSTANTS as _CONSTANTS
 from fuser.rules.rule import set_latex_renderer as _set_latex_renderer
 
 __version__ = "0.1.0"
@@ -43,6 +44,14 @@ minimum = _FUNCTIONS["minimum"]
 maximum = _FUNCTIONS["maximum"]
 where = _FUNCTIONS["where"]
 clamp = _FUNCTIONS["clamp"]
+cos = _FUNCTIONS["cos"]
+sin = _FUNCTIONS["sin"]
+mod = _FUNCTIONS["mod"]
+# Functions of traced optimizer rules only: the step gate, random values per element.
+every = _FUNCTIONS["every"]
+rand = _FUNCTIONS["rand"]
+randn = _FUNCTIONS["randn"]
+pi = _CONSTANTS["pi"]
 # Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
 norm = _REDUCTIONS["norm"]
 sum = _REDUCTIONS["sum"]  # noqa: A001 - the rule language's name

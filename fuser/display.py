@@ -18,7 +18,14 @@ from sympy.codegen.cfunctions import expm1, log1p
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from fuser.rules.functions import LOSS_REDUCTIONS, OPTIM_REDUCTIONS, Reduction, Sigmoid, spelling
+from fuser.rules.functions import (
+    LOSS_REDUCTIONS,
+    OPTIM_FUNCTIONS,
+    OPTIM_REDUCTIONS,
+    Reduction,
+    Sigmoid,
+    spelling,
+)
 from fuser.rules.parse import Language, Statement, Walker, symbol
 
 _GREEK = {
@@ -199,12 +206,17 @@ def written_statements(rule) -> tuple[Statement, ...]:
     if not is_text(rule):
         return tuple(rule.statements)
     reductions = OPTIM_REDUCTIONS if rule.kind == "optim" else LOSS_REDUCTIONS
-    readable = {
-        *(n for n, _ in rule.hyper),
-        *(n for n, _ in rule.state),
-        *(("p", "g", "step") if rule.kind == "optim" else ("z", "y")),
-    }
-    lang = Language(readable=frozenset(readable), frozen=frozenset(), reductions=reductions, subscripts={})
+    optim = rule.kind == "optim"
+    per_step = {*(n for n, _ in rule.hyper), *(("step", "numel", "rows", "cols", "loss") if optim else ())}
+    readable = {*per_step, *(n for n, _ in rule.state), *(("p", "g") if optim else ("z", "y"))}
+    lang = Language(
+        readable=frozenset(readable),
+        frozen=frozenset(),
+        reductions=reductions,
+        subscripts={},
+        functions=OPTIM_FUNCTIONS if optim else {},
+        per_step=frozenset(per_step),
+    )
     text = textwrap.dedent(rule.text).strip("\n")
     walker = _AsWritten(lang, text.splitlines())
     try:

@@ -4,7 +4,7 @@ One table, ``FUNCTIONS``, maps each sympy function to its Triton spelling. Every
 whose Triton meaning differs from Python's is overridden: powers (integer powers become
 products, square roots use the correctly rounded ``tl.sqrt_rn``), numbers (always float
 literals, so ``1/2`` never becomes integer division), comparisons and boolean logic (``&``,
-``|`` on tensors), ``Piecewise`` (``tl.where``).
+``|`` on tensors, each operand a true int1 through ``_cond``), ``Piecewise`` (``tl.where``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sympy
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.printing.pycode import PythonCodePrinter
 
-from fuser.rules.functions import Sigmoid
+from fuser.rules.functions import Remainder, Sigmoid
 
 # Triton spellings; helpers prefixed `_` are jitted functions in templates/helpers.py.jinja.
 FUNCTIONS = {
@@ -25,6 +25,10 @@ FUNCTIONS = {
     Sigmoid: "_sigmoid",
     log1p: "_log1p",
     expm1: "_expm1",
+    sympy.cos: "tl.cos",
+    sympy.sin: "tl.sin",
+    sympy.floor: "tl.floor",
+    Remainder: "_mod",
 }
 
 _RELATIONS = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
@@ -140,6 +144,18 @@ class TritonPrinter(PythonCodePrinter):
     _print_Sigmoid = _print_Function
     _print_log1p = _print_Function
     _print_expm1 = _print_Function
+    _print_cos = _print_Function
+    _print_sin = _print_Function
+    _print_floor = _print_Function
+    _print_Remainder = _print_Function
+
+    # A draw's stream counters: 2i for the i-th call of the rule (and 2i + 1, randn's second
+    # uniform). ``rng_key`` and ``offs`` are the step kernel's (codegen.render).
+    def _print_Rand(self, expr):
+        return f"_uniform(rng_key, offs, {2 * expr.index})"
+
+    def _print_Randn(self, expr):
+        return f"_normal(rng_key, offs, {2 * expr.index})"
 
     def _print_ApproxTanh(self, expr):
         # (every kernel that prints a rule takes INTERPRETED: the interpreter runs no assembly)
@@ -176,11 +192,19 @@ class TritonPrinter(PythonCodePrinter):
         op = _RELATIONS[expr.rel_op]
         return f"({self._print(expr.lhs)} {op} {self._print(expr.rhs)})"
 
+    def _cond(self, expr) -> str:
+        # Each operand of `&` and `|` passes through _cond (templates/helpers.py.jinja), so a
+        # per-step condition joins a per-element one under the interpreter too.
+        text = self._print(expr)
+        if isinstance(expr, sympy.core.relational.Relational):
+            text = text[1:-1]
+        return f"_cond({text})"
+
     def _print_And(self, expr):
-        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+        return "(" + " & ".join(self._cond(a) for a in expr.args) + ")"
 
     def _print_Or(self, expr):
-        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+        return "(" + " | ".join(self._cond(a) for a in expr.args) + ")"
 
     def _print_Not(self, expr):
         return f"({self._print(expr.args[0])} == 0)"

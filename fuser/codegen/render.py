@@ -43,6 +43,7 @@ from fuser.ir.optim import (
     scale_slot,
 )
 from fuser.ir.stores import DTYPE_BYTES
+from fuser.rules.functions import RandomValue
 from fuser.rules.parse import symbol
 
 TL_DTYPES = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
@@ -310,6 +311,8 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
     prologue = [f"{ctx.scalar_names[s]} = {ctx.p64.doprint_expr(e)}" for s, e in phase.prologue]
     casts = [f"f_{ctx.scalar_names[s]} = {ctx.scalar_names[s]}.to(tl.float32)" for s in ctx.scalars_in_body]
     pointers = _pointer_lines(ctx)
+    if _draws(phase):  # rand() / randn(): the stream of (seed, step, tensor)
+        pointers.append("rng_key = _rand_key(seed, step, t)")
     aligned = " | ".join(f"{sl.name}_raw" for _, sl in ctx.used_slots) or "0"
     fast_lines, masked_lines = _element_lines(ctx, True), _element_lines(ctx, False)
     sections = {name: [] for name in (*_UPDATE_SECTIONS, *_COMBINE_SECTIONS, "strip_lines")}
@@ -358,6 +361,12 @@ def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
         max_registers=optim_max_registers(plan),
         meta=_meta(plan, phase),
     )
+
+
+def _draws(phase: Phase) -> bool:
+    """Whether the phase's element work reads ``rand()`` or ``randn()``."""
+    values = (*phase.body, *phase.stores, *phase.reduce, *phase.axis_reduce, *phase.matrix_stores)
+    return any(e.has(RandomValue) for _, e in values)
 
 
 def _meta(plan: OptimPlan, phase: Phase) -> tuple:

@@ -10,7 +10,7 @@ phase can compute, where storing them there saves the later phases loads
 separated by how often it must run:
 
 - *per-step scalars* (``prologue``): every maximal subexpression that depends only on
-  hyperparameters, ``step``, ``numel``, reduction results and per-tensor scalar states
+  hyperparameters, ``step``, ``numel``, ``loss``, reduction results and per-tensor scalar states
   (bias corrections, ``1 - lr*wd``, trust ratios) is hoisted out of the per-element work
   and computed once per program in fp64;
 - *per-element work* (``body``): the rest, after ``sympy.cse``, in fp32;
@@ -34,9 +34,9 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.ir.stores import plan_early_stores
-from fuser.rules.functions import AxisReduction, MatrixFunction, Reduction
+from fuser.rules.functions import AxisReduction, MatrixFunction, RandomValue, Reduction
 from fuser.rules.parse import symbol
-from fuser.rules.rule import Rule
+from fuser.rules.rule import LOSS_VALUE, Rule, reads_loss
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
 
 # Storage dtypes a tensor may have, by the short name used in plans and cache entries.
@@ -56,6 +56,7 @@ STEP = symbol("step")
 NUMEL = symbol("numel")
 ROWS = symbol("rows")
 COLS = symbol("cols")
+LOSS = symbol(LOSS_VALUE)
 
 
 # How a reduction accumulates over elements and how its result is read back.
@@ -205,7 +206,8 @@ class _Hoister:
         self.found: dict[sympy.Expr, sympy.Symbol] = {}
 
     def is_scalar(self, e) -> bool:
-        return isinstance(e, sympy.Expr) and e.free_symbols <= self.scalar
+        # (a random value reads no symbol but is one per element)
+        return isinstance(e, sympy.Expr) and e.free_symbols <= self.scalar and not e.has(RandomValue)
 
     def name(self, e: sympy.Expr) -> sympy.Expr:
         if e.is_Atom:
@@ -313,7 +315,7 @@ def lower_optim(
     return OptimPlan(
         name=rule.name,
         rule_text=rule.text,
-        hyper=tuple(h for h, _ in rule.hyper),
+        hyper=hyper_columns(rule),
         slots=_slots(phases, skinds, dtypes, reductions),
         scalar_states=scalar_states,
         reductions=reductions,
@@ -321,6 +323,13 @@ def lower_optim(
         stochastic_rounding=stochastic_rounding,
         tiled=is_tiled(rule),
     )
+
+
+def hyper_columns(rule: Rule) -> tuple[str, ...]:
+    """The columns of a param group's row in the hyper table: the rule's hyperparameters,
+    then ``loss`` where the rule reads the closure's value (the step writes it there on
+    the device, as it does tensors' hyperparameters)."""
+    return tuple(h for h, _ in rule.hyper) + ((LOSS_VALUE,) if reads_loss(rule) else ())
 
 
 def check_compressed(rule: Rule, dtypes: dict[str, str]) -> None:
@@ -363,7 +372,7 @@ def _lower_phases(rule: Rule, early, plans, skinds, kinds) -> list[Phase]:
     the other stores and the scalar states' updates."""
     outputs, reds = early.outputs, early.reds
     by_symbol = {r.symbol: r for r in plans}
-    scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS}
+    scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS, LOSS}
     scalar |= {symbol(s) for s, k in skinds.items() if k == SCALAR}
     scalar |= {r.symbol for r in plans if not r.axis and not r.matrix}
     n_phases = 1 + max((f.phase for f in reds), default=-1) + 1

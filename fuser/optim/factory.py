@@ -16,7 +16,7 @@ import torch.optim.optimizer as _optimizer
 
 from fuser.display import NotebookDisplay
 from fuser.ir.optim import state_kinds
-from fuser.rules.rule import Rule
+from fuser.rules.rule import Rule, reads_loss
 from fuser.runtime import distributed, quant
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import (
@@ -150,12 +150,21 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
     step.hooked = True  # tells torch.optim.Optimizer not to wrap it again
 
     def _step(self, closure=None):
+        engines = self._step_engines()
+        readers = [reader.rule.name for reader, _ in engines if reads_loss(reader.rule)]
+        if readers and closure is None:
+            raise ValueError(
+                f"rule {readers[0]!r} reads `loss`: call step(closure) with a closure that "
+                "computes the loss, calls backward() and returns the loss"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for reader, engine in self._step_engines():
-            engine.step(reader)
+        if readers:
+            check_loss(loss, readers[0])
+        for reader, engine in engines:
+            engine.step(reader, loss)
         return loss
 
     def refresh(self) -> None:
@@ -288,6 +297,23 @@ class FuserOptimizer(NotebookDisplay, torch.optim.Optimizer):
 _hooked_step = torch.optim.Optimizer.profile_hook_step(FuserOptimizer._step)
 
 
+def check_loss(loss, rule: str) -> None:
+    """The closure's value, for a rule that reads ``loss``: one real number (a tensor of
+    one element, or a Python number). Its value is not read here: no host sync."""
+    if torch.is_tensor(loss):
+        if loss.numel() != 1 or loss.is_complex():
+            raise ValueError(
+                f"rule {rule!r} reads `loss`: the closure must return one real number, not a tensor "
+                f"of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            )
+        return
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise TypeError(
+            f"rule {rule!r} reads `loss`: the closure must return the loss (a tensor of one element "
+            f"or a number), not {type(loss).__name__}"
+        )
+
+
 class RuleView:
     """One rule's share of an optimizer whose param groups use several rules, as a step
     engine reads it: that rule, its groups, its state keys; the rest is the optimizer's
@@ -362,7 +388,8 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
 
     Options: ``state_dtype`` (``torch.float32`` default, ``torch.bfloat16``, ...,
     or ``"param"`` to store each state like its parameter), ``grad_attr`` (``"main_grad"``
-    reads Megatron-style fp32 gradients), ``stochastic_rounding`` and its ``seed``, and
+    reads Megatron-style fp32 gradients), ``stochastic_rounding``, ``seed`` (of stochastic
+    rounding and of the rule's ``rand()`` / ``randn()``), and
     ``static``: the caller promises that no parameter, gradient or state tensor is replaced
     between steps (``p.data = ...``, ``p.grad = None``, ``optimizer.state[p][k] = ...``), so
     a step checks nothing per tensor (as a replayed CUDA graph would not); ``zero_grad()``

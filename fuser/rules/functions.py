@@ -7,6 +7,8 @@ printer in ``fuser.codegen`` knows how to print every object these builders prod
 
 from __future__ import annotations
 
+import itertools
+
 import sympy
 from sympy.codegen.cfunctions import expm1 as _Expm1
 from sympy.codegen.cfunctions import log1p as _Log1p
@@ -51,6 +53,96 @@ class ApproxTanh(sympy.Function):
     def _latex(self, printer, exp=None):
         text = rf"\operatorname{{approx\_tanh}}{{\left({printer._print(self.args[0])} \right)}}"
         return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+class Remainder(sympy.Function):
+    """``mod(a, b)``: the remainder of ``a / b`` with Python's sign convention for floats,
+    ``a - b * floor(a / b)``: the sign of ``b`` (``mod(-1, 3) = 2``, ``mod(1, -3) = -2``),
+    in ``[0, b)`` for ``b > 0`` (the kernel corrects the rounding of ``a / b`` that would
+    leave it outside); ``mod(a, 0)`` is NaN in a kernel (a RuleError where ``b`` is
+    written as 0)."""
+
+    nargs = 2
+    is_real = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Number and b.is_Number and not b.is_zero:
+            return a - b * sympy.floor(a / b)
+        return None
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return sympy.S.One if argindex == 1 else -sympy.floor(a / b)
+
+    def _sympystr(self, printer):
+        return f"mod({printer._print(self.args[0])}, {printer._print(self.args[1])})"
+
+    def _latex(self, printer, exp=None):
+        a, b = (printer._print(x) for x in self.args)
+        text = rf"\operatorname{{mod}}\left({a}, {b}\right)"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+class RandomValue(sympy.Function):
+    """A random value per element, drawn afresh each step: ``rand()``, ``randn()``.
+
+    The argument, a symbol ``draw$<i>``, numbers the call within its rule (0, 1, ... in
+    the order the rule makes them, ``rule.number_draws``), so that two calls are two
+    independent values and one value assigned to a name is the same wherever it is read,
+    in every phase of a step. (A symbol, not a number: sympy's conditions over values
+    that read no symbol at all fail to fold, ``where(m < 1, ...)`` after
+    ``m = where(rand() < 0.9, ...)``.)
+    Its bits come from the counter-based generator of stochastic rounding, on a stream of
+    their own: reproducible from (``seed``, ``step``, tensor, element), with no state."""
+
+    nargs = 1
+    is_real = True
+    spelling = ""
+
+    @property
+    def index(self) -> int:
+        """The call's number within its rule."""
+        return int(self.args[0].name.partition("$")[2])
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero
+
+    def _sympystr(self, printer):
+        return f"{self.spelling}()"
+
+    def _latex(self, printer, exp=None):
+        text = rf"\operatorname{{{self.spelling}}}()"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+class Rand(RandomValue):
+    """``rand()``: uniform on [0, 1), a multiple of 2**-24: ``(bits >> 8) * 2**-24``."""
+
+    spelling = "rand"
+
+    def _eval_is_nonnegative(self):
+        return True
+
+
+class Randn(RandomValue):
+    """``randn()``: standard normal, by Box and Muller from two uniforms,
+    ``sqrt(-2 log u1) * cos(2 pi u2)``, ``u1 = ((bits1 >> 8) + 1) * 2**-24`` in (0, 1]."""
+
+    spelling = "randn"
+
+
+# Numbers each call of rand() / randn() as it is made; a rule renumbers its own from 0.
+_DRAWS = itertools.count()
+
+
+def draw_symbol(i: int) -> sympy.Symbol:
+    """The argument of a rule's ``i``-th ``rand()`` / ``randn()``."""
+    return sympy.Symbol(f"draw${i}", real=True)
+
+
+def _drawer(cls):
+    return lambda: cls(draw_symbol(next(_DRAWS)))
 
 
 class Reduction(sympy.Function):
@@ -194,6 +286,21 @@ def _clamp(x, lo, hi):
     return sympy.Min(sympy.Max(x, lo), hi)
 
 
+def _mod(a, b):
+    if sympy.sympify(b).is_zero:
+        raise ValueError("mod(a, b) with b = 0 has no value")
+    return Remainder(a, b)
+
+
+def every(k, step=None):
+    """The condition "this step is a multiple of ``k``": true on steps ``k, 2k, 3k, ...``
+    (``mod(step, k) == 0``; ``step`` counts from 1), for ``where(every(k), a, b)``."""
+    k = sympy.sympify(k)
+    if k.is_Number and not k > 0:
+        raise ValueError(f"every(k) needs k > 0, not {k}")
+    return sympy.Eq(Remainder(sympy.Symbol("step", real=True) if step is None else step, k), 0)
+
+
 # name -> (builder, number of arguments)
 ELEMENTWISE: dict[str, tuple] = {
     "sqrt": (sympy.sqrt, 1),
@@ -211,7 +318,24 @@ ELEMENTWISE: dict[str, tuple] = {
     "maximum": (sympy.Max, 2),
     "where": (_where, 3),
     "clamp": (_clamp, 3),
+    "cos": (sympy.cos, 1),
+    "sin": (sympy.sin, 1),
+    "mod": (_mod, 2),
 }
+
+# Named constants of the rule language (a hyperparameter, state or temporary of the same
+# name takes precedence, as in Python).
+CONSTANTS: dict[str, sympy.Expr] = {"pi": sympy.pi}
+
+# Functions of optimizer rules only (they read the step, or draw per step): name ->
+# (builder, arguments).
+# ``every(k)`` is a condition, for ``where``.
+OPTIM_FUNCTIONS: dict[str, tuple] = {
+    "every": (every, 1),
+    "rand": (_drawer(Rand), 0),
+    "randn": (_drawer(Randn), 0),
+}
+CONDITIONS = frozenset({"every"})
 
 # Reductions a rule of each kind may call, by the name it calls them.
 OPTIM_REDUCTIONS: dict[str, type[Reduction]] = {

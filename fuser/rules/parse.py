@@ -12,12 +12,12 @@ from __future__ import annotations
 import ast
 import math
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import ELEMENTWISE, MatrixFunction, Reduction
+from fuser.rules.functions import CONDITIONS, CONSTANTS, ELEMENTWISE, MatrixFunction, Reduction
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b,
@@ -89,13 +89,17 @@ class Language:
     ``readable`` names the symbols a rule starts with; ``frozen`` those it may read but
     never assign; ``reductions`` the reduction functions it may call. ``subscripts``
     allows ``base[index]`` for exactly those (base, index) name pairs and maps each to a
-    function of the current value of ``base``.
+    function of the current value of ``base``. ``functions`` are the kind's own functions
+    besides ``ELEMENTWISE`` (name -> (builder, number of arguments)); ``per_step`` the
+    names that hold one number per step (what ``every(k)`` may read).
     """
 
     readable: frozenset[str]
     frozen: frozenset[str]
     reductions: dict
     subscripts: dict
+    functions: dict = field(default_factory=dict)
+    per_step: frozenset[str] = frozenset()
 
 
 def symbol(name: str) -> sympy.Symbol:
@@ -170,7 +174,7 @@ class Walker:
         name = target.id
         if name in self.lang.frozen:
             raise self.error(target, f"{name!r} is an input of the rule and cannot be assigned")
-        if name in ELEMENTWISE or name in self.lang.reductions:
+        if self.is_function(name):
             raise self.error(target, f"{name!r} is a function name and cannot be assigned")
         value = self.finite(node, value)
         self.env[name] = value
@@ -182,10 +186,15 @@ class Walker:
             raise self.error(node, "the expression has a non-finite value (a division by zero?)")
         return value
 
+    def is_function(self, name: str) -> bool:
+        return name in ELEMENTWISE or name in self.lang.reductions or name in self.lang.functions
+
     def name(self, node: ast.Name) -> sympy.Expr:
         if node.id in self.env:
             return self.env[node.id]
-        if node.id in ELEMENTWISE or node.id in self.lang.reductions:
+        if node.id in CONSTANTS:
+            return CONSTANTS[node.id]
+        if self.is_function(node.id):
             raise self.error(node, f"{node.id!r} is a function: call it, e.g. {node.id}(x)")
         known = ", ".join(sorted(self.env))
         raise self.error(node, f"unknown name {node.id!r} (known here: {known})")
@@ -214,7 +223,7 @@ class Walker:
                 return sympy.Not(self.expr(node.operand, condition=True))
             raise self.error(node, f"operator {type(node.op).__name__} is not supported here")
         if isinstance(node, ast.Call):
-            return self.call(node)
+            return self.call(node, condition)
         if isinstance(node, ast.IfExp):
             cond = self.condition(node.test)
             return ELEMENTWISE["where"][0](cond, self.expr(node.body), self.expr(node.orelse))
@@ -275,7 +284,7 @@ class Walker:
             raise self.error(node, f"{fname}()'s steps= must be a whole number from 1 to 20, not {steps!r}")
         return cls.build(self.expr(node.args[0]), **kw)
 
-    def call(self, node: ast.Call):
+    def call(self, node: ast.Call, condition: bool = False):
         if not isinstance(node.func, ast.Name):
             if isinstance(node.func, ast.Attribute):
                 raise self.error(
@@ -293,20 +302,36 @@ class Walker:
                 raise self.error(node, f"{fname}() takes 1 argument, got {len(node.args)}")
             arg = self.expr(node.args[0])
             return self.lang.reductions[fname](arg)
-        entry = ELEMENTWISE.get(fname)
+        entry = ELEMENTWISE.get(fname) or self.lang.functions.get(fname)
         if entry is None:
-            allowed = ", ".join(sorted([*ELEMENTWISE, *self.lang.reductions]))
+            allowed = ", ".join(sorted([*ELEMENTWISE, *self.lang.functions, *self.lang.reductions]))
             raise self.error(node, f"unknown function {fname!r} (allowed: {allowed})")
         builder, nargs = entry
         if len(node.args) != nargs:
             raise self.error(
-                node, f"{fname}() takes {nargs} argument{'s' * (nargs > 1)}, got {len(node.args)}"
+                node, f"{fname}() takes {nargs} argument{'s' * (nargs != 1)}, got {len(node.args)}"
             )
+        if fname in CONDITIONS and not condition:
+            raise self.error(node, f"{fname}() is a condition: use it in where({fname}(...), a, b)")
         if fname == "where":
             args = [self.condition(node.args[0]), self.expr(node.args[1]), self.expr(node.args[2])]
         else:
             args = [self.expr(a) for a in node.args]
-        return self.finite(node, builder(*args))
+        if fname == "every":
+            self.check_per_step(node.args[0], args[0], fname)
+        try:
+            value = builder(*args)
+        except ValueError as e:  # a builder's check of its arguments (mod by 0, every(0))
+            raise self.error(node, str(e)) from None
+        return value if fname in CONDITIONS else self.finite(node, value)
+
+    def check_per_step(self, node: ast.expr, value, fname: str) -> None:
+        """``value`` (an argument of ``fname``) holds one number per step."""
+        names = {s.name for s in sympy.sympify(value).free_symbols}
+        if value.atoms(Reduction) or not names <= self.lang.per_step:
+            raise self.error(
+                node, f"{fname}()'s argument must be a number or a function of hyperparameters and step"
+            )
 
 
 def _keyword_number(walker: Walker, node: ast.keyword, fname: str):

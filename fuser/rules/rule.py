@@ -13,7 +13,15 @@ from types import MappingProxyType
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, OPTIM_REDUCTIONS, MatrixFunction
+from fuser.rules.functions import (
+    ELEMENTWISE,
+    LOSS_REDUCTIONS,
+    OPTIM_FUNCTIONS,
+    OPTIM_REDUCTIONS,
+    MatrixFunction,
+    RandomValue,
+    draw_symbol,
+)
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.shapes import check_kinds
 
@@ -22,6 +30,8 @@ OPTIM_INPUTS = ("p", "g", "step")
 # Per-tensor sizes an optimizer rule may read: elements, and the rows and columns of the
 # tensor's 2-D view (a 1-D tensor is one row; an N-D one is [shape[0], prod(rest)]).
 SHAPE_SYMBOLS = ("numel", "rows", "cols")
+# The value a step's closure returned (``opt.step(closure)``), one number per step.
+LOSS_VALUE = "loss"
 LOSS_INPUTS = ("z", "y")
 # The symbol that stands for the logit at the target, z[y].
 ZY = "z_y"
@@ -86,7 +96,9 @@ def identifier(name: str) -> str:
 def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) -> None:
     """Raise ``RuleError`` for a hyperparameter or state name that is no identifier or is
     reserved, or whose default is not a finite number."""
-    reserved = set(inputs) | set(ELEMENTWISE) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
+    reserved = (
+        set(inputs) | set(ELEMENTWISE) | set(OPTIM_FUNCTIONS) | set(OPTIM_REDUCTIONS) | set(LOSS_REDUCTIONS)
+    )
     reserved |= {*SHAPE_SYMBOLS, ZY, "loss"}
     for what, names in (("hyperparameter", hyper), ("state", state)):
         for n in names:
@@ -115,7 +127,16 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     hyperparameter, may call the per-tensor reductions ``norm sum mean amax``,
     ``global_norm`` and ``global_sum`` (over every tensor the step updates) and the axis reductions
     ``rowsum rowmean rownorm rowamax colsum colmean colnorm colamax`` of the tensor's 2-D
-    view, and must assign ``p``. A state assigned from row (column) values holds one
+    view, and must assign ``p``. Besides the elementwise functions (``cos``, ``sin`` and
+    ``mod(a, b)``, the remainder with the sign of ``b``, among them) and the constant
+    ``pi``, it may gate on the step: ``where(every(k), a, b)`` takes ``a`` on steps ``k, 2k,
+    ...``. Values of hyperparameters and ``step`` alone (a cosine schedule,
+    ``lr * 0.5 * (1 + cos(pi * step / total))``) are computed once per step in fp64.
+    ``rand()`` (uniform on [0, 1)) and ``randn()`` (standard normal) draw a value per
+    element, afresh each step, reproducible from the compile option ``seed``, the step,
+    the tensor and the element; each call is its own draw. ``loss`` is the value the step's closure
+    returned (``opt.step(closure)``, one number per step, read from device memory).
+    A state assigned from row (column) values holds one
     number per row (column); one assigned from per-tensor values, one number per tensor.
     A function is called once with sympy symbols (per-element inputs as positional
     parameters, hyperparameters and ``step`` as keyword-only ones) and returns a dict of
@@ -128,12 +149,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     if source is None:
         return lambda fn: rule(fn, name=name, hyper=hyper, state=state)
     check_names("optim", hyper, state, OPTIM_INPUTS)
-    lang = Language(
-        readable=frozenset({*OPTIM_INPUTS, *SHAPE_SYMBOLS, *hyper, *state}),
-        frozen=frozenset({"g", "step", *SHAPE_SYMBOLS, *hyper}),
-        reductions=OPTIM_REDUCTIONS,
-        subscripts={},
-    )
+    lang = optim_language(hyper, state)
     rule_name = name or getattr(source, "__name__", None) or "rule"
     try:
         lines = None
@@ -144,6 +160,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
             text = "\n".join(lines)
             if not any(s.target == "p" for s in statements):
                 raise RuleError("the rule never assigns p (its last value is the new parameter)")
+        statements, env = number_draws(statements, env)
         outputs = [("p", env["p"])]
         outputs += [(s, env[s]) for s in state if env[s] != symbol(s)]
         check_kinds(statements, dict(outputs), tuple(state.items()), lines)
@@ -158,6 +175,41 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
         tuple(statements),
         tuple(outputs),
     )
+
+
+def optim_language(hyper: dict, state: dict) -> Language:
+    """What an optimizer rule with these hyperparameters and states may read and call."""
+    per_step = frozenset({"step", *SHAPE_SYMBOLS, LOSS_VALUE, *hyper})
+    return Language(
+        readable=frozenset({*OPTIM_INPUTS, *per_step, *state}),
+        frozen=frozenset({"g", *per_step}),
+        reductions=OPTIM_REDUCTIONS,
+        subscripts={},
+        functions=OPTIM_FUNCTIONS,
+        per_step=per_step,
+    )
+
+
+def reads_loss(rule: Rule) -> bool:
+    """Whether an optimizer rule's update reads ``loss``, the value its step's closure
+    returns."""
+    loss = symbol(LOSS_VALUE)
+    return rule.kind == "optim" and any(loss in e.free_symbols for _, e in rule.outputs)
+
+
+def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement], dict]:
+    """The rule's ``rand()`` / ``randn()`` calls numbered 0, 1, ... in the order they were
+    made: the same rule text gives the same kernel, and each call its own stream."""
+    draws = set()
+    for st in statements:
+        draws |= st.expr.atoms(RandomValue)
+    if not draws:
+        return statements, env
+    order = sorted(draws, key=lambda d: d.index)
+    mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order)}
+    statements = [Statement(s.target, s.expr.xreplace(mapping), s.line, s.col) for s in statements]
+    env = {n: e.xreplace(mapping) if isinstance(e, sympy.Basic) else e for n, e in env.items()}
+    return statements, env
 
 
 def _trace_optim(fn, lang: Language, hyper: dict, state: dict):
@@ -198,7 +250,7 @@ def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tu
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}
-    keyword_only = {*hyper, "step", *SHAPE_SYMBOLS}
+    keyword_only = {*hyper, "step", *SHAPE_SYMBOLS, LOSS_VALUE}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise RuleError(
@@ -207,7 +259,7 @@ def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tu
         if param.kind == param.KEYWORD_ONLY:
             if pname not in keyword_only:
                 raise RuleError(
-                    f"keyword-only parameter {pname!r} is neither a hyperparameter nor 'step'",
+                    f"keyword-only parameter {pname!r} is neither a hyperparameter, 'step' nor 'loss'",
                     line=first_line,
                 )
             kwargs[pname] = symbol(pname)
@@ -239,7 +291,8 @@ def _traced_statements(result, lang: Language, state: dict, first_line: int | No
             raise RuleError(f"the value returned for {key!r} is not an expression", line=first_line) from None
         if value.has(sympy.zoo, sympy.oo, -sympy.oo, sympy.nan):
             raise RuleError(f"the value returned for {key!r} is not finite", line=first_line)
-        unknown = {s.name for s in value.free_symbols} - set(lang.readable)
+        draws = {d.args[0] for d in value.atoms(RandomValue)}
+        unknown = {s.name for s in value.free_symbols - draws} - set(lang.readable)
         if unknown:
             raise RuleError(
                 f"the value returned for {key!r} uses unknown symbols {sorted(unknown)}", line=first_line
@@ -262,7 +315,7 @@ def _traceback_line(exc: BaseException, fn) -> int | None:
 
 # Traced functions call fuser.sqrt, fuser.where, ... : the same builders as rule text.
 def _export(name: str):
-    builder, nargs = ELEMENTWISE[name]
+    builder, nargs = ELEMENTWISE.get(name) or OPTIM_FUNCTIONS[name]
 
     def f(*args):
         if len(args) != nargs:
@@ -293,5 +346,5 @@ def _export_reduction(name: str):
     return f
 
 
-FUNCTIONS = {n: _export(n) for n in ELEMENTWISE}
+FUNCTIONS = {n: _export(n) for n in (*ELEMENTWISE, *OPTIM_FUNCTIONS)}
 REDUCTIONS = {n: _export_reduction(n) for n in OPTIM_REDUCTIONS}

@@ -16,7 +16,7 @@ import functools
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, MatrixFunction, Reduction
+from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, MatrixFunction, RandomValue, Reduction
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
@@ -36,7 +36,9 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
     memo = {} if memo is None else memo
     if e in memo:
         return memo[e]
-    if isinstance(e, Reduction):
+    if isinstance(e, RandomValue):  # (a draw per element, though it reads no symbol)
+        kind = ELEMENT
+    elif isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
         if isinstance(e, MatrixFunction):

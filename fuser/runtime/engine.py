@@ -25,7 +25,7 @@ import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0
 
 from fuser.cache import load_kernel
 from fuser.counters import count
-from fuser.ir.optim import ACCUMULATE, MASTER_SLOT, is_tiled, scalar_state_names, scale_slot
+from fuser.ir.optim import ACCUMULATE, MASTER_SLOT, hyper_columns, is_tiled, scalar_state_names, scale_slot
 from fuser.log import logger
 from fuser.rules.signs import interval_hyper, nonneg_states
 from fuser.runtime import distributed
@@ -161,7 +161,9 @@ class StepEngine:
     amp_defaults: dict = field(default_factory=dict)  # device -> (grad_scale 1.0, found_inf 0.0)
     shards: object = None  # combines reductions of DTensor shards between phases (runtime.distributed)
 
-    def step(self, opt) -> None:
+    def step(self, opt, loss=None) -> None:
+        """One step; ``loss``: the closure's value, for a rule that reads it (a tensor of
+        one element, or a number)."""
         # Nothing here is recorded by autograd except what prepare and sync_hyper guard
         # themselves: a no_grad() around every step would cost more than the quick check.
         if self.snapshot is None or not unchanged(self.snapshot, opt, self):
@@ -169,7 +171,7 @@ class StepEngine:
             with torch.no_grad():
                 if not self.prepare(opt):
                     return
-        self.launch(opt)
+        self.launch(opt, loss)
 
     def forget(self) -> None:
         """Re-read everything at the next step (new param groups, loaded state)."""
@@ -235,8 +237,8 @@ class StepEngine:
         self.grad_ptrs = grad_ptrs
 
     # the launches --------------------------------------------------------------------
-    def launch(self, opt) -> None:
-        self.sync_hyper(opt)
+    def launch(self, opt, loss=None) -> None:
+        self.sync_hyper(opt, loss)
         seed = opt.options.seed
         for step in self.program:
             step(self, opt, seed)
@@ -254,27 +256,37 @@ class StepEngine:
             found = fi.to(device=device, dtype=torch.float32).reshape(1)
         return scale, found
 
-    def sync_hyper(self, opt) -> None:
+    def sync_hyper(self, opt, loss=None) -> None:
         """Send the groups' hyperparameters to each device's table: numbers when they change
         (a host-to-device copy), tensors (an ``lr`` tensor, say) by a device copy every
-        step, which a captured CUDA graph replays."""
+        step, which a captured CUDA graph replays. A rule that reads ``loss`` has it in the
+        last column, written each step the same way (no host sync for a device tensor)."""
         names = list(opt.rule.hyper_defaults)
         rows, tensors = hyper_rows(opt, names)
+        columns = len(hyper_columns(opt.rule))
         devices = {group.tables.ptrs.device for group in self.launches}
         if rows != self.hyper_values or set(self.hyper_tables) != devices:
             check_unsigned_states(opt, names, rows)
-            numbers = [[math.nan if v is None else v for v in row] for row in rows]
+            numbers = [
+                [math.nan if v is None else v for v in row] + [math.nan] * (columns - len(names))
+                for row in rows
+            ]
             for device in devices:
                 self.hyper_tables[device] = (
-                    torch.tensor(numbers, dtype=torch.float64).reshape(len(rows), len(names)).to(device)
+                    torch.tensor(numbers, dtype=torch.float64).reshape(len(rows), columns).to(device)
                 )
             self.hyper_values = rows
+        if columns > len(names):
+            tensors = [*tensors, *((gi, len(names), loss) for gi in range(len(rows)))]
         if tensors:
             with torch.no_grad():
                 for device in devices:
                     table = self.hyper_tables[device]
                     for gi, j, v in tensors:
-                        table[gi, j].copy_(v.reshape(()))
+                        if torch.is_tensor(v):
+                            table[gi, j].copy_(v.detach().reshape(()))
+                        else:
+                            table[gi, j].fill_(float(v))
 
 
 def check_unsigned_states(opt, names: list[str], rows: list[tuple]) -> None:

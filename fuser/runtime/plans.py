@@ -50,7 +50,7 @@ class Options:
     state_keys: tuple[tuple[str, str], ...] = ()  # rule state name -> key in optimizer.state[p]
     grad_attr: str = "grad"  # read each gradient from this attribute ("main_grad": Megatron's fp32)
     stochastic_rounding: bool = False  # bf16/fp16 stores round stochastically
-    seed: int = 0  # of the stochastic rounding streams (with the step, tensor and element)
+    seed: int = 0  # of stochastic rounding and rand()/randn() (with the step, tensor and element)
     static: bool = False  # storage of params, grads and states never replaced: no per-tensor check
     master_weights: str | None = None  # "bf16+int8" / "bf16+int16": split fp32 masters of bf16 params
     # The 2-D view of tensors of 3 or more dimensions (runtime.tables.VIEWS); a param

@@ -111,3 +111,26 @@ def test_matrix_kernels_compile_ahead_of_time(capability):
     for source in sources:
         cubin = compile_for(source, capability)
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+# The language's trigonometric, remainder and step-gate functions, per step (fp64) and per
+# element (fp32), random values, the closure's loss, and a condition joining a per-step
+# comparison with a per-element one.
+LANGUAGE = fuser.rule(
+    """
+    lr_t = lr * 0.5 * (1 + cos(pi * step / total)) * sin(mod(step, 7) + 1)
+    m = beta * m + (1 - beta) * (sin(g) + cos(p) + mod(g, 0.5) + mod(g, -beta)) + 1e-3 * randn()
+    m = where(rand() < 0.9, m, 0)
+    p = where((every(k) or step < k) and not (g > 0 and m < 1), p - lr_t * m * loss, p)
+""",
+    name="language",
+    hyper=dict(lr=1e-3, beta=0.9, total=100.0, k=3.0),
+    state=dict(m=0.0),
+)
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_language_functions_compile_ahead_of_time(capability):
+    (source,) = render_optim(lower_optim(LANGUAGE, {"p": "bf16"}))
+    cubin = compile_for(source, capability)
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

@@ -207,6 +207,14 @@ def _shift_clamp(z, y):
     return torch.logsumexp(torch.where(z > 0, 2 * z, z), 1) + torch.log1p(torch.exp(-z.abs())).sum(1) / 50
 
 
+def _trig_gate(z, y):
+    # sin, cos, and a condition joining a hyperparameter's comparison with a logit's
+    z = z + 0.3 * torch.sin(z) * torch.where(z > 0, 1.0, 0.5)
+    return (
+        torch.logsumexp(z, 1) - z.gather(1, y[:, None])[:, 0] + 0.1 * torch.cos(z.gather(1, y[:, None])[:, 0])
+    )
+
+
 USER_RULES = {
     "softcap_zloss": (
         """
@@ -256,6 +264,14 @@ USER_RULES = {
     """,
         {},
         _shift_clamp,
+    ),
+    "trig_gate": (
+        """
+        z = z + 0.3 * sin(z) * where(cap > 0 and z > 0, 1, 0.5)
+        loss = logsumexp(z) - z[y] + 0.1 * cos(z[y])
+    """,
+        dict(cap=1.0),
+        _trig_gate,
     ),
     "max_of_scaled": (
         """
