@@ -212,7 +212,8 @@ class Walker:
         if isinstance(node, ast.BinOp):
             op = _BINOPS.get(type(node.op))
             if op is None:
-                raise self.error(node, f"operator {type(node.op).__name__} is not supported (use + - * / **)")
+                hint = "; a remainder is mod(a, b)" if isinstance(node.op, (ast.Mod, ast.FloorDiv)) else ""
+                raise self.error(node, f"operator {type(node.op).__name__} is not supported (use + - * / **{hint})")
             return self.finite(node, op(self.expr(node.left), self.expr(node.right)))
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):

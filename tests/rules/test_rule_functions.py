@@ -39,6 +39,8 @@ def bad(text, **kw):
         ("p = p - lr * rand(3) * g", 1, 14, "rand() takes 0 arguments, got 1"),
         ("u = g\np = p - lr * randn(g, g)", 2, 14, "randn() takes 0 arguments, got 2"),
         ("p = p - lr * randn * g", 1, 14, "'randn' is a function"),
+        ("p = p - lr * (g % 2)", 1, 15, "a remainder is mod(a, b)"),
+        ("p = p - lr * (g // 2)", 1, 15, "a remainder is mod(a, b)"),
     ],
 )
 def test_misuse_is_a_rule_error_at_its_line_and_column(text, line, col, words):
