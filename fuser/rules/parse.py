@@ -213,7 +213,8 @@ class Walker:
             op = _BINOPS.get(type(node.op))
             if op is None:
                 hint = "; a remainder is mod(a, b)" if isinstance(node.op, (ast.Mod, ast.FloorDiv)) else ""
-                raise self.error(node, f"operator {type(node.op).__name__} is not supported (use + - * / **{hint})")
+                name = type(node.op).__name__
+                raise self.error(node, f"operator {name} is not supported (use + - * / **{hint})")
             return self.finite(node, op(self.expr(node.left), self.expr(node.right)))
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
