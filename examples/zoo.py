@@ -15,15 +15,11 @@ language cannot reproduce exactly, with the missing primitive.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import fuser  # noqa: E402
+import fuser
 
 
 @dataclass(frozen=True)
