@@ -33,7 +33,7 @@ from fuser.cache import load_kernel  # noqa: E402
 from fuser.codegen.loss import shard_layout  # noqa: E402
 from fuser.codegen.loss_matmul import WIDE_GRAD_TMA, Tiles  # noqa: E402
 from fuser.ir.loss import lower_loss  # noqa: E402
-from fuser.losses.api import SCALED_TILES_TMA  # noqa: E402
+from fuser.runtime.loss.choice import SCALED_TILES_TMA  # noqa: E402
 from fuser.runtime.loss.chunked import chunk_rows, logits_buffer  # noqa: E402
 from fuser.runtime.loss.fused import slice_cols  # noqa: E402
 from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET  # noqa: E402

@@ -28,13 +28,14 @@ from optim_bench import event_ms  # noqa: E402
 SCALE = 65536.0
 
 
-PICKED: list = []  # the schedules `CompiledLoss._schedule_of` returned, for the rows
+PICKED: list = []  # the schedules of the plans `choice.choose` returned, for the rows
 
 
 def _recording(choose):
-    def spy(self, *args, **kwargs):
-        PICKED.append(choose(self, *args, **kwargs))
-        return PICKED[-1]
+    def spy(*args, **kwargs):
+        plan = choose(*args, **kwargs)
+        PICKED.append(plan.schedule)
+        return plan
 
     return spy
 
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 loss_scale=SCALE)  # fmt: skip
     print(json.dumps(dict(meta=meta)), flush=True)
-    api.CompiledLoss._schedule_of = _recording(api.CompiledLoss._schedule_of)
+    api.choose = _recording(api.choose)
     for cfg in configs:
         t, h, v = CONFIGS[cfg]
         g = torch.Generator(device="cuda").manual_seed(0)

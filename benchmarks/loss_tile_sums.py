@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuser  # noqa: E402
 import fuser.losses  # noqa: E402
 from fuser.losses import api  # noqa: E402
+from fuser.runtime.loss.choice import choose  # noqa: E402
 from fuser.runtime.loss.fused import TILE_SUMS_ROWS, shares  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,8 +46,9 @@ def launches(cfg: str) -> dict:
     f = fuser.compile(RULE)
     hyper = f._hyper_row({}, x.device)
     call = api._Call("bf16", x.device, hyper, -100, t, h, v, 2)
-    new = f._fused_run(call, x, w, None)
-    old = f._fused_run(call, x, w, None)
+    plan = choose(f._loss_call(call, x, w, memory="lean"))
+    new = f._fused_run(call, plan, x, w, None)
+    old = f._fused_run(call, plan, x, w, None)
     old.tile_sums = None
     assert new.tile_sums is not None
     ts, p = new.tile_sums, new.processors

@@ -40,7 +40,7 @@ from fuser.cache import load_kernel  # noqa: E402
 from fuser.codegen.loss import shard_layout  # noqa: E402
 from fuser.codegen.loss_matmul import WIDE_GRAD_TMA  # noqa: E402
 from fuser.ir.loss import lower_loss  # noqa: E402
-from fuser.losses import api  # noqa: E402
+from fuser.runtime.loss import choice  # noqa: E402
 from fuser.runtime.loss.chunked import chunk_rows, logits_buffer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +69,7 @@ def scaled_launches(f, x, w, y, cfg) -> dict:
     e = logits_buffer(-(-m // 128) * 128, tn * 256, x)
     part = torch.empty(tn, m, 2, device="cuda")
     grid = (min(-(-m // 128) * tn, torch.cuda.get_device_properties(0).multi_processor_count),)
-    base = api.SCALED_TILES_TMA
+    base = choice.SCALED_TILES_TMA
     out = {}
     for name, tiles in (("default", base), ("ws g16", specialised(base)), ("ws g8", specialised(base, 8))):
         k = load_kernel(f.scaled_kernel_source("bf16", tiles.for_hidden(h)), x.device)
@@ -122,7 +122,7 @@ def gist_steps(on: bool, calls: dict, key: str) -> None:
     """Three readings of forward + backward at gist per ``calls`` entry (its keyword
     arguments to ``cross_entropy``), warp-specialised kernels taken (``on``) or not."""
     if not on:
-        api.SCALED_WARP_SPECIALIZED_MAX_HIDDEN = api.GRAD_WARP_SPECIALIZED_MAX_HIDDEN = 0
+        choice.SCALED_WARP_SPECIALIZED_MAX_HIDDEN = choice.GRAD_WARP_SPECIALIZED_MAX_HIDDEN = 0
     x, w, y, _ = inputs("gist")
     if any("accumulate_into" in kw for kw in calls.values()):
         w.main_grad = torch.zeros(w.shape, device="cuda")
