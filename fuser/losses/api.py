@@ -565,8 +565,8 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"``, ``"fused"`` or
     ``"scaled"``: see ``fuser.runtime.loss.staged``, ``fuser.runtime.loss.fused`` and
     ``fuser.runtime.loss.scaled``; ``auto`` lets each call's ``memory=`` pick, ``scaled``
-    where ``_scaled_pays``), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of the
-    matmul kernels)."""
+    where ``fuser.runtime.loss.choice.choose`` finds it pays), ``tiles``
+    (``fuser.codegen.loss_matmul.Tiles``: block shape of the matmul kernels)."""
     return CompiledLoss(rule, **options)
 
 
