@@ -47,7 +47,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuser  # noqa: E402
 import fuser.losses  # noqa: E402
-from fuser.runtime.loss.staged import SCHEDULES  # noqa: E402
+from fuser.runtime.loss.choice import SCHEDULES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optim_bench import event_ms  # noqa: E402

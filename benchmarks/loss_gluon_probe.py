@@ -630,7 +630,7 @@ def bench_fuser(ps: Problemset, reps) -> dict:
     from fuser.codegen.loss import shard_layout
     from fuser.codegen.loss_matmul import warp_specialized
     from fuser.ir.loss import lower_loss
-    from fuser.losses.api import SCALED_TILES_TMA, SCALED_WARP_SPECIALIZED_MAX_HIDDEN
+    from fuser.runtime.loss.choice import SCALED_TILES_TMA, SCALED_WARP_SPECIALIZED_MAX_HIDDEN
     from fuser.runtime.loss.chunked import logits_buffer
 
     (M, K), N = ps.x.shape, ps.w.shape[0]

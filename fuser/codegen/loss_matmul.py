@@ -153,7 +153,7 @@ def warp_specialized(tiles: Tiles) -> Tiles:
     The scaled kernel's [128, 128] tiles (a softcap's, ``SCALED_TILES_NARROW_TMA``), end to
     end at T, H = 32768, 768 (softcap=30, alternating processes): exact ``tanh`` 46.50-47.86
     -> 45.12-46.35 ms, ``approx_tanh`` 41.55-42.38 -> 41.35-42.63. The API takes them by
-    hidden size (``fuser.losses.api``)."""
+    hidden size (``fuser.runtime.loss.choice``)."""
     if tiles.tma and not tiles.subtile and tiles.bm == 128 and tiles.bn in (128, 256):
         return replace(tiles, warp_specialize=True, num_warps=4, group_m=16)
     return tiles

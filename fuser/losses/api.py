@@ -11,7 +11,6 @@ from fuser.codegen.loss import DEFAULT_BLOCK, DEFAULT_WARPS, has_residue, render
 from fuser.codegen.loss_matmul import (
     WEIGHT_GRAD_TILES,
     Tiles,
-    gradient_tiles,
     render_grad_scale,
     render_loss_matmul,
     render_loss_scaled,
@@ -21,69 +20,31 @@ from fuser.codegen.loss_matmul import (
     render_target_rows,
     render_weight_grad,
     scaled_exp_form,
-    tile_sums_pay,
     warp_specialized,
 )
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.losses.checks import check_tensors, live_rows
 from fuser.rules.rule import Rule
-from fuser.runtime.loss.chunked import Chunked, LinearLoss, chunk_rows
-from fuser.runtime.loss.fused import Fused, TileSums, slice_cols
+from fuser.runtime.loss.choice import (
+    SCALED_DTYPES,
+    SCHEDULES,
+    LossCall,
+    RuleForm,
+    SchedulePlan,
+    choose,
+    rule_form,
+    scaled_tiles,
+    shard_chunk,
+)
+from fuser.runtime.loss.chunked import Chunked, LinearLoss
+from fuser.runtime.loss.fused import Fused, TileSums
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
-from fuser.runtime.loss.staged import (
-    MAIN_GRAD_BUDGET,
-    SCHEDULES,
-    ShardedChunked,
-    Staged,
-    choose_schedule,
-    forward_rows,
-    vocab_cols,
-)
+from fuser.runtime.loss.staged import ShardedChunked, Staged
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY = ("auto", "lean", "fast")
-
-# Tiles of the matmul kernels in Triton's interpreter (CPU tensors): small, so that the
-# small tensors of tests cross several tiles in every direction.
-INTERPRETER_TILES = Tiles(bm=16, bn=32, bk=16, group_m=2, num_warps=4, num_stages=1)
-
-# The scaled schedule's kernel on a GPU: row blocks in groups of 16 (H100, T=2304, H=768,
-# V=128256: 0.93 ms against 1.02 ms in groups of 8).
-SCALED_TILES = Tiles(group_m=16)
-# The same through tensor descriptors, persistent (sm_90 and later, 16-bit inputs; H100, the
-# kernel alone on one chunk: llama8b 7.47 -> 6.76 ms, gist 0.95 -> 0.97 ms; end to end,
-# alternating processes: llama8b 47.3-47.8 -> 46.5-46.6 ms, gist 43.5-44.0 -> 43.0-43.4).
-SCALED_TILES_TMA = Tiles(group_m=16, tma=True)
-# The scaled kernel's tiles for a rule whose E carries a'(z) (a softcap's tanh, shared by
-# a(z) and a'(z)): beside a [128, 256] fp32 tile its temporaries spill (sm_90, 8 warps: 255
-# registers a thread and 200 bytes of stack; [128, 128]: 224 registers, no stack).
-SCALED_TILES_NARROW = Tiles(bn=128, group_m=16)
-SCALED_TILES_NARROW_TMA = Tiles(bn=128, group_m=16, tma=True)
-# The input dtypes the scaled schedule takes (fp16: ``_scaled_refusal`` says why not), and
-# those ``kernel_sources`` lists its kernels for.
-SCALED_DTYPES = ("fp32", "bf16")
-# The largest hidden size for which memory="auto" (or "fast") picks the scaled schedule over
-# chunks of logits on sm_90 or later, for bf16 inputs (H100: faster at H = 768 and 2048, slower at
-# 4096, where cuBLAS's logits matmul outruns the scaled kernel; benchmarks/NOTES.md).
-SCALED_MAX_HIDDEN = 2048
-# The largest hidden size for which memory="auto" picks the lean schedule over vocab for a
-# weight gradient into main_grad, for 16-bit inputs (H100: 50.8 against 54.3 ms at T = 32768,
-# H = 768; H200, bf16, since the lean forward takes the tile-sums kernel: T = 16384 at
-# H = 2048, 56.3-57.3 against 60.4-61.2 ms; 8192 at 4096, 53.8-55.1 against 55.1-56.1;
-# benchmarks/NOTES.md). Larger hidden sizes were not measured.
-LEAN_MAIN_GRAD_MAX_HIDDEN = 4096
-# The largest hidden size for which memory="auto" picks the lean schedule over chunks for
-# fp16 inputs, which take their gradients in backward (H200, T = 32768, H = 768: 51.2-51.4
-# against 54.0-57.3 ms; not measured at larger H).
-LEAN_FP16_MAX_HIDDEN = 1024
-# The largest hidden sizes for which the scaled kernel and the lean schedule's gradient
-# kernel take warp-specialised programs on sm_90 (``warp_specialized``; H100, faster at
-# H = 768 (both) and 2048 (the scaled kernel; the gradient kernel within the spread), slower
-# at 4096; benchmarks/NOTES.md).
-SCALED_WARP_SPECIALIZED_MAX_HIDDEN = 2048
-GRAD_WARP_SPECIALIZED_MAX_HIDDEN = 1024
 
 
 class CompiledLoss:
@@ -160,7 +121,7 @@ class CompiledLoss:
         self._sources: dict[str, KernelSource] = {}
         self._sharded: dict[str, tuple] = {}
         self._matmul: dict[tuple, tuple] = {}
-        self._grad_tiles: dict[tuple[str, bool], Tiles] = {}
+        self._forms: dict[str, RuleForm] = {}
         self._scaled: dict[tuple, KernelSource | tuple | None] = {}
         self._token_values: dict[str, TokenValues] = {}
         self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
@@ -245,11 +206,13 @@ class CompiledLoss:
 
     def _scaled_tiles(self, dtype: str, tma: bool) -> Tiles:
         """``scaled_tiles`` for this rule: narrow where its ``E`` carries ``a'(z)``."""
-        key = ("tiles", dtype)
-        if key not in self._scaled:
-            form = scaled_exp_form(lower_loss(self.rule, dtype))
-            self._scaled[key] = form is not None and form.factor != 1
-        return scaled_tiles(dtype, tma, self._scaled[key])
+        return scaled_tiles(dtype, tma, self._form(dtype).narrow)
+
+    def _form(self, dtype: str) -> RuleForm:
+        """What the schedule's choice reads of this rule for ``dtype`` (``rule_form``)."""
+        if dtype not in self._forms:
+            self._forms[dtype] = rule_form(self.rule.name, lower_loss(self.rule, dtype))
+        return self._forms[dtype]
 
     def scaled_token_sources(self, dtype: str = "bf16") -> tuple[KernelSource, ...] | None:
         """The scaled schedule's kernels around its matmul kernel for ``dtype``: the per-call
@@ -291,25 +254,22 @@ class CompiledLoss:
             self._scaled[key] = render_weight_grad(dtype, tiles or WEIGHT_GRAD_TILES) if keep else ()
         return self._scaled[key]
 
-    def _residue(self, call: _Call) -> Residue | None:
-        """What a call's runs need to add the target column's residue, or ``None``. A 16-bit
-        ``grad_weight`` takes its rows in the weight-gradient kernel where tensor descriptors
-        pay (``descriptors_pay``) or ``tiles`` asks for them (``tma``), else through fp32
-        blocks of cuBLAS's products (``residue.SliceTerms``)."""
-        sources = self.residue_sources(call.dtype)
-        if not sources:
+    def _residue(self, call: _Call, plan: SchedulePlan) -> Residue | None:
+        """What a call's run needs to add the target column's residue (``plan.residue``), or
+        ``None``; a 16-bit ``grad_weight`` takes its rows in the weight-gradient kernel of
+        ``plan.weight_grad``'s tiles, else through fp32 blocks (``residue.SliceTerms``)."""
+        if not plan.residue:
             return None
         weight_grad = None
-        if self.tiles is None and call.device.type == "cuda" and descriptors_pay(call.device):
-            weight_grad = self.weight_grad_sources(call.dtype)
-        elif self.tiles is not None and self.tiles.tma:
-            weight_grad = self.weight_grad_sources(call.dtype, self.tiles)
-        return Residue(sources, call.device, call.ignore_index, weight_grad)
+        if plan.weight_grad is not None:
+            weight_grad = self.weight_grad_sources(call.dtype, plan.weight_grad)
+        return Residue(self.residue_sources(call.dtype), call.device, call.ignore_index, weight_grad)
 
     def _gradient_tiles(self, dtype: str, tma: bool = False) -> Tiles:
-        if (dtype, tma) not in self._grad_tiles:
-            self._grad_tiles[dtype, tma] = gradient_tiles(lower_loss(self.rule, dtype), tma)
-        return self._grad_tiles[dtype, tma]
+        """The lean gradient kernel's GPU tiles (``gradient_tiles``; ``tma``: where tensor
+        descriptors are TMA)."""
+        form = self._form(dtype)
+        return form.grad_tiles_tma if tma else form.grad_tiles
 
     def _shard_sizes_of(self, group, local: int, device: torch.device) -> tuple[int, ...]:
         """Every rank's vocabulary slice length, gathered once per (group, local length)."""
@@ -407,9 +367,10 @@ class CompiledLoss:
         collective (finding them reads their count on the host, once per call; every rank
         of ``group`` holds the same targets, so all leave out the same rows): their loss and
         their ``grad_hidden`` are 0. The count of the others is the mean's denominator. Then
-        the schedule runs."""
+        the run of the plan ``choose`` gives runs."""
         n = y.shape[0]
-        slices = None if group is None else self._vocab_slices(call, group)
+        shards = None if group is None else self._vocab_slices(call, group)
+        slices = None if shards is None else shards[0]
         vocab = call.vocab if group is None else sum(slices)  # (targets are global indices)
         idx, count = live_rows(y, call.ignore_index, vocab, shape, slices)  # (the one host read)
         if idx is not None:
@@ -418,155 +379,81 @@ class CompiledLoss:
         x, weight = x.contiguous(), weight.contiguous()  # (the kernels take rows H elements apart)
         bias = bias.contiguous() if bias is not None else None
         main_grad = main_grad and weight.requires_grad
-        plan = self._schedule_of(call, memory, want_grad, main_grad, weight, group, bias, reduction)
-        if plan == "fused":
-            run = self._fused_run(call, x, weight, bias, group)
-        elif plan == "scaled" and want_grad:
-            run = self._scaled_run(call, x, weight)
+        keywords = dict(reduction=reduction, memory=memory, main_grad=main_grad, want_grad=want_grad)
+        loss_call = self._loss_call(call, x, weight, bias, group=group, **keywords)
+        plan = choose(loss_call)
+        if plan.schedule == "fused":
+            run = self._fused_run(call, plan, x, weight, bias, group, shards)
+        elif plan.schedule == "scaled":
+            run = self._scaled_run(call, plan)
         elif group is not None:
-            run = self._vocab_parallel_run(call, group)
+            run = self._vocab_parallel_run(call, loss_call, plan, group, shards)
         else:
-            run = self._one_device_run(call, plan, want_grad)
-        buffered = main_grad and self._buffers_main_grad(memory)
-        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, buffered, count)
+            run = self._one_device_run(call, plan)
+        eager = plan.in_forward
+        out = LinearLoss.apply(x, weight, bias, y, run, reduction, main_grad, want_grad, eager, count)
         if call.n_tokens < n and reduction == "none":
             out = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, idx, out)
         return out
 
-    def _schedule_of(
-        self, call: _Call, memory: str, want_grad: bool, main_grad: bool, weight, group, bias, reduction: str
-    ) -> str:
-        """The schedule a call runs: ``self.schedule`` (``scaled`` only where
-        ``_scaled_refusal`` has nothing against it), or the one ``memory`` names, or (auto)
-        chunks of tokens with ``group`` or without gradients, else the one
-        ``choose_schedule`` picks by memory, with ``scaled`` in place of ``chunks`` where it
-        pays (``_scaled_pays``: bf16 inputs on sm_90 or later, H up to ``SCALED_MAX_HIDDEN``) and
-        can run the call, and ``fused`` in place of ``vocab`` (into ``main_grad``, H up to
-        ``LEAN_MAIN_GRAD_MAX_HIDDEN``), or of ``chunks`` for fp16 inputs (H up to
-        ``LEAN_FP16_MAX_HIDDEN``), on GPUs where it was measured (``_measured_faster``). With ``main_grad``
-        buffered (``_buffers_main_grad``), the schedules that take gradients in forward run
-        as they do without it."""
-        in_backward = main_grad and not self._buffers_main_grad(memory)
-        if self.schedule == "scaled":
-            why = self._scaled_refusal(call, in_backward, group, bias, reduction)
-            if why:
-                raise ValueError(f"schedule='scaled' cannot run this call: {why}")
-        if self.schedule != "auto":
-            return self.schedule
-        if memory == "lean":
-            return "fused"
-        if group is not None or not want_grad:
-            return "chunks"
-        chosen = self._auto_schedule(call, main_grad, memory, weight)
-        if chosen == "vocab" and _measured_faster(call, LEAN_MAIN_GRAD_MAX_HIDDEN):
-            return "fused"
-        if (
-            chosen == "chunks"
-            and self._scaled_pays(call)
-            and not self._scaled_refusal(call, in_backward, group, bias, reduction)
-        ):
-            return "scaled"
-        if chosen == "chunks" and call.dtype == "fp16" and _measured_faster(call, LEAN_FP16_MAX_HIDDEN):
-            # (fp16 takes its gradients in backward, where chunks computes the logits twice
-            # as the lean schedule does, and also writes them: H200, gist, 54.0-57.3 against
-            # 51.2-51.4 ms)
-            return "fused"
-        return chosen
-
-    def _buffers_main_grad(self, memory: str) -> bool:
-        """Whether a call into ``main_grad`` may take its gradients in forward (``chunks``,
-        ``scaled``): the weight's into an fp32 ``[V, H]`` buffer, which backward adds into
-        ``main_grad`` times ``grad_output``. With ``memory="fast"`` (one logits matmul per
-        chunk, at the buffer's memory), or ``schedule="scaled"``, which takes them there;
-        otherwise ``main_grad`` gets them in backward, with no buffer."""
-        return memory == "fast" or self.schedule == "scaled"
-
-    @staticmethod
-    def _scaled_pays(call: _Call) -> bool:
-        """Whether the scaled schedule outruns chunks of logits for a call's sizes (measured
-        on sm_90, where its kernel takes tensor descriptors)."""
-        return _measured_faster(call, SCALED_MAX_HIDDEN)
-
-    def _scaled_refusal(self, call: _Call, main_grad: bool, group, bias, reduction: str) -> str | None:
-        """Why the scaled schedule cannot run a call, or ``None``."""
-        if self.scaled_kernel_source(call.dtype) is None:
-            name = self.rule.name
-            return (
-                f"the gradient of loss rule {name!r} is not A * softmax + B * [target] + C per token, "
-                "nor a'(z) * (A * softmax + B * [target]) for the logsumexp's argument a(z)"
-            )
-        if call.dtype not in SCALED_DTYPES:  # (fp16)
-            return (
-                "fp16 holds its E = exp(a(z) - a(z[y])) only below 65504 (a logit 11 above the target's) "
-                "and rounds a gradient taken in forward, before any loss scale, below 6e-8 to 0: "
-                "bf16 or fp32 inputs take it"
-            )
-        if reduction == "none":
-            return (
-                "reduction='none' scales each token's gradient in backward; it takes the gradient in forward"
-            )
-        if main_grad:
-            return "accumulate_into='main_grad' takes the gradient in backward (memory='fast' buffers it)"
-        if group is not None:
-            return "it runs on one device (no process_group)"
-        if bias is not None:
-            return "it takes no bias"
-        return None
-
-    def _auto_schedule(self, call: _Call, main_grad: bool, memory: str, weight) -> str:
-        return choose_schedule(
-            call.n_tokens,
-            call.hid,
-            call.vocab,
-            call.es,
-            chunk=self._chunk(call),
-            main_grad=main_grad and memory == "auto",
-            weight_fp32=weight.dtype == torch.float32,
+    def _loss_call(
+        self, call: _Call, x, weight, bias=None, *, reduction="mean", memory="auto", main_grad=False,
+        want_grad=True, group=None,
+    ) -> LossCall:  # fmt: skip
+        """What ``choose`` reads of a call: its sizes and keywords, the device's kind and
+        capability, the compile options and the rule's form for its dtype."""
+        cuda = call.device.type == "cuda"
+        return LossCall(
+            dtype=call.dtype,
+            n_tokens=call.n_tokens,
+            hidden=call.hid,
+            vocab=call.vocab,
+            form=self._form(call.dtype),
+            device=call.device.type,
+            capability=torch.cuda.get_device_capability(call.device) if cuda else None,
+            reduction=reduction,
+            bias=bias is not None,
+            main_grad=main_grad,
+            want_grad=want_grad,
+            vocab_parallel=group is not None,
+            memory=memory,
+            schedule=self.schedule,
+            chunk_size=self.chunk_size,
+            block=self.block,
+            tiles=self.tiles,
+            # (what contiguous() copies is a fresh allocation, which torch aligns to 64 bytes or more)
+            aligned=all(t.data_ptr() % 16 == 0 for t in (x, weight) if t.is_contiguous()),
         )
 
-    def _chunk(self, call: _Call) -> int:
-        return self.chunk_size or chunk_rows(call.n_tokens, call.hid, call.vocab, call.es)
-
-    def _one_device_run(self, call: _Call, plan: str, want_grad: bool):
+    def _one_device_run(self, call: _Call, plan: SchedulePlan):
         """The run of a one-device call with logits in memory: row kernels over chunks of
         tokens, or a staged schedule."""
-        chunk = self._chunk(call)
-        if not want_grad or plan == "chunks":
-            run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
-        else:
-            sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
-            if plan == "vocab":
-                chunk = min(chunk, forward_rows(call.vocab, call.es))
-            run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk)
-            run.schedule, run.cols = plan, vocab_cols(call.n_tokens, call.hid, call.es, self.block)
-        run.residue = self._residue(call) if want_grad else None
+        if plan.schedule == "chunks":
+            return self._row_run(call, plan)
+        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+        run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, plan.chunk)
+        run.schedule, run.cols = plan.schedule, plan.cols
+        run.residue = self._residue(call, plan)
         return run
 
-    def _scaled_run(self, call: _Call, x, weight) -> ScaledExp:
+    def _row_run(self, call: _Call, plan: SchedulePlan) -> Chunked:
+        """The row kernel over chunks of ``plan.chunk`` tokens."""
+        run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, plan.chunk)
+        run.residue = self._residue(call, plan)
+        return run
+
+    def _scaled_run(self, call: _Call, plan: SchedulePlan) -> ScaledExp:
         """The scaled schedule's run, with the row kernel's as its fallback (built if a call
         needs it)."""
-        aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-        descriptors = aligned and call.hid * call.es % 16 == 0
-        if self.tiles is None and call.device.type == "cuda":
-            tiles = self._scaled_tiles(call.dtype, descriptors and descriptors_pay(call.device))
-            tiles = _specialized(tiles, call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
-        else:
-            tiles = self.tiles or INTERPRETER_TILES
-            if tiles.tma and not descriptors:
-                tiles = replace(tiles, tma=False)
-        tiles = tiles.for_hidden(call.hid, aligned)
         sources = self.sharded_kernel_sources(call.dtype)[0]
-        chunk = self._chunk(call)
 
         def fallback() -> Chunked:
-            run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, chunk)
-            run.residue = self._residue(call)
-            return run
+            return self._row_run(call, plan)
 
-        kernels = (self.scaled_kernel_source(call.dtype, tiles), *self.scaled_token_sources(call.dtype))
+        kernels = (self.scaled_kernel_source(call.dtype, plan.tiles), *self.scaled_token_sources(call.dtype))
         return ScaledExp(
-            kernels, sources[-1], self._values(call.dtype), tiles, call.device, call.hyper,
-            call.ignore_index, chunk, fallback,
+            kernels, sources[-1], self._values(call.dtype), plan.tiles, call.device, call.hyper,
+            call.ignore_index, plan.chunk, fallback,
         )  # fmt: skip
 
     def _values(self, dtype: str) -> TokenValues:
@@ -576,57 +463,24 @@ class CompiledLoss:
             self._token_values[dtype] = TokenValues(plan, scaled_exp_form(plan), shard_layout(plan))
         return self._token_values[dtype]
 
-    def _tile_sums(self, call: _Call, rows_16: bool, aligned: bool) -> TileSums | None:
-        """The lean forward's ``TileSums`` for a one-device call without a bias, where the rule's
-        gradient has the scaled form with no function but ``exp`` and ``approx_tanh`` in its
-        pass (``tile_sums_pay``), in Triton's interpreter and on a GPU whose descriptors are TMA
-        for 16-bit inputs they can address (``rows_16``; ``fuser.runtime.loss.fused`` has the
-        times). Else ``None``: the sweeps run."""
-        key = ("tile_sums_pay", call.dtype)
-        if key not in self._scaled:
-            self._scaled[key] = tile_sums_pay(lower_loss(self.rule, call.dtype))
-        if not self._scaled[key]:
-            return None
-        if self.tiles is None and call.device.type == "cuda":
-            if not (call.es == 2 and rows_16 and descriptors_pay(call.device)):
-                return None
-            tiles = _specialized(scaled_tiles(call.dtype, True), call, SCALED_WARP_SPECIALIZED_MAX_HIDDEN)
-        else:
-            tiles = self.tiles or INTERPRETER_TILES
-            if tiles.tma and not rows_16:
-                tiles = replace(tiles, tma=False)
-        tiles = tiles.for_hidden(call.hid, aligned)
-        sources = self.tile_sums_sources(call.dtype, tiles)
-        return TileSums(sources, self._values(call.dtype), tiles, call.device)
-
-    def _fused_run(self, call: _Call, x, weight, bias, group=None) -> Fused:
-        """The lean schedule's run: matmul kernels for this device, hidden size and bias;
-        with ``group``, over this rank's slice of the vocabulary."""
-        aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-        rows_16 = aligned and call.hid * call.es % 16 == 0  # (what tensor descriptors need)
-        if self.tiles is None and call.device.type == "cuda":
-            # (the sweeps keep pointer loads: through descriptors they ran no faster, H100)
-            tiles = Tiles().for_dtype(call.dtype)
-            grad_tiles = self._gradient_tiles(call.dtype, rows_16 and descriptors_pay(call.device))
-            grad_tiles = _specialized(grad_tiles, call, GRAD_WARP_SPECIALIZED_MAX_HIDDEN)
-        else:
-            tiles = grad_tiles = self.tiles or INTERPRETER_TILES
-            if tiles.tma and not rows_16:
-                tiles = grad_tiles = replace(tiles, tma=False)
-        tiles, grad_tiles = (t.for_hidden(call.hid, aligned) for t in (tiles, grad_tiles))
+    def _fused_run(self, call: _Call, plan: SchedulePlan, x, weight, bias, group=None, shards=None) -> Fused:
+        """The lean schedule's run: matmul kernels of the plan's tiles for this device, hidden
+        size and bias; with ``group``, over this rank's slice of the vocabulary (``shards``:
+        ``_vocab_slices``'s sizes and rank)."""
         sweeps, grad = self.matmul_kernel_sources(
-            call.dtype, tiles, grad_tiles=grad_tiles, has_bias=bias is not None
+            call.dtype, plan.tiles, grad_tiles=plan.grad_tiles, has_bias=bias is not None
         )
         sources, layout, _ = self.sharded_kernel_sources(call.dtype)
-        cols = slice_cols(call.n_tokens, call.hid, call.es, max(tiles.bn, grad_tiles.bn), MAIN_GRAD_BUDGET)
         kernels = (sweeps, grad, sources[-1])
-        tile_sums = self._tile_sums(call, rows_16, aligned) if group is None and bias is None else None
-        run = Fused(
-            kernels, layout, (tiles, grad_tiles), call.device, call.hyper, call.ignore_index, cols, tile_sums
-        )
-        run.residue = self._residue(call)
+        tile_sums = None
+        if plan.tile_sums is not None:
+            sums = self.tile_sums_sources(call.dtype, plan.tile_sums)
+            tile_sums = TileSums(sums, self._values(call.dtype), plan.tile_sums, call.device)
+        tiles = (plan.tiles, plan.grad_tiles)
+        run = Fused(kernels, layout, tiles, call.device, call.hyper, call.ignore_index, plan.cols, tile_sums)
+        run.residue = self._residue(call, plan)
         if group is not None:
-            run.shard(group, *self._shards(call, group))
+            run.shard(group, *shards)
         return run
 
     def _shards(self, call: _Call, group) -> tuple[tuple[int, ...], int]:
@@ -640,24 +494,23 @@ class CompiledLoss:
             )
         return self._shard_sizes_of(group, call.vocab, call.device), dist.get_rank(group)
 
-    def _vocab_slices(self, call: _Call, group) -> tuple[int, ...]:
-        """Every rank's vocabulary slice length (their sum bounds the targets), for a
-        schedule that runs with ``group``."""
+    def _vocab_slices(self, call: _Call, group) -> tuple[tuple[int, ...], int]:
+        """Every rank's vocabulary slice length (their sum bounds the targets) and this
+        rank's index, for a schedule that runs with ``group``."""
         if self.schedule in ("whole", "vocab", "scaled"):
             raise ValueError(
                 f"schedule={self.schedule!r} is for one device; a vocabulary-parallel loss "
                 "(process_group=) runs in chunks of tokens, or with memory='lean' in the matmul kernels"
             )
-        return self._shards(call, group)[0]
+        return self._shards(call, group)
 
-    def _vocab_parallel_run(self, call: _Call, process_group) -> ShardedChunked:
+    def _vocab_parallel_run(
+        self, call: _Call, loss_call: LossCall, plan: SchedulePlan, group, shards
+    ) -> ShardedChunked:
         """The run of a call with ``process_group=``: this rank's vocabulary slice, in chunks
-        of tokens that every rank runs alike."""
-        sizes, rank = self._shards(call, process_group)
-        total = sum(sizes)
-        # Every rank must run as many chunks (each has its collectives): size them by
-        # the largest slice, the same on every rank.
-        chunk = self.chunk_size or chunk_rows(call.n_tokens, call.hid, max(sizes), call.es)
+        of tokens that every rank runs alike (``shard_chunk``); ``shards`` is
+        ``_vocab_slices``'s (sizes, rank)."""
+        sizes, rank = shards
         sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
         run = ShardedChunked(
             sources,
@@ -666,12 +519,12 @@ class CompiledLoss:
             call.device,
             call.hyper,
             call.ignore_index,
-            chunk,
-            process_group,
+            shard_chunk(loss_call, sizes),
+            group,
             sum(sizes[:rank]),
-            total,
+            sum(sizes),
         )
-        run.residue = self._residue(call)
+        run.residue = self._residue(call, plan)
         return run
 
     def __repr__(self) -> str:
@@ -682,52 +535,6 @@ class CompiledLoss:
         from fuser.display import loss_html
 
         return loss_html(self)
-
-
-def _measured_faster(call: _Call, max_hidden: int) -> bool:
-    """16-bit inputs on a GPU whose kernels take tensor descriptors (``descriptors_pay``),
-    with H up to ``max_hidden``: where ``auto``'s matmul-kernel schedules were measured
-    faster than the cuBLAS ones."""
-    return (
-        call.device.type == "cuda"
-        and call.es == 2
-        and call.hid <= max_hidden
-        and descriptors_pay(call.device)
-    )
-
-
-def scaled_tiles(dtype: str, tma: bool, narrow: bool = False) -> Tiles:
-    """The scaled kernel's tiles on a GPU; ``tma``: where tensor descriptors are TMA, taken
-    for 16-bit inputs (fp32 tiles through descriptors overflow sm_90's shared memory);
-    ``narrow``: for a form whose ``E`` carries ``a'(z)`` (``SCALED_TILES_NARROW``)."""
-    if tma and dtype != "fp32":
-        return SCALED_TILES_NARROW_TMA if narrow else SCALED_TILES_TMA
-    return (SCALED_TILES_NARROW if narrow else SCALED_TILES).for_dtype(dtype)
-
-
-def _specialized(tiles: Tiles, call: _Call, max_hidden: int) -> Tiles:
-    """A GPU call's ``tiles``, warp-specialised (``warp_specialized``, where they allow it)
-    on sm_90 with H up to ``max_hidden``."""
-    if call.hid <= max_hidden and warp_specialization_pays(call.device):
-        return warp_specialized(tiles)
-    return tiles
-
-
-def warp_specialization_pays(device: torch.device) -> bool:
-    """Whether the matmul kernels' warp-specialised programs (``warp_specialized``) are taken
-    on ``device``: sm_90, where Triton 3.6 makes them (a producer warp group issuing the TMA
-    loads, two consumers) and where they were measured. Blackwell's warp specialisation is
-    another pass, not measured here."""
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
-def descriptors_pay(device: torch.device) -> bool:
-    """Whether tensor descriptors pay on ``device``: from sm_90 they are TMA, and the lean
-    schedule's gradient kernel takes them where ``gradient_tiles`` allows (16-bit inputs,
-    rules whose gradient calls only exp and approx_tanh), its programs persistent (H100, the kernel alone:
-    gist 17.7 -> 14.7 ms, llama8b 16.0 -> 13.4 ms; benchmarks/NOTES.md). Before sm_90
-    Triton lowers descriptors to pointer loads, and the kernel keeps its own."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -761,8 +568,8 @@ def make_loss(rule: Rule, **options) -> CompiledLoss:
     ``schedule`` (``"auto"``, ``"chunks"``, ``"whole"``, ``"vocab"``, ``"fused"`` or
     ``"scaled"``: see ``fuser.runtime.loss.staged``, ``fuser.runtime.loss.fused`` and
     ``fuser.runtime.loss.scaled``; ``auto`` lets each call's ``memory=`` pick, ``scaled``
-    where ``_scaled_pays``), ``tiles`` (``fuser.codegen.loss_matmul.Tiles``: block shape of the
-    matmul kernels)."""
+    where ``fuser.runtime.loss.choice.choose`` finds it pays), ``tiles``
+    (``fuser.codegen.loss_matmul.Tiles``: block shape of the matmul kernels)."""
     return CompiledLoss(rule, **options)
 
 
@@ -814,7 +621,7 @@ def kernel_sources(
     if vocab_parallel:
         return [*staged, *lean, *residue]
     tokens = f.scaled_token_sources(dtype)
-    if tile_sums_pay(lower_loss(rule, dtype)) and (f.tiles is not None or dtype != "fp32"):  # (_tile_sums)
+    if f._form(dtype).tile_sums and (f.tiles is not None or dtype != "fp32"):  # (choice's _tile_sums)
         tma_tiles = scaled_tiles(dtype, True)
         variants = dict.fromkeys((tma_tiles, warp_specialized(tma_tiles))) if f.tiles is None else (f.tiles,)
         lean += [f.tile_sums_sources(dtype, t)[0] for t in variants]

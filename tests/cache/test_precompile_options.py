@@ -22,6 +22,7 @@ from fuser.codegen.matrix import matrix_kernel_sources
 from fuser.losses import api
 from fuser.optim import builtins
 from fuser.runtime import engine, plans
+from fuser.runtime.loss import choice
 
 TARGET = "cuda:90"
 
@@ -112,7 +113,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
         ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
         _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
-        sum_tiles = api.scaled_tiles(dtype, True)
+        sum_tiles = choice.scaled_tiles(dtype, True)
         sources = [
             *loss.tile_sums_sources(dtype, sum_tiles),
             loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
@@ -128,8 +129,8 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         ]
         scaled = [
             loss.scaled_kernel_source(dtype),
-            loss.scaled_kernel_source(dtype, api.SCALED_TILES_TMA),
-            loss.scaled_kernel_source(dtype, warp_specialized(api.SCALED_TILES_TMA)),
+            loss.scaled_kernel_source(dtype, choice.SCALED_TILES_TMA),
+            loss.scaled_kernel_source(dtype, warp_specialized(choice.SCALED_TILES_TMA)),
             *loss.scaled_token_sources(dtype),
         ]
         assert loss.residue_sources(dtype)  # (16-bit logits: the target column's residue)

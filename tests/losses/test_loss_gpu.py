@@ -7,7 +7,7 @@ import torch
 
 import fuser
 import fuser.losses
-from fuser.losses import api
+from fuser.runtime.loss import choice
 from fuser.runtime.loss.chunked import accumulate_weight_grad
 from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET
 
@@ -85,7 +85,7 @@ def test_extra_peak_memory_is_one_chunk_and_the_fp32_weight_grad():
 @pytest.mark.parametrize("schedule", ["chunks", "whole", "vocab"])
 @pytest.mark.parametrize("main_grad", [False, True])
 def test_every_schedule_on_gpu_against_float64(schedule, main_grad, monkeypatch):
-    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
+    monkeypatch.setattr(choice, "vocab_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
     hidden, weight, _, target = make_inputs(torch.bfloat16, bias=False, shape=(603,), v=5003, h=96)
     x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
     start = torch.randn(weight.shape, device="cuda")
@@ -221,8 +221,8 @@ def _weight_grad_of_rounded_dz(hidden, weight, bias, target, grad_out):
 def test_lean_schedule_on_gpu_against_float64(main_grad, h, descriptors, monkeypatch):
     if descriptors and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors are TMA from sm_90")
-    monkeypatch.setattr(api, "descriptors_pay", lambda device: descriptors)
-    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
+    monkeypatch.setattr(choice, "descriptors_pay", lambda capability: descriptors)
+    monkeypatch.setattr(choice, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
     hidden, weight, b, target = make_inputs(torch.bfloat16, bias=not main_grad, shape=(603,), v=5003, h=h)
     x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
     bb = b.cuda().requires_grad_() if b is not None else None
@@ -251,7 +251,7 @@ def test_lean_schedule_on_gpu_against_float64(main_grad, h, descriptors, monkeyp
 
 @pytest.mark.parametrize("h", [100, 128])  # fp32 tiles step 16 along H: 100 masked, 128 not
 def test_lean_schedule_fp32_on_gpu_against_float64(h, monkeypatch):
-    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
+    monkeypatch.setattr(choice, "slice_cols", lambda *a, **k: 1280)  # 4 slices of 5003 rows
     hidden, weight, b, target = make_inputs(torch.float32, bias=True, shape=(603,), v=5003, h=h)
     x, w, bb = (t.cuda().requires_grad_() for t in (hidden, weight, b))
     out = fuser.losses.cross_entropy(x, w, target.cuda(), bb, memory="lean")
@@ -398,8 +398,8 @@ def test_weight_gradient_kernel_on_gpu_against_float64(dtype, schedule, monkeypa
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the weight-gradient kernel runs where tensor descriptors are TMA (sm_90)")
-    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 4352)
-    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 4352)
+    monkeypatch.setattr(choice, "slice_cols", lambda *a, **k: 4352)
+    monkeypatch.setattr(choice, "vocab_cols", lambda *a, **k: 4352)
     launched, call = [], residue.WeightGrad.__call__
 
     def recording(self, gw, *args):
@@ -444,8 +444,8 @@ def test_warp_specialized_kernels_on_gpu(schedule, softcap, monkeypatch):
         rule, opts = fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED, dict(softcap=softcap, z_loss=1e-3)
 
     def step(max_hidden):
-        monkeypatch.setattr(api, "GRAD_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
-        monkeypatch.setattr(api, "SCALED_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
+        monkeypatch.setattr(choice, "GRAD_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
+        monkeypatch.setattr(choice, "SCALED_WARP_SPECIALIZED_MAX_HIDDEN", max_hidden)
         x, w = (t.cuda().requires_grad_() for t in (hidden, weight))
         f = fuser.compile(rule, schedule=schedule, chunk_size=256)
         out = f(x, w, target.cuda(), **opts)

@@ -14,8 +14,7 @@ import fuser.losses
 from fuser.codegen import loss_matmul
 from fuser.codegen.loss_matmul import linear_sums, scaled_exp_form
 from fuser.ir.loss import VOCAB, Z_Y, lower_loss, reduction_symbol
-from fuser.losses import api
-from fuser.runtime.loss import scaled
+from fuser.runtime.loss import choice, scaled
 
 from .reference import V, assert_within, make_inputs, reference
 from .test_loss_schedules import TMA_CASES, TMA_TILES, record_launches
@@ -244,31 +243,35 @@ def test_refusals_say_why(rule, kw, message):
         f(hidden.requires_grad_(), weight, target, b, **kw)
 
 
-def test_auto_picks_it_where_it_pays(monkeypatch):
+def test_auto_picks_it_where_it_pays():
     # 16-bit inputs on sm_90 or later with H up to SCALED_MAX_HIDDEN, and only calls it can
-    # run (a CUDA device of a given capability stood in for on this CPU machine)
+    # run (a CUDA device of a given capability, described to the choice on this CPU machine)
     capability = [9]
-    monkeypatch.setattr(api, "descriptors_pay", lambda device: capability[0] >= 9)
-    w = torch.empty(0)
 
-    def pick(rule=fuser.losses.CROSS_ENTROPY, hid=768, es=2, device="cuda", dtype="bf16", **kw):
+    def pick(
+        rule=fuser.losses.CROSS_ENTROPY, hid=768, device="cuda", dtype="bf16", bias=None, group=None, **kw
+    ):
         loss = fuser.compile(rule)
-        call = api._Call(dtype, torch.device(device), None, -100, 32768, hid, 128256, es)
-        args = dict(
-            memory="auto", want_grad=True, main_grad=False, weight=w, group=None, bias=None, reduction="mean"
-        )
-        return loss._schedule_of(call, **{**args, **kw})
+        args = dict(memory="auto", want_grad=True, main_grad=False, reduction="mean")
+        call = choice.LossCall(
+            dtype, 32768, hid, 128256, loss._form(dtype), device=device,
+            capability=(capability[0], 0) if device == "cuda" else None,
+            bias=bias is not None, vocab_parallel=group is not None, **{**args, **kw},
+        )  # fmt: skip
+        return choice.choose(call).schedule
 
     assert pick() == "scaled" and pick(memory="fast") == "scaled"
-    assert pick(hid=api.SCALED_MAX_HIDDEN) == "scaled" and pick(fuser.losses.CROSS_ENTROPY_FULL) == "scaled"
+    assert (
+        pick(hid=choice.SCALED_MAX_HIDDEN) == "scaled" and pick(fuser.losses.CROSS_ENTROPY_FULL) == "scaled"
+    )
     assert pick(hid=4096) == "chunks"  # (cuBLAS's logits matmul outruns the scaled kernel)
-    assert pick(es=4) == "chunks" and pick(device="cpu") == "chunks"
+    assert pick(dtype="fp32") == "chunks" and pick(device="cpu") == "chunks"
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY) == "chunks"  # (label smoothing's mean: no form)
     assert pick(fuser.losses.SOFTCAP_CROSS_ENTROPY_UNSMOOTHED) == "scaled"
     assert pick(reduction="none") == "chunks" and pick(bias=torch.empty(0)) == "chunks"
     assert pick(main_grad=True) == "fused" and pick(memory="lean") == "fused"
     assert pick(main_grad=True, memory="fast") == "scaled"  # (main_grad buffered from forward)
-    assert pick(main_grad=True, hid=api.LEAN_MAIN_GRAD_MAX_HIDDEN) == "fused"
+    assert pick(main_grad=True, hid=choice.LEAN_MAIN_GRAD_MAX_HIDDEN) == "fused"
     assert pick(main_grad=True, hid=8192) == "vocab" and pick(main_grad=True, device="cpu") == "vocab"
     assert pick(want_grad=False) == "chunks"
     # fp16 (gradients in backward): the lean schedule in place of chunks where it pays
@@ -278,28 +281,28 @@ def test_auto_picks_it_where_it_pays(monkeypatch):
     assert pick() == "chunks" and pick(main_grad=True) == "vocab"
 
 
-def test_warp_specialized_where_measured(monkeypatch):
+def test_warp_specialized_where_measured():
     # sm_90 takes warp-specialised [128, 256] and [128, 128] tiles through descriptors for the
     # lean gradient kernel with H up to 1024 and the scaled kernel up to 2048; other tiles
     # (half tiles, pointer loads), larger H and
-    # other GPUs keep theirs (a CUDA device stood in for on this CPU machine)
+    # other GPUs keep theirs (a CUDA device described to the choice on this CPU machine)
     major = [9]
-    monkeypatch.setattr(api, "warp_specialization_pays", lambda device: major[0] == 9)
+    form = fuser.compile(fuser.losses.CROSS_ENTROPY)._form("bf16")
 
     def pick(tiles, hid, limit):
-        call = api._Call("bf16", torch.device("cuda"), None, -100, 32768, hid, 128256, 2)
-        return api._specialized(tiles, call, limit)
+        call = choice.LossCall("bf16", 32768, hid, 128256, form, capability=(major[0], 0))
+        return choice.specialized(tiles, call, limit)
 
-    grad, scaled_tiles = loss_matmul.WIDE_GRAD_TMA, api.SCALED_TILES_TMA
-    grad_max = api.GRAD_WARP_SPECIALIZED_MAX_HIDDEN
+    grad, scaled_tiles = loss_matmul.WIDE_GRAD_TMA, choice.SCALED_TILES_TMA
+    grad_max = choice.GRAD_WARP_SPECIALIZED_MAX_HIDDEN
     ws = pick(grad, 768, grad_max)
     assert ws.warp_specialize and (ws.bm, ws.bn, ws.num_warps, ws.group_m, ws.tma) == (128, 256, 4, 16, True)
     assert pick(grad, 1024, grad_max) == ws and pick(grad, 2048, grad_max) == grad
-    limit = api.SCALED_WARP_SPECIALIZED_MAX_HIDDEN
+    limit = choice.SCALED_WARP_SPECIALIZED_MAX_HIDDEN
     assert pick(scaled_tiles, 2048, limit) == ws and pick(scaled_tiles, 4096, limit) == scaled_tiles
-    narrow = pick(api.SCALED_TILES_NARROW_TMA, 768, limit)  # (a softcap's)
+    narrow = pick(choice.SCALED_TILES_NARROW_TMA, 768, limit)  # (a softcap's)
     assert narrow.warp_specialize and (narrow.bm, narrow.bn, narrow.num_warps) == (128, 128, 4)
-    for other in (loss_matmul.WIDE_GRAD_TMA_SUBTILE, api.SCALED_TILES, loss_matmul.TALL_GRAD):
+    for other in (loss_matmul.WIDE_GRAD_TMA_SUBTILE, choice.SCALED_TILES, loss_matmul.TALL_GRAD):
         assert pick(other, 768, limit) == other
     major[0] = 10  # (Blackwell: another pass, not measured)
     assert pick(grad, 768, grad_max) == grad

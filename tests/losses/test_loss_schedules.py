@@ -13,8 +13,10 @@ import fuser
 import fuser.losses
 from fuser.codegen.loss_matmul import Tiles
 from fuser.losses import api
+from fuser.runtime.loss import choice
+from fuser.runtime.loss.choice import choose_schedule
 from fuser.runtime.loss.chunked import chunk_rows
-from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, choose_schedule, forward_rows, vocab_cols
+from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, forward_rows, vocab_cols
 
 from .reference import (
     T,
@@ -48,8 +50,8 @@ def rounded(schedule, dtype):
 
 @pytest.fixture
 def short_slices(monkeypatch):
-    monkeypatch.setattr(api, "vocab_cols", lambda *a, **k: 64)
-    monkeypatch.setattr(api, "slice_cols", lambda *a, **k: 64)
+    monkeypatch.setattr(choice, "vocab_cols", lambda *a, **k: 64)
+    monkeypatch.setattr(choice, "slice_cols", lambda *a, **k: 64)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

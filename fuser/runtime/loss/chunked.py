@@ -254,14 +254,15 @@ class LinearLoss(torch.autograd.Function):
 
     ``x`` is ``[T, H]``, ``target`` ``[T]`` int64, ``count`` how many of its targets are not
     ``ignore_index`` (the mean's denominator, which the caller read on the host when it left
-    the ignored rows out). Returns fp32: the per-token losses for ``reduction="none"``, else
-    one number.
+    the ignored rows out); ``in_forward``: the gradients are taken in forward (the schedule's
+    plan, ``fuser.runtime.loss.choice.SchedulePlan``). Returns fp32: the per-token losses for
+    ``reduction="none"``, else one number.
     """
 
     @staticmethod
     def forward(
         ctx, x, weight, bias, target, run: Chunked, reduction: str, main_grad: bool, want_grad: bool,
-        buffer_main_grad: bool, count: int,
+        in_forward: bool, count: int,
     ):  # fmt: skip
         n_tokens = x.shape[0]
         loss_tok = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
@@ -272,13 +273,7 @@ class LinearLoss(torch.autograd.Function):
         ctx.schedule = getattr(run, "schedule", "chunks")
         if not want_grad and ctx.schedule != "fused":
             ctx.schedule = "chunks"
-        ctx.eager = (
-            want_grad
-            and reduction != "none"
-            and (buffer_main_grad or not main_grad)
-            and x.dtype != torch.float16  # (the module's docstring says why)
-            and ctx.schedule in ("chunks", "scaled")
-        )
+        ctx.eager = in_forward
         if ctx.schedule == "fused":
             red = run.forward(x, weight, bias, target, loss_tok)
             if want_grad:

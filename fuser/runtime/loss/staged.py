@@ -331,38 +331,8 @@ class Staged(Chunked):
         return gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
 
 
-SCHEDULES = ("auto", "chunks", "whole", "vocab", "fused", "scaled")
-
 # Memory of the schedule for ``main_grad`` (besides ``red`` and a few per-token vectors).
 MAIN_GRAD_BUDGET = 240 * MIB
-
-
-def choose_schedule(
-    n_tokens: int,
-    hidden: int,
-    vocab: int,
-    element_size: int,
-    *,
-    chunk: int,
-    main_grad: bool,
-    weight_fp32: bool,
-) -> str:
-    """``"whole"``, ``"vocab"`` or ``"chunks"`` (the row kernel's) for a call that needs
-    gradients: whole when every token's logits take no more memory than the other schedule
-    would (``main_grad``: ``MAIN_GRAD_BUDGET``; otherwise a chunk of logits plus, for a
-    low-precision weight, the fp32 ``[V, H]`` accumulator). When every token fits in one
-    chunk, the row kernel does in one launch what whole does in two, with the same matmuls
-    and memory, so chunks is chosen."""
-    whole = n_tokens * vocab * element_size
-    one_chunk = n_tokens <= chunk
-    if main_grad:
-        if whole > MAIN_GRAD_BUDGET:
-            return "vocab"
-        return "chunks" if one_chunk else "whole"
-    if one_chunk:
-        return "chunks"
-    chunked = min(chunk, n_tokens) * vocab * element_size + (0 if weight_fp32 else 4 * vocab * hidden)
-    return "whole" if whole <= chunked else "chunks"
 
 
 def forward_rows(vocab: int, element_size: int, budget: int = MAIN_GRAD_BUDGET) -> int:
