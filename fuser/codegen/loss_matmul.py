@@ -29,6 +29,7 @@ schedule's form in a rule.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import sympy
@@ -346,16 +347,23 @@ def scaled_exp_form(plan: LossPlan) -> ScaledExp | None:
     the softmax term alone, or the softmax term times ``a'(z)`` with no constant term (a
     max, a second pass, or a softcap beside label smoothing's mean rule it out). The target
     term's coefficient is taken at ``z = z_y``, where it applies."""
-    if len(plan.passes) != 1:
+    # (sympy's simplify takes seconds a call: the form is found once per process for the
+    # parts of a plan it reads, which every dtype of a rule shares)
+    return _scaled_exp_form(plan.passes, plan.grad_value, plan.grad.body, plan.epilogue)
+
+
+@functools.cache
+def _scaled_exp_form(passes, grad_value, grad_body, epilogue) -> ScaledExp | None:
+    if len(passes) != 1:
         return None
-    (p,) = plan.passes
+    (p,) = passes
     lses = [a for a in p.accumulators if a.op == "logsumexp"]
     if len(lses) != 1 or any(a.op not in ("logsumexp", "sum") for a in p.accumulators):
         return None
     arg = _inlined(lses[0].arg, p.body, p.prologue)
     if Z not in arg.free_symbols:
         return None
-    g = _inlined(plan.grad_value, plan.grad.body, plan.epilogue)
+    g = _inlined(grad_value, grad_body, epilogue)
     target = _tidy((g.subs(IS_Y, 1) - g.subs(IS_Y, 0)).subs(Z, Z_Y))
     rest = g.subs(IS_Y, 0)
     softmax = sympy.exp(arg - reduction_symbol(lses[0].index))
