@@ -3,11 +3,12 @@ passes through fuser's bf16 Newton–Schulz and the reference's iteration run in
 and its AdamW groups, which do not."""
 
 import pytest
-import pytorch_optimizer
 import torch
 from test_muon import bf16_resolution, exact_newton_schulz
 
 import fuser.optim
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 MATRICES = [(16, 24), (24, 16), (40, 8), (7, 13), (5, 3, 4)]
 VECTORS = [(29,), (6, 2)]

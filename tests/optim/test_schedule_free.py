@@ -2,10 +2,11 @@
 steps, ``eval()`` to the average and ``train()`` back, in between and after."""
 
 import pytest
-import pytorch_optimizer
 import torch
 
 import fuser.optim
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 SHAPES = [(7, 13), (29,), (3, 5, 4)]
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import pytorch_optimizer
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -19,6 +18,8 @@ from test_muon import exact_newton_schulz  # noqa: E402
 from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
 import fuser  # noqa: E402
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 SHAPES = [(7, 13), (29,), (3, 5, 4)]
 STEPS = 5
