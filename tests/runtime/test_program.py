@@ -11,6 +11,7 @@ class Group:
     def __init__(self, name, n_phases, matrix_phases=()):
         self.kernels = [f"{name}{k}" for k in range(n_phases)]
         self.matrices = [SimpleNamespace(name=f"{name}-ns{k}", phase=k) for k in matrix_phases]
+        self.combine = None
 
 
 def order(steps):
