@@ -288,11 +288,14 @@ def test_muon_param_groups_choose_their_view(device):
     opt = fuser.optim.Muon([dict(params=[flat]), dict(params=[batched], view="batched")], lr=0.1)
     flat.grad, batched.grad = grad.clone(), grad.clone()
     opt.step()
+    # within what bf16 products allow for each matrix (as the orthogonalisation test above)
     want_flat, _ = muon_reference(start, [grad], 0.1, 0.95, 0.0)
-    assert rel(flat.detach() - start, want_flat - start.double().cpu()) < 0.03
+    bound = max(1.5 * bf16_resolution(grad.double().reshape(3, -1)), 0.03)
+    assert rel(flat.detach() - start, want_flat - start.double().cpu()) < bound
     for e in range(3):
         want, _ = muon_reference(start[e], [grad[e]], 0.1, 0.95, 0.0)
-        assert rel(batched.detach()[e] - start[e], want - start[e].double().cpu()) < 0.03, e
+        bound = max(1.5 * bf16_resolution(grad[e].double()), 0.03)
+        assert rel(batched.detach()[e] - start[e], want - start[e].double().cpu()) < bound, e
     assert rel(flat.detach(), batched.detach()) > 1e-3  # the two views step differently
     with pytest.raises(ValueError, match="view must be 'flatten' or 'batched', not 'rows'"):
         fuser.optim.Muon([flat], view="rows")
