@@ -47,6 +47,7 @@ def test_loss_kernel_compiles_ahead_of_time(name, dtype, capability):
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
 
 
+@pytest.mark.sweep(runs=2)  # one target a run, both in 2 runs
 @pytest.mark.parametrize("capability", [80, 90])
 def test_fp16_cross_entropy_compiles(capability):
     for source in fuser.losses.kernel_sources(fuser.losses.CROSS_ENTROPY, "fp16"):
@@ -54,6 +55,7 @@ def test_fp16_cross_entropy_compiles(capability):
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
 
 
+@pytest.mark.sweep(runs=3)  # two of the six cases a run, all in 3 runs
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize(
     "name, descriptors",
@@ -112,6 +114,7 @@ def sass(cubin: bytes, tmp_path) -> str:
     return subprocess.run([str(tool), str(path)], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.sweep(runs=2)  # one target a run, both in 2 runs
 @pytest.mark.parametrize("capability", [80, 90])
 def test_approx_tanh_is_one_instruction(capability, tmp_path):
     # the softcap's kernels with approx_tanh run the special-function unit's tanh (MUFU.TANH)

@@ -173,6 +173,7 @@ def _spy_scaled_runs(method, calls):
     return spy
 
 
+@pytest.mark.sweep(runs=2)  # half the cases a run, all in 2 runs
 @pytest.mark.parametrize(
     "schedule, tiles",
     [(s, None) for s in (*SCHEDULES, "scaled")] + [(s, "tma") for s in ("whole", "vocab", "fused")],
