@@ -20,10 +20,10 @@ demo: $(STAMP)
 	$(PYTHON) examples/demo.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n logical --dist loadgroup --durations=20
+	$(PYTHON) -m pytest -q -n logical --durations=20
 
 test-all: $(STAMP)  # every item of every sweep (tests/README.md): an hour or more on two cores
-	FUSER_TEST_ALL=1 $(PYTHON) -m pytest -q -n logical --dist loadgroup --durations=20
+	FUSER_TEST_ALL=1 $(PYTHON) -m pytest -q -n logical --durations=20
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check fuser tests examples benchmarks

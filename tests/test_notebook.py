@@ -12,8 +12,6 @@ NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
-# one worker runs the notebook once for every test here (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("notebook")
 
 
 def test_committed_notebook_has_no_outputs():
