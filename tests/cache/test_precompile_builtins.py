@@ -5,10 +5,9 @@ The whole sweep (38 rules, a few hundred kernels a target) takes over half an ho
 core, so each run compiles a slice of the rules chosen by the session seed (``sweep``): for
 each target a sixteenth of the optimizer rules, and one loss rule for one of the targets;
 any 16 consecutive seeds compile every rule for both; ``make test-all`` compiles them all.
-The kernels of each built-in optimizer through
-``fuser.optim.kernel_sources`` (fp32 and bf16) are among those its precompile compiles
-(fp32, bf16 and fp16 parameters), so this sweep also checks that each built-in's step
-kernels compile."""
+The kernels of each built-in optimizer through ``fuser.optim.kernel_sources`` (fp32 and
+bf16) are among those its precompile compiles (fp32, bf16 and fp16 parameters), so this
+sweep also checks that each built-in's step kernels compile."""
 
 import importlib
 import re

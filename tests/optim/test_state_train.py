@@ -47,11 +47,13 @@ BOUNDS = {
 }
 
 
-# The runs in two halves, one a run (a sweep: both within 2 runs); each half beside torch's.
+# The runs in two halves, one a run (a sweep: both within 2 runs); each half beside torch's:
+# the state formats, and bf16 parameters' q8 states without and with the master correction.
 HALVES = {
-    "fp32_params": ("fuser_fp32", "fuser_q8", "fuser_bf16"),
-    "bf16_masters": ("fuser_bf16_q8", "fuser_bf16_q8_master8", "fuser_bf16_q8_master16"),
+    "states": ("fuser_fp32", "fuser_q8", "fuser_bf16"),
+    "masters": ("fuser_bf16_q8", "fuser_bf16_q8_master8", "fuser_bf16_q8_master16"),
 }
+assert {n for h in HALVES.values() for n in h} == set(BOUNDS) == set(state_train.RUNS) - {"torch_fp32"}
 
 
 @pytest.mark.slow
@@ -72,7 +74,7 @@ def test_compressed_states_train_like_torch_adamw(seed, half):
         assert r["final_loss"] < r["losses"][0] - 0.9 * drop, (name, r["losses"])
         assert r["max_abs_diff"] <= max_bound, (name, r["max_abs_diff"], r["losses"], ref["losses"])
         assert r["mean_abs_diff_second_half"] <= mean_bound, (name, r["mean_abs_diff_second_half"])
-    if half == "fp32_params":
+    if half == "states":
         q8 = runs["fuser_q8"]["state_layout"]
         assert (q8["exp_avg"], q8["exp_avg_sq"], q8["exp_avg_absmax"]) == ("int8", "uint8", "float32")
         assert runs["fuser_q8"]["state_bytes_per_param"] < 2.4  # 2 bytes + 2 scales per 32
