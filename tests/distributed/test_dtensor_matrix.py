@@ -76,8 +76,8 @@ def test_muon_on_row_shards_follows_muon_on_whole_tensors(state_dtype):
     full, grads = data()
     params = [torch.nn.Parameter(t.clone()) for t in full]
     opt = fuser.optim.Muon(params, state_dtype=state_dtype, **MUON)
-    # One thread, as the ranks run (tests/distributed/ranks.py): the CPU's batched products
-    # then round alike, and the results must be equal.
+    # One thread, as the ranks run (tests/distributed/ranks.py): the CPU's products of one
+    # batch then round alike.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -95,15 +95,23 @@ def test_muon_on_row_shards_follows_muon_on_whole_tensors(state_dtype):
         for i, ((shape, pl), p) in enumerate(zip(LAYOUTS, params)):
             want = rows_of(p.detach(), pl, rank, world)
             what = f"rank {rank}, parameter {i} {shape} {pl}"
+            start = rows_of(full[i], pl, rank, world)
+            step, want_step = got["params"][i] - start, want - start
             if state_dtype == "q8" and isinstance(pl, Shard):
                 # 8-bit blocks are those of each rank's shard, not of the whole tensor: the
                 # momentum rounds differently, within its codes' resolution, and the steps
                 # differed by 1.2-1.6% over 8 seeds (a missing gather changes them wholly).
-                start = rows_of(full[i], pl, rank, world)
-                step, want_step = got["params"][i] - start, want - start
                 assert want_step.numel() == 0 or (step - want_step).norm() < 0.05 * want_step.norm(), what
                 continue
-            assert torch.equal(got["params"][i], want), what
+            if isinstance(pl, Shard):
+                # Each rank's share of a shape group is n / world matrices, and the CPU's bf16
+                # torch.bmm is not batch-invariant: the same matrix in a batch of 1 and of 2
+                # rounds one element apart at times (FUSER_TEST_SEED=1506698365: one of 165,
+                # 1 ulp of the parameter, at the third step). One bf16 rounding of the step
+                # bounds it; a missing gather or a wrong row changes the step wholly.
+                assert want_step.numel() == 0 or (step - want_step).norm() <= 2**-8 * want_step.norm(), what
+            else:
+                assert torch.equal(got["params"][i], want), what
             if state_dtype is None:
                 buf = rows_of(opt.state[p]["momentum_buffer"], pl, rank, world)
                 assert torch.equal(got["momentum"][i], buf), f"rank {rank}, momentum {i} {shape}"
