@@ -44,6 +44,7 @@ def _cases():
         yield pytest.param(name, marks=marks)
 
 
+@pytest.mark.sweep(runs=2)  # half the rules a run, all in 2 runs (tests/README.md, sweeps)
 @pytest.mark.parametrize("name", list(_cases()))
 def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch):
     entry = ZOO[name]
