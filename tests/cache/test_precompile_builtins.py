@@ -10,6 +10,7 @@ bf16) are among those its precompile compiles (fp32, bf16 and fp16 parameters), 
 sweep also checks that each built-in's step kernels compile."""
 
 import importlib
+import json
 import re
 
 import pytest
@@ -39,6 +40,8 @@ def _rows(out: str) -> list[list[str]]:
     return [re.split(r"\s{2,}", ln.strip()) for ln in lines[start + 1 : -1]]
 
 
+# Shared memory a block may opt into: A100 (sm_80), H100 (sm_90).
+SHARED_LIMIT = {80: 166912, 90: 232448}
 RUNS = 16  # optimizer rules: 31, two a run for each target
 LOSS_RUNS = 14  # (loss rule, target) pairs: 14, one a run
 
@@ -107,6 +110,9 @@ def test_builtins_precompile_for_sm80_and_sm90(capability, cache_root, capsys, m
             assert len(shown) in expected, (kernel, shown)
     for cubin in cache_root.rglob("*.cubin"):
         assert cubin.read_bytes()[:4] == b"\x7fELF"
+        # the shared memory it asks for fits the target's GPUs (A100, H100)
+        shared = json.loads(cubin.with_suffix(".json").read_text())["shared"]
+        assert shared <= SHARED_LIMIT[capability], (cubin.name, shared)
 
     before = files_state(cache_root)
     assert cli.main(args) == 0
