@@ -214,12 +214,12 @@ class StepEngine:
         """Check every tensor, create missing state, and rebuild tables: all checks run
         before anything is modified, so a bad input leaves the optimizer as it was."""
         validate(opt, items)
-        ensure_states(opt, items)
         # Every group has the same phases (the program runs phase k of each before phase
         # k + 1 of any): one sharded tensor of a rule of rows and columns lowers them all so.
         sharded = is_tiled(opt.rule) and any(distributed.split_axis(p) for p, _, _ in items)
         parts = partition(opt, items)
         one_by_one, budget = slicing(opt, items, next(iter(parts))[1], sharded)
+        ensure_states(opt, items)
         groups, n_parts, ends = [], {}, {}
         for (device, dplan), indexed in parts.items():
             for piece in slice_group(opt, indexed, budget, device) if one_by_one else [indexed]:
