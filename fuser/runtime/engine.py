@@ -6,9 +6,11 @@ last step (addresses, sizes, dtypes, devices, strides, groups, state tensors: a 
 check in ``tracking`` first, a full one when that cannot tell), and walks its *program*:
 a list of steps made when the tables were built, one ``KernelStep`` per (phase, launch
 group) and a ``CollectiveStep`` where shards must combine a phase's reductions before
-the next. A launch group is one (device, dtype plan) with its own pointer tables; tables
-are rebuilt only when something changed; hyperparameters are re-sent only when a group's
-values changed. A new kind of phase is a new kind of step in the program.
+the next. A launch group is one (device, dtype plan) with its own pointer tables, or a
+slice of one where matrix functions' stacks must fit a budget (``runtime.matrix``: their
+workspace is allocated for each step); tables are rebuilt only when something changed;
+hyperparameters are re-sent only when a group's values changed. A new kind of phase is a
+new kind of step in the program.
 
 The engine reads its front end (``fuser.optim.FuserOptimizer``) through ``param_groups``,
 ``state``, ``rule``, ``options``, ``_state_keys``, ``_group_hyper`` and GradScaler's
