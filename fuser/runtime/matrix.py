@@ -210,6 +210,11 @@ def extent(works: list[MatrixWork], at: int = 0) -> int:
     return max([at, *(sg.end for sg in shape_groups(works))])
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class Workspace:
     """One device's matrix buffers: ``nbytes`` allocated when a step starts (``acquire``)
     and freed when it ends (``release``). ``tables`` are (pointer table, its matrix
@@ -226,7 +231,7 @@ class Workspace:
         self.persistent = False
 
     def acquire(self) -> None:
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(self.device):
             self.persistent = True
         if self.buffer is None:
             self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)

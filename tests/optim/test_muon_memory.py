@@ -90,11 +90,16 @@ def test_held_bytes_after_a_step_are_the_states(dtype, state_dtype, per_param):
     assert all(ws.buffer is None for ws in opt._fuser.workspaces)
 
 
-def muon_run(monkeypatch, budget: str, params, grads, **kw):
+MUON = dict(lr=0.02, weight_decay=0.01)
+
+
+def muon_run(monkeypatch, budget: str, params, grads, two_rules=True, **kw):
+    """Muon's steps on copies of ``params``; ``two_rules``: the last tensor in a
+    heavy-ball group (a rule, and a step engine, of its own)."""
     monkeypatch.setenv(WORKSPACE_ENV, budget)
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    groups = [dict(params=ps[:-1]), dict(params=ps[-1:], lr=0.05, nesterov=False)]
-    opt = fuser.optim.Muon(groups, lr=0.02, weight_decay=0.01, **kw)
+    groups = [dict(params=ps[:-1]), dict(params=ps[-1:], lr=0.05, nesterov=False)] if two_rules else ps
+    opt = fuser.optim.Muon(groups, **MUON, **kw)
     for gs in grads:
         for p, g in zip(ps, gs):
             p.grad = g.clone()
@@ -120,14 +125,12 @@ def assert_same_run(a, b):
 SHAPES = [(16, 24), (24, 16), (3, 8, 5), (16, 24), (33, 9)]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(state_dtype="param", view="batched")])
-def test_slices_under_a_tiny_budget_update_bit_identically(monkeypatch, kw):
+def test_slices_under_a_tiny_budget_update_bit_identically(monkeypatch):
     """Two steps of two rules (nesterov and heavy-ball groups), one tensor a slice."""
-    dtype = torch.bfloat16 if kw else torch.float32
-    params = [torch.randn(s).to(dtype) for s in SHAPES]
-    grads = [[torch.randn(s).to(dtype) for s in SHAPES] for _ in range(2)]
-    whole = muon_run(monkeypatch, "unlimited", params, grads, **kw)
-    sliced = muon_run(monkeypatch, "1", params, grads, **kw)
+    params = [torch.randn(s) for s in SHAPES]
+    grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
+    whole = muon_run(monkeypatch, "unlimited", params, grads)
+    sliced = muon_run(monkeypatch, "1", params, grads)
     assert len(launch_groups(whole[1])) == 2  # one per rule (the nesterov and heavy-ball groups)
     groups = launch_groups(sliced[1])
     assert len(groups) == len(SHAPES)  # a budget below every tensor: one tensor a slice
@@ -136,6 +139,17 @@ def test_slices_under_a_tiny_budget_update_bit_identically(monkeypatch, kw):
         max(g.workspace_end for g in engine.launches) for _, engine in sliced[1]._step_engines()
     ]
     assert workspaces(sliced[1])[0].nbytes < workspaces(whole[1])[0].nbytes / 3
+    assert_same_run(whole, sliced)
+
+
+def test_slices_of_bf16_batched_views_update_bit_identically(monkeypatch):
+    """bf16 parameters and momentum, a 3-D tensor's matrices (batched view) in one slice."""
+    params = [torch.randn(s).bfloat16() for s in SHAPES]
+    grads = [[torch.randn(s).bfloat16() for s in SHAPES] for _ in range(2)]
+    kw = dict(two_rules=False, state_dtype="param", view="batched")
+    whole = muon_run(monkeypatch, "unlimited", params, grads, **kw)
+    sliced = muon_run(monkeypatch, "1", params, grads, **kw)
+    assert [g.tables.n_tensors for g in launch_groups(sliced[1])] == [3, 1, 1, 1, 1]  # (3, 8, 5): 3 rows
     assert_same_run(whole, sliced)
 
 
@@ -166,6 +180,33 @@ def test_a_moving_workspace_rewrites_the_tables(monkeypatch):
     moved = muon_run(monkeypatch, "1", params, grads)
     assert len({b.data_ptr() for b in kept}) == len(kept) == 4  # 2 steps of 2 rules' engines
     assert_same_run(still, moved)
+
+
+def test_a_captured_step_keeps_its_workspace(monkeypatch):
+    """Under CUDA-graph capture (here pretended) the workspace stays from then on, at one
+    address: a graph replays the addresses it captured."""
+    import fuser.runtime.matrix as matrix
+
+    params = [torch.randn(s) for s in SHAPES[:3]]
+    grads = [[torch.randn(s) for s in SHAPES[:3]] for _ in range(3)]
+    free = muon_run(monkeypatch, "unlimited", params, grads)
+    monkeypatch.setattr(matrix, "capturing", lambda device: len(grads_seen) == 2)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = fuser.optim.Muon([dict(params=ps[:-1]), dict(params=ps[-1:], lr=0.05, nesterov=False)], **MUON)
+    grads_seen, buffers = [], []
+    for gs in grads:
+        grads_seen.append(gs)
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+        buffers.append([w.buffer for w in workspaces(opt)])
+    assert buffers[0] == [None, None]  # freed after an eager step
+    kept = buffers[1]
+    assert all(b is not None for b in kept)  # captured: kept, then reused
+    assert all(a is b for a, b in zip(buffers[2], kept))
+    held, states, _ = held_bytes(opt, ps)
+    assert held - states >= sum(b.numel() for b in kept)
+    assert_same_run(free, (ps, opt))
 
 
 @pytest.mark.parametrize(
