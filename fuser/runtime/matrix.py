@@ -32,6 +32,7 @@ their own rows of it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -85,14 +86,7 @@ def stack_layout(n: int, rows: int, cols: int, bm: int, work: bool = True) -> li
     k, n_work = min(rows, cols), n if work else 0
     parts = [(torch.bfloat16, (n, rows, cols))] * 2 + [(torch.bfloat16, (n_work, k, k))] * 2
     parts.append((torch.float32, (n_work, -(-k // bm))))
-    return [(dtype, shape, _aligned(dtype.itemsize * _numel(shape))) for dtype, shape in parts]
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    return [(dtype, shape, _aligned(dtype.itemsize * math.prod(shape))) for dtype, shape in parts]
 
 
 def stack_bytes(n: int, rows: int, cols: int, bm: int, work: bool = True) -> int:
@@ -146,7 +140,7 @@ class ShapeGroup:
         """Point ``x, y, a, b, trace`` at their part of ``buffer`` (uint8, the workspace)."""
         at, views = self.at, []
         for dtype, shape, nbytes in self.layout:
-            size = dtype.itemsize * _numel(shape)
+            size = dtype.itemsize * math.prod(shape)
             views.append(buffer[at : at + size].view(dtype).view(shape))
             at += nbytes
         self.x, self.y, self.a, self.b, self.trace = views
