@@ -10,7 +10,14 @@ Workloads (bf16 parameters and gradients):
   and `SingleDeviceMuon` run too.
 
 The floor is the Newton–Schulz products' flops, 5 x (4 m^2 n + 2 m^3) per m x n matrix
-(m <= n), at the bf16 GEMM rate measured in this run (8192^3). fuser's update is checked
+(m <= n), at the bf16 GEMM rate measured in this run (8192^3).
+
+Memory (GPU runs), per parameter the optimizer updates: `held` is what it keeps between
+steps, `torch.cuda.memory_allocated` after its first step less before it was made (the
+parameters and gradients already there); `peak` the most allocated above that during a
+later step (fuser: states plus its Newton–Schulz workspace, `FUSER_MATRIX_WORKSPACE`,
+default 1 GiB a slice). fuser's row `one slice` runs with the budget `unlimited`: the time
+slicing costs. fuser's update is checked
 against the reference's on identical inputs first (relative error of one step's update;
 both use bf16 products, so they differ by bf16 rounding).
 
@@ -93,10 +100,15 @@ def groups(ps):
             dict(params=rest, use_muon=False, **aux)]  # fmt: skip
 
 
+ONE_SLICE = {"FUSER_MATRIX_WORKSPACE": "unlimited"}  # what a build with this in its name runs under
+
+
 def impls(compile_torch: bool):
     full = {"fuser.optim.Muon (+AdamW groups)": lambda ps: fuser.optim.Muon(groups(ps))}
+    full["fuser.optim.Muon (+AdamW groups) one slice"] = full["fuser.optim.Muon (+AdamW groups)"]
     full["fuser.optim.Muon static"] = lambda ps: fuser.optim.Muon(groups(ps), static=True)
     hidden = {"fuser.optim.Muon": lambda ps: fuser.optim.Muon(ps, lr=0.02)}
+    hidden["fuser.optim.Muon one slice"] = hidden["fuser.optim.Muon"]
     try:
         import muon
 
@@ -123,14 +135,69 @@ def ns_alone(shapes, device) -> float:
     """Median ms of fuser's batched Newton–Schulz launches alone (no elementwise phase):
     what the products cost at cuBLAS's rate for these shapes."""
     from fuser.ir.optim import ReductionPlan
-    from fuser.runtime.matrix import build_matrices
+    from fuser.runtime.matrix import Workspace, build_matrices, extent, shape_groups
 
     plan = ReductionPlan(None, "orthogonalize", 0, -1, -1, args=(5, 3.4445, -4.7750, 2.0315, 1e-7))
     (work,), _ = build_matrices([plan], shapes, device)
+    workspace = Workspace(device, extent([work]), shape_groups([work]))
+    workspace.acquire()
     for sg in work.groups:
         sg.x.normal_()
     timer = event_ms if device.type == "cuda" else _cpu_ms
-    return timer(work)
+    ms = timer(work)
+    workspace.release()
+    return ms
+
+
+class Memory:
+    """Bytes the device allocates above a baseline (``torch.cuda.memory_allocated``): what
+    an optimizer made and stepped keeps (``held``), and the most a step allocates above
+    the baseline (``peak``); None on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+
+    def held(self) -> int | None:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - self.base
+
+    def peak(self, step) -> int | None:
+        """Run ``step`` once; the most allocated above the baseline meanwhile."""
+        if not self.cuda:
+            step()
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - self.base
+
+
+def per_param(nbytes: int | None, n: int) -> float | None:
+    return None if nbytes is None else round(nbytes / n, 2)
+
+
+class environ:
+    """Set ``values`` in os.environ for a ``with`` block."""
+
+    def __init__(self, values: dict):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check(shapes, device) -> float | None:
@@ -152,9 +219,13 @@ def check(shapes, device) -> float | None:
 def run(workload, shapes, builds, device, floor_ms, err, rows):
     for name, build in builds.items():
         ps = make(shapes, device, 0)
-        opt = build(split(ps)[0] if workload.startswith("muon_hidden") else ps)
+        stepped = split(ps)[0] if workload.startswith("muon_hidden") else ps
+        memory = Memory(device)
+        opt = build(stepped)
         try:
-            opt.step()  # the first step builds tables and compiles
+            with environ(ONE_SLICE if name.endswith("one slice") else {}):
+                opt.step()  # the first step builds tables (and slices) and compiles
+            held = memory.held()
             ms = event_ms(opt.step, rep=10) if device.type == "cuda" else _cpu_ms(opt.step, rep=1)
             wall = wall_ms(opt.step, steps=10) if device.type == "cuda" else ms
         except Exception as e:  # an anchor that fails must not hide the others
@@ -162,7 +233,8 @@ def run(workload, shapes, builds, device, floor_ms, err, rows):
             print(json.dumps(rows[-1]), flush=True)
             continue
         before = fuser.stats()["launches"]
-        opt.step()
+        peak = memory.peak(opt.step)
+        n = sum(p.numel() for p in stepped)
         row = dict(
             workload=workload,
             impl=name,
@@ -171,6 +243,9 @@ def run(workload, shapes, builds, device, floor_ms, err, rows):
             floor_ms=round(floor_ms, 3),
             pct_of_floor=round(100 * floor_ms / ms, 1),
             fuser_launches=fuser.stats()["launches"] - before if name.startswith("fuser") else None,
+            held_B_per_param=per_param(held, n),
+            peak_B_per_param=per_param(peak, n),
+            peak_MiB=None if peak is None else round(peak / 2**20, 1),
             rel_err_vs_reference=err if name.startswith("fuser") else None,
             tensors=len(ps),
             device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -232,12 +307,13 @@ def write(args, rows, tf, argv):
         f"torch {meta['torch']}, triton {meta['triton']}, bf16 GEMM {meta['bf16_gemm_TFLOPs']} TFLOP/s. "
         f"Command: `{meta['command']}`",
         "",
-        "| workload | impl | median ms (events) | wall ms/step | % of NS floor | fuser launches |",
-        "|---|---|---|---|---|---|",
+        "| workload | impl | median ms (events) | wall ms/step | % of NS floor | fuser launches "
+        "| held B/param | peak B/param | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | |")
+            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | | | | |")
         else:
             cells = [
                 r["workload"],
@@ -246,6 +322,10 @@ def write(args, rows, tf, argv):
                 r["wall_ms"],
                 r["pct_of_floor"],
                 r["fuser_launches"] or "",
+                *(
+                    "" if r.get(k) is None else r[k]
+                    for k in ("held_B_per_param", "peak_B_per_param", "peak_MiB")
+                ),
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     with open(stem + ".md", "w") as f:

@@ -27,7 +27,7 @@ from muon_bench import llama1b_shapes, split  # noqa: E402
 
 from fuser.codegen.matrix import GPU_MATRIX_TILES  # noqa: E402
 from fuser.ir.optim import ReductionPlan  # noqa: E402
-from fuser.runtime.matrix import build_matrices  # noqa: E402
+from fuser.runtime.matrix import Workspace, build_matrices, extent, shape_groups  # noqa: E402
 
 STEPS, CALLS = 5, 5
 
@@ -63,6 +63,7 @@ def main(argv=None):
     shapes = [tuple(p.shape) for p in split([torch.empty(s, device="meta") for s in llama1b_shapes()])[0]]
     plan = ReductionPlan(None, "orthogonalize", 0, -1, -1, args=(STEPS, 3.4445, -4.7750, 2.0315, 1e-7))
     (work,), _ = build_matrices([plan], shapes, torch.device("cuda"))
+    Workspace("cuda", extent([work]), shape_groups([work])).acquire()  # held to the end
     for sg in work.groups:
         sg.x.normal_()
     for _ in range(3):

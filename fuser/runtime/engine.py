@@ -6,9 +6,11 @@ last step (addresses, sizes, dtypes, devices, strides, groups, state tensors: a 
 check in ``tracking`` first, a full one when that cannot tell), and walks its *program*:
 a list of steps made when the tables were built, one ``KernelStep`` per (phase, launch
 group) and a ``CollectiveStep`` where shards must combine a phase's reductions before
-the next. A launch group is one (device, dtype plan) with its own pointer tables; tables
-are rebuilt only when something changed; hyperparameters are re-sent only when a group's
-values changed. A new kind of phase is a new kind of step in the program.
+the next. A launch group is one (device, dtype plan) with its own pointer tables, or a
+slice of one where matrix functions' stacks must fit a budget (``runtime.matrix``: their
+workspace is allocated for each step); tables are rebuilt only when something changed;
+hyperparameters are re-sent only when a group's values changed. A new kind of phase is a
+new kind of step in the program.
 
 The engine reads its front end (``fuser.optim.FuserOptimizer``) through ``param_groups``,
 ``state``, ``rule``, ``options``, ``_state_keys``, ``_group_hyper`` and GradScaler's
@@ -27,9 +29,17 @@ from fuser.cache import load_kernel
 from fuser.counters import count
 from fuser.ir.optim import ACCUMULATE, MASTER_SLOT, hyper_columns, is_tiled, scalar_state_names, scale_slot
 from fuser.log import logger
+from fuser.rules.functions import RandomValue
 from fuser.rules.signs import interval_hyper, nonneg_states
 from fuser.runtime import distributed
-from fuser.runtime.matrix import build_matrices
+from fuser.runtime.matrix import (
+    Workspace,
+    build_matrices,
+    extent,
+    plan_slices,
+    shape_groups,
+    workspace_budget,
+)
 from fuser.runtime.plans import TORCH_DTYPES, StepLayout, dtype_plan, plan_and_sources
 from fuser.runtime.state import ensure_states, pack_scalars, validate
 from fuser.runtime.tables import Tables, build_tables, is_batched, matrix_2d, n_matrices
@@ -55,6 +65,9 @@ class LaunchGroup:
     matrices: list = field(default_factory=list)  # MatrixWork of each matrix function
     grad_offsets: list = field(default_factory=list)  # bytes into its gradient of each table row
     combine: BatchCombine | None = None  # batched views: per-tensor totals over each tensor's matrices
+    matrix_columns: torch.Tensor | None = None  # int64: columns of ``tables.ptrs`` in the matrix workspace
+    matrix_offsets: torch.Tensor | None = None  # int64 [n_tensors, columns]: their byte offsets in it
+    workspace_end: int = 0  # the byte after this group's matrix stacks in its device's workspace
 
 
 @dataclass(frozen=True)
@@ -132,10 +145,14 @@ class CollectiveStep:
         engine.shards(self.phase)
 
 
-def program(groups: list[LaunchGroup], shards) -> list:
+def program(groups: list[LaunchGroup], shards, one_by_one: bool = False) -> list:
     """The launch sequence: phase k of every group before phase k + 1 of any (global
     reductions combine the totals of every launch on the device), with the shards'
-    collective between phases."""
+    collective between phases; ``one_by_one`` (nothing combines across groups): each
+    group's phases, then the next group's, so that the groups' matrix stacks can share
+    one workspace."""
+    if one_by_one:
+        return [step for group in groups for step in program([group], None)]
     steps = []
     n_phases = len(groups[0].kernels)
     for phase in range(n_phases):
@@ -160,6 +177,7 @@ class StepEngine:
     n_parts: dict = field(default_factory=dict)  # device -> launches (dtype plans) on it
     amp_defaults: dict = field(default_factory=dict)  # device -> (grad_scale 1.0, found_inf 0.0)
     shards: object = None  # combines reductions of DTensor shards between phases (runtime.distributed)
+    workspaces: list = field(default_factory=list)  # runtime.matrix.Workspace per device with matrix stacks
 
     def step(self, opt, loss=None) -> None:
         """One step; ``loss``: the closure's value, for a rule that reads it (a tensor of
@@ -198,15 +216,20 @@ class StepEngine:
         """Check every tensor, create missing state, and rebuild tables: all checks run
         before anything is modified, so a bad input leaves the optimizer as it was."""
         validate(opt, items)
-        ensure_states(opt, items)
         # Every group has the same phases (the program runs phase k of each before phase
         # k + 1 of any): one sharded tensor of a rule of rows and columns lowers them all so.
         sharded = is_tiled(opt.rule) and any(distributed.split_axis(p) for p, _, _ in items)
-        groups, n_parts = [], {}
-        for (device, dplan), indexed in partition(opt, items).items():
-            part = n_parts.get(device, 0)
-            n_parts[device] = part + 1
-            groups.append(build_group(opt, device, dplan, indexed, part, sharded))
+        parts = partition(opt, items)
+        one_by_one, budget = slicing(opt, items, next(iter(parts))[1], sharded)
+        ensure_states(opt, items)
+        groups, n_parts, ends = [], {}, {}
+        for (device, dplan), indexed in parts.items():
+            for piece in slice_group(opt, indexed, budget, device) if one_by_one else [indexed]:
+                part = n_parts.get(device, 0)
+                n_parts[device] = part + 1
+                at = 0 if one_by_one else ends.get(device, 0)
+                groups.append(build_group(opt, device, dplan, piece, part, sharded, at))
+                ends[device] = max(ends.get(device, 0), groups[-1].workspace_end)
         logger.info(
             "%s: tables rebuilt for %d tensors in %d launch group(s)",
             type(opt).__name__,
@@ -220,7 +243,8 @@ class StepEngine:
         self.shards = distributed.shard_reduction(
             groups, [[items[i][0] for i in group.members] for group in groups], self.glob
         )
-        self.program = program(groups, self.shards)
+        self.program = program(groups, self.shards, one_by_one)
+        self.workspaces = workspaces(groups, ends)
         self.hyper_values = []  # force a hyper table refresh
 
     def grads_moved(self, grad_ptrs: list) -> None:
@@ -240,8 +264,14 @@ class StepEngine:
     def launch(self, opt, loss=None) -> None:
         self.sync_hyper(opt, loss)
         seed = opt.options.seed
-        for step in self.program:
-            step(self, opt, seed)
+        for workspace in self.workspaces:
+            workspace.acquire()
+        try:
+            for step in self.program:
+                step(self, opt, seed)
+        finally:
+            for workspace in self.workspaces:
+                workspace.release()
 
     def amp_tensors(self, opt, device):
         """(grad_scale, found_inf) on ``device``: GradScaler's when it set them, else 1 and 0."""
@@ -412,9 +442,12 @@ def entry_slice(t: torch.Tensor, role: str, e: Entry) -> torch.Tensor:
     return t.reshape(e.count, *per)[e.index]
 
 
-def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bool = False) -> LaunchGroup:
+def build_group(
+    opt, device, dplan: tuple, indexed: list, part: int, sharded: bool = False, at: int = 0
+) -> LaunchGroup:
     """The kernels, pointer tables, scalar table and reduction buffers of one launch group
-    (``sharded``: lowered for DTensor shards of a rule of rows and columns)."""
+    (``sharded``: lowered for DTensor shards of a rule of rows and columns), its matrix
+    stacks from byte ``at`` of its device's workspace."""
     members = [m[1:] for m in indexed]
     plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded)
     kernels = [load_kernel(src, device) for src in sources]
@@ -422,8 +455,10 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bo
     entries = table_entries(opt, members, plan.tiled or matrix)
     shards = [distributed.row_shard(members[e.member][0]) for e in entries] if matrix else None
     shapes = [(e.rows, e.cols) if e.batched else members[e.member][0].shape for e in entries]
-    matrices, matrix_slots = build_matrices(plan.reductions, shapes, device, shards)
-    rows = [entry_row(opt, plan, members[e.member], e, mats) for e, mats in zip(entries, matrix_slots)]
+    matrices, matrix_slots = build_matrices(plan.reductions, shapes, device, shards, at)
+    # The matrix slots point into the workspace: null until a step's Workspace.acquire.
+    null = {name: _NULL for name in (matrix_slots[0] if matrix_slots else {})}
+    rows = [entry_row(opt, plan, members[e.member], e, null) for e in entries]
     block = dict(sources[0].constexprs)["BLOCK"]
     tables = build_tables(
         rows,
@@ -455,7 +490,66 @@ def build_group(opt, device, dplan: tuple, indexed: list, part: int, sharded: bo
         matrices,
         [_grad_offset(members[e.member][1], e) for e in entries],
         batch_combine(plan, entries, red),
+        *matrix_columns(plan, matrix_slots, device),
+        extent(matrices, at),
     )
+
+
+_NULL = torch.empty(0)  # data_ptr() 0
+
+
+def matrix_columns(plan: StepLayout, matrix_slots: list[dict], device) -> tuple:
+    """(columns of the pointer table that point into the workspace, int64 on ``device``;
+    their byte offsets there, [rows, columns]), or (None, None) without matrix functions."""
+    if not matrix_slots or not matrix_slots[0]:
+        return None, None
+    names = [sl.name for sl in plan.slots]
+    columns = [names.index(name) for name in matrix_slots[0]]
+    offsets = [[mats[names[c]] for c in columns] for mats in matrix_slots]
+    as_tensor = dict(dtype=torch.int64, device=device)
+    return torch.tensor(columns, **as_tensor), torch.tensor(offsets, **as_tensor)
+
+
+def workspaces(groups: list[LaunchGroup], ends: dict) -> list[Workspace]:
+    """A ``Workspace`` of ``ends[device]`` bytes for each device whose groups have matrix stacks."""
+    out = []
+    for device, nbytes in ends.items():
+        device = torch.device(device)
+        here = [g for g in groups if g.tables.ptrs.device == device and g.matrix_columns is not None]
+        if nbytes and here:
+            stacks = [sg for g in here for sg in shape_groups(g.matrices)]
+            tables = [(g.tables.ptrs, g.matrix_columns, g.matrix_offsets) for g in here]
+            out.append(Workspace(device, nbytes, stacks, tables))
+    return out
+
+
+def slicing(opt, items, dplan: tuple, sharded: bool) -> tuple[bool, int | None]:
+    """(whether launch groups run one after another, each slice's workspace budget or
+    None). One after another where a rule has matrix functions and nothing combines
+    across groups: no global reduction, no DTensor (its collectives run over every
+    group). Slices where, moreover, no random stream is keyed by a table row (stochastic
+    rounding, ``rand()``): a row's index in a slice would change its stream."""
+    plan, _ = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded)
+    if not any(r.matrix for r in plan.reductions) or plan.n_global:
+        return False, None
+    if any(isinstance(p, distributed.DTensor) for p, _, _ in items):
+        return False, None
+    budget = workspace_budget()
+    if opt.options.stochastic_rounding or any(e.has(RandomValue) for _, e in opt.rule.outputs):
+        budget = None
+    return True, budget
+
+
+def slice_group(opt, indexed: list, budget: int | None, device) -> list[list]:
+    """``indexed`` (one launch group's (index, p, g, group index)) cut into slices whose
+    matrix stacks fit ``budget`` (``matrix.plan_slices``)."""
+    if budget is None:
+        return [indexed]
+    entries = table_entries(opt, [m[1:] for m in indexed], True)
+    shapes = [[] for _ in indexed]
+    for e in entries:
+        shapes[e.member].append((e.rows, e.cols))
+    return [[indexed[k] for k in piece] for piece in plan_slices(shapes, budget, device)]
 
 
 def entry_row(opt, plan: StepLayout, member: tuple, e: Entry, mats: dict) -> list[torch.Tensor]:

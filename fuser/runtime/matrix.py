@@ -10,6 +10,16 @@ Tensors of one 2-D shape share a stacked buffer ``[n, rows, cols]``; the pointer
 ``in`` slot of each tensor points at its matrix there, the ``out`` slot at its matrix in
 the buffer that holds the result.
 
+The stacks are a per-step *workspace*, not state: each device's lie in one byte buffer
+(``Workspace``) allocated when a step starts and freed when it ends, so between steps an
+optimizer holds its states alone. The tables keep each matrix slot's offset into the
+buffer and are rewritten (one device copy per launch group) whenever the buffer comes back
+at another address. Under CUDA-graph capture the buffer is kept from then on: a graph
+replays fixed addresses. Where the launch groups can run one after another (no global
+reduction, no DTensor), a launch group is cut into slices whose stacks fit
+``FUSER_MATRIX_WORKSPACE`` (``workspace_budget``, ``plan_slices``); the slices share the
+buffer, which then holds the largest slice.
+
 A DTensor sharded by rows of its 2-D view (``Shard(0)`` on one mesh dimension) has its
 own shape group per shard group, of full matrices: each rank's kernel writes its rows in
 place and the other rows are zeroed. The products are divided between the group's ranks
@@ -21,6 +31,10 @@ their own rows of it.
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +45,108 @@ from fuser.counters import count
 from fuser.ir.optim import matrix_slot
 from fuser.runtime.tables import view_2d
 
+# Where each buffer of the workspace starts: a multiple of the caching allocator's own
+# alignment, so a stack's matrices lie as in an allocation of their own.
+ALIGN = 512
+
+WORKSPACE_ENV = "FUSER_MATRIX_WORKSPACE"
+DEFAULT_WORKSPACE = 1 << 30  # bytes of stacks per slice (1 GiB)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def workspace_budget() -> int | None:
+    """Bytes of Newton–Schulz stacks a slice of a launch group may hold, from
+    ``FUSER_MATRIX_WORKSPACE``: a size (``1073741824``, ``512MiB``, ``2GB``; the default
+    1 GiB) or ``unlimited`` (None: one slice per launch group). A slice holds at least
+    one tensor, whatever the budget."""
+    text = os.environ.get(WORKSPACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_WORKSPACE
+    if text.lower() == "unlimited":
+        return None
+    found = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([a-zA-Z]*)", text)
+    unit = found and _UNITS.get(found.group(2).lower())
+    if not unit:
+        raise ValueError(
+            f"{WORKSPACE_ENV} must be a size in bytes (1073741824, 512MiB, 2GB: units B, KB, MB, GB, "
+            f"TB, KiB, MiB, GiB, TiB) or 'unlimited', not {text!r}"
+        )
+    return int(float(found.group(1)) * unit)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def stack_layout(n: int, rows: int, cols: int, bm: int, work: bool = True) -> list[tuple]:
+    """(dtype, shape, bytes) of the buffers ``x, y, a, b, trace`` of a stack of ``n``
+    matrices ``[rows, cols]`` whose products take ``bm`` tiles; ``work=False``: without
+    the products' own operands (a stack whose products run on a ``Split``'s)."""
+    k, n_work = min(rows, cols), n if work else 0
+    parts = [(torch.bfloat16, (n, rows, cols))] * 2 + [(torch.bfloat16, (n_work, k, k))] * 2
+    parts.append((torch.float32, (n_work, -(-k // bm))))
+    return [(dtype, shape, _aligned(dtype.itemsize * math.prod(shape))) for dtype, shape in parts]
+
+
+def stack_bytes(n: int, rows: int, cols: int, bm: int, work: bool = True) -> int:
+    """Bytes of the workspace a stack of ``n`` matrices ``[rows, cols]`` takes."""
+    return sum(nbytes for _, _, nbytes in stack_layout(n, rows, cols, bm, work))
+
 
 @dataclass
 class ShapeGroup:
-    """The matrices of one 2-D shape: ``x`` holds them stacked, ``y``, ``a``, ``b`` are
-    the iteration's other operands (with ``split``, ``y`` receives the results, and the
-    products run on the split's own stacks)."""
+    """The matrices of one 2-D shape, their buffers at byte ``at`` of their device's
+    workspace: ``x`` holds them stacked, ``y``, ``a``, ``b`` are the iteration's other
+    operands (with ``split``, ``y`` receives the results, and the products run on the
+    split's own stacks). The tensors are views of the workspace during a step
+    (``bind``), None between steps."""
 
-    x: torch.Tensor  # bf16 [n, rows, cols]
-    y: torch.Tensor  # bf16 [n, rows, cols]
-    a: torch.Tensor  # bf16 [n, k, k], k = min(rows, cols)
-    b: torch.Tensor  # bf16 [n, k, k]
-    tall: bool  # rows > cols: the products run on the transpose, as Muon's reference does
-    kernels: tuple = ()  # (gram, poly of the first iteration, poly of the others)
-    trace: torch.Tensor | None = None  # fp32 [n, ceil(k / BM)]: traces of A's diagonal tiles
+    n: int
+    rows: int
+    cols: int
+    kernels: tuple  # (gram, poly of the first iteration, poly of the others)
+    at: int  # byte offset of its buffers in the workspace
+    work: bool = True  # False: the products run on split.mine's buffers
     split: Split | None = None  # DTensor shards: the products divided between the ranks
+    x: torch.Tensor | None = None  # bf16 [n, rows, cols]
+    y: torch.Tensor | None = None  # bf16 [n, rows, cols]
+    a: torch.Tensor | None = None  # bf16 [n, k, k], k = min(rows, cols)
+    b: torch.Tensor | None = None  # bf16 [n, k, k]
+    trace: torch.Tensor | None = None  # fp32 [n, ceil(k / BM)]: traces of A's diagonal tiles
+
+    @property
+    def tall(self) -> bool:
+        """rows > cols: the products run on the transpose, as Muon's reference does."""
+        return self.rows > self.cols
+
+    @functools.cached_property
+    def layout(self) -> list[tuple]:
+        """(dtype, shape, bytes) of ``x, y, a, b, trace`` (``stack_layout``)."""
+        bm = dict(self.kernels[0].source.constexprs)["BM"]
+        return stack_layout(self.n, self.rows, self.cols, bm, self.work)
+
+    @property
+    def end(self) -> int:
+        """The byte after its buffers in the workspace."""
+        return self.at + sum(nbytes for _, _, nbytes in self.layout)
+
+    def offset(self, which: str, j: int, row: int) -> int:
+        """Byte offset in the workspace of row ``row`` of matrix ``j`` of ``x`` or ``y``."""
+        first = self.at + (0 if which == "x" else self.layout[0][2])
+        return first + 2 * (j * self.rows + row) * self.cols
+
+    def bind(self, buffer: torch.Tensor) -> None:
+        """Point ``x, y, a, b, trace`` at their part of ``buffer`` (uint8, the workspace)."""
+        at, views = self.at, []
+        for dtype, shape, nbytes in self.layout:
+            size = dtype.itemsize * math.prod(shape)
+            views.append(buffer[at : at + size].view(dtype).view(shape))
+            at += nbytes
+        self.x, self.y, self.a, self.b, self.trace = views
+
+    def unbind(self) -> None:
+        self.x = self.y = self.a = self.b = self.trace = None
 
 
 @dataclass
@@ -89,6 +190,60 @@ class MatrixWork:
                 newton_schulz(sg, *self.args)
 
 
+def shape_groups(works: list[MatrixWork]) -> list[ShapeGroup]:
+    """Every stack of ``works`` with buffers in the workspace (a split's share too)."""
+    out = []
+    for w in works:
+        for sg in w.groups:
+            out += [sg] if sg.split is None else [sg, sg.split.mine]
+    return out
+
+
+def extent(works: list[MatrixWork], at: int = 0) -> int:
+    """The byte after the last buffer of ``works`` (``at`` when they have none)."""
+    return max([at, *(sg.end for sg in shape_groups(works))])
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Workspace:
+    """One device's matrix buffers: ``nbytes`` allocated when a step starts (``acquire``)
+    and freed when it ends (``release``). ``tables`` are (pointer table, its matrix
+    columns, their byte offsets into the workspace) of each launch group on the device,
+    rewritten by one device copy each when the buffer's address moved. Under CUDA-graph
+    capture the buffer is kept from then on (``persistent``): a graph replays fixed
+    addresses."""
+
+    def __init__(self, device, nbytes: int, groups: list[ShapeGroup], tables: list[tuple] = ()):
+        self.device, self.nbytes = torch.device(device), nbytes
+        self.groups, self.tables = groups, list(tables)
+        self.base = None  # the buffer's address the tables hold
+        self.buffer: torch.Tensor | None = None
+        self.persistent = False
+
+    def acquire(self) -> None:
+        if capturing(self.device):
+            self.persistent = True
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        base = self.buffer.data_ptr()
+        if base != self.base:
+            for ptrs, columns, offsets in self.tables:
+                ptrs.index_copy_(1, columns, offsets + base)
+            self.base = base
+        for sg in self.groups:
+            sg.bind(self.buffer)
+
+    def release(self) -> None:
+        for sg in self.groups:
+            sg.unbind()
+        if not self.persistent:
+            self.buffer = None
+
+
 def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps: float) -> None:
     """Muon's quintic iteration on every matrix of ``sg`` at once: ``X /= ||X||_F + eps``,
     then ``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` (``X^T X`` and
@@ -115,9 +270,14 @@ def newton_schulz(sg: ShapeGroup, steps: int, a: float, b: float, c: float, eps:
     count("launches", steps)  # the kernels count their own
 
 
+def matrix_tiles(device):
+    """The matrix kernels' tiles on ``device``."""
+    return GPU_MATRIX_TILES if torch.device(device).type == "cuda" else INTERPRETER_MATRIX_TILES
+
+
 def matrix_kernels(device, rows: int, cols: int) -> tuple:
     """(gram, first poly, poly) kernels for ``[rows, cols]`` matrices on ``device``."""
-    tiles = GPU_MATRIX_TILES if torch.device(device).type == "cuda" else INTERPRETER_MATRIX_TILES
+    tiles = matrix_tiles(device)
     m, k = min(rows, cols), max(rows, cols)
     # the products of A = X X^T are [m, m] by [m, m]: only m need fit the tiles
     even, even_square = tiles.even(m, k), tiles.even(m, m)
@@ -128,43 +288,44 @@ def matrix_kernels(device, rows: int, cols: int) -> tuple:
     )
 
 
-def stack(n: int, rows: int, cols: int, device, kernels: tuple, work: bool = True) -> ShapeGroup:
-    """Buffers of ``n`` matrices ``[rows, cols]``; ``work=False``: without the products'
-    own operands (a stack whose products run on a ``Split``'s)."""
-    k, n_work = min(rows, cols), n if work else 0
-    kw = dict(dtype=torch.bfloat16, device=device)
-    bm = dict(kernels[0].source.constexprs)["BM"]
-    return ShapeGroup(
-        torch.zeros(n, rows, cols, **kw),
-        torch.zeros(n, rows, cols, **kw),
-        torch.empty(n_work, k, k, **kw),
-        torch.empty(n_work, k, k, **kw),
-        rows > cols,
-        kernels,
-        torch.empty(n_work, -(-k // bm), dtype=torch.float32, device=device),
-    )
+def plan_slices(shapes: list[list[tuple[int, int]]], budget: int | None, device) -> list[list[int]]:
+    """Slices of a launch group's tensors, ``shapes[i]`` the (rows, cols) of tensor ``i``'s
+    matrices: each slice's stacks take at most ``budget`` bytes of workspace, or one tensor
+    alone where that tensor's take more. Tensors of one shape go together, so each slice
+    batches as many of a shape as fit. One slice, in the tensors' order, where all fit."""
+    bm = matrix_tiles(device).bm
+
+    def add(i: int, counts: dict) -> int:
+        """Bytes tensor ``i`` adds to a slice whose stacks hold ``counts`` (updated)."""
+        more = 0
+        for shape in shapes[i]:
+            n = counts.get(shape, 0)
+            more += stack_bytes(n + 1, *shape, bm) - stack_bytes(n, *shape, bm)
+            counts[shape] = n + 1
+        return more
+
+    slices, counts, used = [[]], {}, 0
+    for i in sorted(range(len(shapes)), key=lambda i: shapes[i][:1]):
+        trial = dict(counts)
+        more = add(i, trial)
+        if budget is not None and slices[-1] and used + more > budget:
+            slices.append([])
+            trial, used = {}, 0
+            more = add(i, trial)
+        slices[-1].append(i)
+        counts, used = trial, used + more
+    return slices if len(slices) > 1 else [list(range(len(shapes)))]
 
 
-def split_stack(group, spans: list[tuple[int, int]], rows: int, cols: int, device, kernels) -> ShapeGroup:
-    """The stack of row-sharded matrices whose rows ``spans`` this rank holds, padded to a
-    multiple of the shard group's size, with its ``Split``."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    n = -(-len(spans) // world) * world
-    sg = stack(n, rows, cols, device, kernels, work=False)
-    others = torch.ones(n, rows, 1, dtype=torch.bool)
-    for j, (first, end) in enumerate(spans):
-        others[j, first:end] = False
-    sg.split = Split(group, others.to(device), stack(n // world, rows, cols, device, kernels))
-    return sg
-
-
-def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[MatrixWork], list[dict]]:
-    """Buffers for each matrix function of a launch group whose tensors have ``shapes``
-    (of the whole tensors); ``shards[i]``, for a row-sharded DTensor, is (shard process
-    group, this rank's rows [first, end) of its 2-D view), else ``None``. Returns the work
-    of each function, and per tensor the tensors its ``in`` and ``out`` slots point at."""
+def build_matrices(
+    reductions, shapes: list, device, shards=None, at: int = 0
+) -> tuple[list[MatrixWork], list[dict]]:
+    """The stacks of each matrix function of a launch group whose tensors have ``shapes``
+    (of the whole tensors), laid out in the workspace from byte ``at`` (``extent`` gives
+    the end); ``shards[i]``, for a row-sharded DTensor, is (shard process group, this
+    rank's rows [first, end) of its 2-D view), else ``None``. Returns the work of each
+    function, and per tensor the byte offsets in the workspace of what its ``in`` and
+    ``out`` slots point at."""
     works, slots = [], [{} for _ in shapes]
     shards = shards or [None] * len(shapes)
     for index, r in enumerate(reductions):
@@ -179,15 +340,32 @@ def build_matrices(reductions, shapes: list, device, shards=None) -> tuple[list[
             kernels = matrix_kernels(device, rows, cols)
             spans = [(0, rows) if shards[i] is None else shards[i][1] for i in members]
             if group is None:
-                sg = stack(len(members), rows, cols, device, kernels)
-                result = sg.x if r.args[0] % 2 == 0 else sg.y
+                sg = ShapeGroup(len(members), rows, cols, kernels, at)
+                result = "x" if r.args[0] % 2 == 0 else "y"
             else:
-                sg = split_stack(group, spans, rows, cols, device, kernels)
-                result = sg.y
-            for j, (i, (first, end)) in enumerate(zip(members, spans)):
+                sg = split_stack(group, spans, rows, cols, device, kernels, at)
+                result = "y"
+            at = extent([MatrixWork(index, r.phase, [sg], r.args)], at)
+            for j, (i, (first, _)) in enumerate(zip(members, spans)):
                 # this rank's rows (all of them for a whole tensor)
-                slots[i][matrix_slot(index, "in")] = sg.x[j, first:end]
-                slots[i][matrix_slot(index, "out")] = result[j, first:end]
+                slots[i][matrix_slot(index, "in")] = sg.offset("x", j, first)
+                slots[i][matrix_slot(index, "out")] = sg.offset(result, j, first)
             groups.append(sg)
         works.append(MatrixWork(index, r.phase, groups, r.args))
     return works, slots
+
+
+def split_stack(group, spans: list[tuple[int, int]], rows, cols, device, kernels, at: int) -> ShapeGroup:
+    """The stack of row-sharded matrices whose rows ``spans`` this rank holds, padded to a
+    multiple of the shard group's size, with its ``Split``, at byte ``at`` of the
+    workspace (its share's stack after it)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    n = -(-len(spans) // world) * world
+    sg = ShapeGroup(n, rows, cols, kernels, at, work=False)
+    others = torch.ones(n, rows, 1, dtype=torch.bool)
+    for j, (first, end) in enumerate(spans):
+        others[j, first:end] = False
+    sg.split = Split(group, others.to(device), ShapeGroup(n // world, rows, cols, kernels, sg.end))
+    return sg
