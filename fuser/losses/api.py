@@ -24,7 +24,9 @@ from fuser.codegen.loss_matmul import (
 )
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
+from fuser.losses import tokens
 from fuser.losses.checks import check_tensors, live_rows
+from fuser.rules.loss import is_token_rule
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.choice import (
     SCALED_DTYPES,
@@ -130,7 +132,10 @@ class CompiledLoss:
         self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
 
     def kernel_source(self, dtype: str = "bf16") -> KernelSource:
-        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
+        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``); a
+        token rule's takes fp32 logits whatever the inputs' dtype (``token_source``)."""
+        if is_token_rule(self.rule):
+            dtype = "fp32"
         if dtype not in self._sources:
             self._sources[dtype] = render_loss(
                 lower_loss(self.rule, dtype), block=self.block, num_warps=self.num_warps
@@ -323,12 +328,17 @@ class CompiledLoss:
         bias: torch.Tensor | None = None,
         *,
         ignore_index: int = -100,
-        reduction: str = "mean",
+        reduction: str | None = None,
         accumulate_into: str | None = None,
         process_group=None,
         memory: str = "auto",
         **hyper_overrides,
     ) -> torch.Tensor:
+        token = is_token_rule(self.rule)
+        if token:
+            inputs, hyper_overrides = tokens.split_keywords(self.rule, hyper_overrides)
+            tokens.check_options(self.rule, self.schedule, memory, process_group, reduction)
+        reduction = "mean" if reduction is None else reduction
         dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
         if memory not in MEMORY:
             raise ValueError(f"memory must be one of {MEMORY}, not {memory!r}")
@@ -353,12 +363,40 @@ class CompiledLoss:
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
+        if token:
+            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, main_grad, want_grad)
         out = self._run_call(
             call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
         )
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
+
+    def token_source(self) -> KernelSource:
+        """A token rule's row kernel: fp32 logits whatever the inputs' dtype (the logits of
+        its calls accumulate and stay in fp32)."""
+        return self.kernel_source("fp32")
+
+    def _token_call(self, call: _Call, x, weight, bias, y, inputs, target, reduction, main_grad, want_grad):
+        """A token rule's call (``fuser.losses.tokens``): its outputs as a tuple of fp32
+        tensors of ``target``'s shape, or, for a rule whose one output is ``loss``, that
+        loss reduced by ``reduction``."""
+        rows = tokens.input_rows(self.rule, inputs, target, call.device)
+
+        def count_rows(flat):
+            return live_rows(flat, call.ignore_index, call.vocab, target.shape)
+
+        main_grad = main_grad and weight.requires_grad
+        outs, count = tokens.run_token_rule(
+            self, call, x, weight, bias, y, rows, target.shape,
+            main_grad=main_grad, want_grad=want_grad, count_rows=count_rows,
+        )  # fmt: skip
+        if tuple(n for n, _ in self.rule.outputs) != ("loss",):
+            return outs
+        (loss,) = outs
+        if reduction == "mean":
+            return loss.sum() / max(count, 1)
+        return loss.sum() if reduction == "sum" else loss
 
     def _run_call(
         self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group, shape
@@ -604,8 +642,11 @@ def kernel_sources(
     (``weight_grad_sources``), and last those that scale a forward's gradients by
     ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
     call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
-    the residue's and the gradients' scaling."""
+    the residue's and the gradients' scaling. A token rule (per-token inputs, several
+    outputs) launches one kernel, the row kernel for fp32 logits, whatever ``dtype``."""
     f = CompiledLoss(rule, **options)
+    if is_token_rule(rule):  # (the one kernel of a token rule, fp32 logits for every dtype)
+        return [f.token_source()]
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]
