@@ -1,4 +1,4 @@
-"""Token rules (per-token inputs, several per-token outputs), against
+"""Token rules (per-token inputs, several per-token outputs) and ``token_logprobs``, against
 float64 torch autograd on the materialised logits, written without fuser's IR.
 
 Shapes are odd and cross the kernels' blocks (``block=16`` for compiled rules; the built-in's
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fuser
+import fuser.losses
 from fuser.codegen.loss import render_loss
 from fuser.ir.loss import lower_loss
 
@@ -55,6 +56,40 @@ def check_signs(logp, entropy=None):
     if entropy is not None:
         assert entropy.dtype == torch.float32 and not entropy.isnan().any()
         assert (entropy >= 0).all(), entropy.min()
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_logp_entropy_and_gradients_with_two_upstream_gradients(softcap):
+    """Both outputs of ``token_logprobs(entropy=True)`` at a temperature (and a soft cap),
+    with different non-uniform upstream gradients on each: values and the hidden and weight
+    gradients within fp32's error of float64 autograd."""
+    hidden, weight, target = draw()
+    x, w = leaves_of(hidden, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, temperature=0.7, entropy=True, softcap=softcap)
+    check_signs(logp, ent)
+    g1, g2 = torch.randn(T), torch.rand(T) + 0.5
+    (logp * g1 + ent * g2).sum().backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target, temperature=0.7, softcap=softcap)
+    (rlogp * g1.double() + rent * g2.double()).sum().backward()
+    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    assert (logp[target == IGNORE] == 0).all() and (ent[target == IGNORE] == 0).all()
+    assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
+    assert (x.grad[target == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("used", ["logp", "entropy"])
+def test_an_unused_output_takes_no_gradient(used):
+    """A loss of one output: autograd gives the other none, and the gradients are that
+    output's alone."""
+    hidden, weight, target = draw()
+    x, w = leaves_of(hidden, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True)
+    check_signs(logp, ent)
+    g = torch.randn(T)
+    ((logp if used == "logp" else ent) * g).sum().backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target)
+    ((rlogp if used == "logp" else rent) * g.double()).sum().backward()
+    assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
 
 
 GRPO = """
@@ -124,6 +159,91 @@ def test_traced_function_with_inputs_and_two_outputs():
     assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
 
 
+def test_all_negative_logits():
+    """Positive hidden states and negative weights: every logit is below 0."""
+    hidden, weight, target = draw()
+    hidden, weight = hidden.abs() + 0.1, -(weight.abs() + 0.05)
+    assert (hidden @ weight.T).max() < 0
+    x, w = leaves_of(hidden, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True)
+    check_signs(logp, ent)
+    g1, g2 = torch.randn(T), torch.randn(T)
+    (logp * g1 + ent * g2).sum().backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target)
+    (rlogp * g1.double() + rent * g2.double()).sum().backward()
+    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
+
+
+def test_confident_tokens_stay_at_or_below_zero():
+    """Targets that hold all but under 1e-6 of the probability: log p near 0 and never
+    above, entropy near 0 and never below, no NaN in values or gradients."""
+    hidden, weight, _ = draw(ignore=False, t=40)
+    z = (hidden.double() @ weight.double().T).sort(-1).values
+    margin = z[:, -1] - z[:, -2]
+    hidden = hidden[margin > 0.5][:T]  # (rows whose top two logits are apart)
+    target = (hidden @ weight.T).argmax(-1)
+    # each row scaled so that the target leads the others by 16 to 19 nats
+    x_big = hidden * ((16 + 3 * torch.rand(T)) / margin[margin > 0.5][:T]).float()[:, None]
+    (_, _), rlogp, rent = reference(x_big, weight, target)
+    assert (rlogp > -1e-6).all() and (rlogp < -1e-12).all(), rlogp
+    x, w = leaves_of(x_big, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True)
+    check_signs(logp, ent)
+    assert (logp - rlogp).abs().max() < 1e-6 and (ent - rent).abs().max() < 1e-5
+    (logp.sum() + ent.sum()).backward()
+    assert x.grad.isfinite().all() and w.grad.isfinite().all()
+
+
+def test_every_token_ignored():
+    """Zeros in both outputs, zero gradients."""
+    hidden, weight, target = draw()
+    target[:] = IGNORE
+    x, w = leaves_of(hidden, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True)
+    assert logp.shape == ent.shape == (T,) and (logp == 0).all() and (ent == 0).all()
+    (logp.sum() + ent.sum()).backward()
+    assert (x.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_bf16_inputs_keep_fp32_logits():
+    """bf16 hidden and weight: the log-probs are within fp32's error of float64 on the same
+    bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within bf16's."""
+    hidden, weight, target = draw(torch.bfloat16, scale=3.0)
+    x, w = leaves_of(hidden, weight)
+    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True, temperature=0.8)
+    check_signs(logp, ent)
+    (logp.sum() + ent.sum()).backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target, temperature=0.8)
+    (rlogp.sum() + rent.sum()).backward()
+    assert logp.dtype == torch.float32
+    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert rel(x.grad, rx.grad) < 2e-2 and rel(w.grad, rw.grad) < 2e-2
+
+
+def test_logp_alone_and_its_shape():
+    """``entropy=False`` returns one tensor of target's shape ([B, S] here)."""
+    hidden, weight, target = draw(ignore=False, t=6)
+    logp = fuser.losses.token_logprobs(hidden.reshape(2, 3, H), weight, target.reshape(2, 3))
+    _, rlogp, _ = reference(hidden, weight, target)
+    assert logp.shape == (2, 3)
+    check_signs(logp)
+    assert rel(logp.reshape(-1), rlogp) < FP32
+
+
+def test_main_grad_receives_the_weight_gradient():
+    hidden, weight, target = draw()
+    x, w = leaves_of(hidden, weight)
+    w.main_grad = torch.full(w.shape, 0.5)
+    rule = fuser.losses.TOKEN_LOGPROBS_ENTROPY
+    logp, ent = fuser.compile(rule, block=16)(x, w, target, accumulate_into="main_grad")
+    (logp.sum() - 0.3 * ent.sum()).backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target)
+    (rlogp.sum() - 0.3 * rent.sum()).backward()
+    assert w.grad is None and rel(w.main_grad - 0.5, rw.grad) < FP32
+
+
 @pytest.mark.parametrize(
     "text, options, line, col, message",
     [
@@ -141,6 +261,34 @@ def test_rule_errors(text, options, line, col, message):
     with pytest.raises(fuser.RuleError, match=message) as e:
         fuser.loss(text, **options)
     assert e.value.line == line and e.value.col == col
+
+
+def test_call_errors_name_what_to_fix():
+    rule = fuser.loss("loss = (logsumexp(z) - z[y]) * adv", inputs=("adv",), name="weighted_ce")
+    f = fuser.compile(rule, block=16)
+    hidden, weight, target = draw()
+    adv = torch.rand(T)
+    with pytest.raises(TypeError, match=r"missing the per-token input\(s\) \['adv'\]"):
+        f(hidden, weight, target)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['other'\]"):
+        f(hidden, weight, target, adv=adv, other=adv)
+    with pytest.raises(ValueError, match=r"target's shape \[7\]"):
+        f(hidden, weight, target, adv=torch.rand(T + 1))
+    with pytest.raises(TypeError, match="must be a float tensor"):
+        f(hidden, weight, target, adv=torch.ones(T, dtype=torch.int64))
+    with pytest.raises(ValueError, match="memory='auto' or 'fast'"):
+        f(hidden, weight, target, adv=adv, memory="lean")
+    with pytest.raises(NotImplementedError, match="process_group"):
+        f(hidden, weight, target, adv=adv, process_group=object())
+    with pytest.raises(ValueError, match="schedule='auto' or 'chunks'"):
+        fuser.compile(rule, schedule="fused")(hidden, weight, target, adv=adv)
+    two = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
+    with pytest.raises(ValueError, match="take no reduction"):
+        two(hidden, weight, target, reduction="mean")
+    with pytest.raises(NotImplementedError, match="process_group"):
+        fuser.losses.token_logprobs(hidden, weight, target, process_group=object())
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        fuser.losses.token_logprobs(hidden, weight, target, temperature=0.0)
 
 
 def test_token_kernel_renders_identically_and_names_its_rows():
