@@ -301,3 +301,57 @@ def test_token_kernel_renders_identically_and_names_its_rows():
     assert a.text == b.text
     assert "fp32 [4, token_stride]: old, adv, mask, d loss" in a.text
     assert ("inputs", "*fp32") in a.signature
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "post_training.py"
+    spec = importlib.util.spec_from_file_location("post_training_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_grpo_loss_matches_float64():
+    """examples/post_training.py's GRPO loss (clipped ratio with epsilon_low/high, k3 KL to
+    reference log-probs, entropy bonus, DAPO's token-level mean) and its gradients against
+    the same objective on float64 logits (TRL's per-token formulas)."""
+    grpo_loss = _example().grpo_loss
+    B, S = 3, 5
+    hidden = torch.randn(B, S, H)
+    weight = torch.randn(V, H) / H**0.5 * 1.5
+    completion = torch.randint(0, V, (B, S))
+    mask = (torch.rand(B, S) > 0.25).float()
+    advantages = torch.randn(B)
+    old = (torch.randn(B, S) * 0.3 - 3.5).clamp(max=-0.01)
+    ref = (torch.randn(B, S) * 0.3 - 3.5).clamp(max=-0.01)
+    x, w = leaves_of(hidden, weight)
+    loss = grpo_loss(
+        x, w, completion, mask, advantages, old, ref, beta=0.1, entropy_coef=0.05, temperature=0.9
+    )
+    loss.backward()
+
+    rx, rw = leaves_of(hidden.double(), weight.double())
+    logsm = torch.log_softmax(rx @ rw.T / 0.9, dim=-1)
+    logp = logsm.gather(-1, completion[..., None])[..., 0]
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    coef_1 = torch.exp(logp - old.double())
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    a = advantages.double()[:, None]
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    kl = torch.exp(ref.double() - logp) - (ref.double() - logp) - 1
+    per_token = per_token + 0.1 * kl - 0.05 * entropy
+    want = (per_token * mask.double()).sum() / mask.double().sum()
+    want.backward()
+    assert loss.dtype == torch.float32
+    scale = (per_token * mask.double()).abs().sum() / mask.double().sum()  # (the mean's terms)
+    assert abs(loss.item() - want.item()) < FP32 * scale.item()
+    assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
+
+
+def test_example_runs(capsys):
+    _example().main()
+    out = capsys.readouterr().out
+    assert out.count("GRPO loss") == 3 and "nan" not in out
