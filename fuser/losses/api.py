@@ -44,6 +44,7 @@ from fuser.runtime.loss.fused import Fused, TileSums
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
 from fuser.runtime.loss.staged import ShardedChunked, Staged
+from fuser.runtime.loss.tokens import ShardedTokens, TokenRun, token_chunk
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY = ("auto", "lean", "fast")
@@ -337,7 +338,7 @@ class CompiledLoss:
         token = is_token_rule(self.rule)
         if token:
             inputs, hyper_overrides = tokens.split_keywords(self.rule, hyper_overrides)
-            tokens.check_options(self.rule, self.schedule, memory, process_group, reduction)
+            tokens.check_options(self.rule, self.schedule, memory, reduction)
         reduction = "mean" if reduction is None else reduction
         dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
         if memory not in MEMORY:
@@ -364,7 +365,8 @@ class CompiledLoss:
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
         if token:
-            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, main_grad, want_grad)
+            keywords = dict(main_grad=main_grad, want_grad=want_grad, group=process_group)
+            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, **keywords)
         out = self._run_call(
             call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
         )
@@ -377,19 +379,37 @@ class CompiledLoss:
         its calls accumulate and stay in fp32)."""
         return self.kernel_source("fp32")
 
-    def _token_call(self, call: _Call, x, weight, bias, y, inputs, target, reduction, main_grad, want_grad):
+    def _token_call(
+        self, call: _Call, x, weight, bias, y, inputs, target, reduction, *, main_grad, want_grad, group
+    ):
         """A token rule's call (``fuser.losses.tokens``): its outputs as a tuple of fp32
         tensors of ``target``'s shape, or, for a rule whose one output is ``loss``, that
-        loss reduced by ``reduction``."""
+        loss reduced by ``reduction``; with ``group``, over this rank's vocabulary slice."""
         rows = tokens.input_rows(self.rule, inputs, target, call.device)
+        shards = None if group is None else self._vocab_slices(call, group)
+        slices = None if shards is None else shards[0]
 
         def count_rows(flat):
-            return live_rows(flat, call.ignore_index, call.vocab, target.shape)
+            vocab = call.vocab if slices is None else sum(slices)
+            return live_rows(flat, call.ignore_index, vocab, target.shape, slices)
+
+        def make_run(count: int):  # (the chunks of the global vocabulary's size: alike on every rank)
+            chunk = token_chunk(
+                count, call.hid, call.vocab if slices is None else sum(slices), self.chunk_size
+            )
+            if shards is None:
+                return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk)
+            sizes, rank = shards
+            sources, layout, zy_first = self.sharded_kernel_sources("fp32")
+            return ShardedTokens(
+                sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk, group,
+                sum(sizes[:rank]), sum(sizes),
+            )  # fmt: skip
 
         main_grad = main_grad and weight.requires_grad
         outs, count = tokens.run_token_rule(
-            self, call, x, weight, bias, y, rows, target.shape,
-            main_grad=main_grad, want_grad=want_grad, count_rows=count_rows,
+            self.rule, x, weight, bias, y, rows, target.shape,
+            main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
         )  # fmt: skip
         if tuple(n for n, _ in self.rule.outputs) != ("loss",):
             return outs
@@ -643,10 +663,11 @@ def kernel_sources(
     ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
     call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
     the residue's and the gradients' scaling. A token rule (per-token inputs, several
-    outputs) launches one kernel, the row kernel for fp32 logits, whatever ``dtype``."""
+    outputs) launches the row kernel and the staged sequence (``process_group=``) of its plan
+    for fp32 logits, whatever ``dtype``."""
     f = CompiledLoss(rule, **options)
-    if is_token_rule(rule):  # (the one kernel of a token rule, fp32 logits for every dtype)
-        return [f.token_source()]
+    if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
+        return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]

@@ -262,8 +262,9 @@ def token_logprobs(
     ``softmax(z / temperature)`` per token: ``(logp, entropy)``. Both are differentiable (a
     gradient for either, both or one of them), never hold the full logits, and come from
     logits accumulated and kept in fp32 whatever the inputs' dtype: ``logp <= 0`` and
-    ``entropy >= 0`` hold in fp32. ``process_group`` (vocabulary-parallel) is not supported
-    yet and raises ``NotImplementedError``; targets are checked as ``cross_entropy``'s are.
+    ``entropy >= 0`` hold in fp32. With ``process_group``, ``weight`` is this rank's slice of
+    the vocabulary (as ``cross_entropy`` takes it) and every rank gets every token's values;
+    targets are checked as ``cross_entropy``'s are.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, not {temperature}")

@@ -3,15 +3,15 @@ its argument checks, then ``fuser.runtime.loss.tokens.TokenLoss``.
 
 Such a rule runs in the ``chunks`` schedule with fp32 logits (``runtime.loss.tokens``);
 ``memory="auto"`` and ``"fast"`` pick it, as does the compile option ``schedule="auto"`` or
-``"chunks"``. The other schedules, ``memory="lean"`` and ``process_group=`` do not take
-such rules yet and say so before anything runs.
+``"chunks"``, with or without ``process_group=`` (``ShardedTokens``). The other schedules
+and ``memory="lean"`` do not take such rules yet and say so before anything runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fuser.runtime.loss.tokens import TokenLoss, TokenRun, token_chunk
+from fuser.runtime.loss.tokens import TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
 TOKEN_SCHEDULES = ("auto", "chunks")
@@ -31,7 +31,7 @@ def split_keywords(rule, keywords: dict) -> tuple[dict, dict]:
     return inputs, keywords
 
 
-def check_options(rule, schedule: str, memory: str, process_group, reduction) -> None:
+def check_options(rule, schedule: str, memory: str, reduction) -> None:
     """Raise for an option a token rule's call does not take (nothing has run)."""
     if schedule not in TOKEN_SCHEDULES:
         raise ValueError(
@@ -42,11 +42,6 @@ def check_options(rule, schedule: str, memory: str, process_group, reduction) ->
         raise ValueError(
             f"{rule.name} reads per-token inputs or returns several outputs, which memory={memory!r} "
             "does not run yet: memory='auto' or 'fast' run it in the chunks schedule (fp32 logits)"
-        )
-    if process_group is not None:
-        raise NotImplementedError(
-            f"{rule.name}: a vocabulary-parallel call (process_group=) of a rule with per-token inputs "
-            "or several outputs is not supported yet; call it on the full vocabulary"
         )
     outputs = tuple(n for n, _ in rule.outputs)
     if outputs != ("loss",) and reduction not in (None, "none"):
@@ -78,26 +73,25 @@ def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -
     return torch.stack(rows)
 
 
-def run_token_rule(
-    f, call, x, weight, bias, y, inputs, shape, *, main_grad: bool, want_grad: bool, count_rows
-):
+def run_token_rule(rule, x, weight, bias, y, inputs, shape, *, main_grad, want_grad, count_rows, make_run):
     """The outputs of a token rule's call, fp32 of ``shape`` each (a tuple, in the rule's
-    order): rows whose target is ``ignore_index`` are left out of the kernels (``count_rows``
-    finds them, once per call, and checks the other targets) and get 0 in every output."""
+    order), and the count of targets not ignored: rows whose target is ``ignore_index`` are
+    left out of the kernels (``count_rows`` finds them, once per call, and checks the other
+    targets) and get 0 in every output. ``make_run(count)``: the run for ``count`` rows."""
     n = y.shape[0]
     idx, count = count_rows(y)
     if idx is not None:
         x, y, inputs = x.index_select(0, idx), y.index_select(0, idx), inputs.index_select(1, idx)
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    k = len(f.rule.outputs)
+    k = len(rule.outputs)
     if count == 0:  # (every target ignored: zeros that still reach the inputs in backward)
         zero = (x.sum() * 0 + weight.sum() * 0).float()
         outs = [zero.expand(0) for _ in range(k)]
     else:
-        chunk = token_chunk(count, call.hid, call.vocab, f.chunk_size)
-        run = TokenRun(f.token_source(), call.device, call.hyper, call.ignore_index, chunk)
-        outs = TokenLoss.apply(x, weight, bias, y, inputs.contiguous(), run, k, main_grad, want_grad)
+        outs = TokenLoss.apply(
+            x, weight, bias, y, inputs.contiguous(), make_run(count), k, main_grad, want_grad
+        )
     result = []
     for o in outs:
         if idx is not None or count == 0:

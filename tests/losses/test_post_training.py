@@ -278,15 +278,11 @@ def test_call_errors_name_what_to_fix():
         f(hidden, weight, target, adv=torch.ones(T, dtype=torch.int64))
     with pytest.raises(ValueError, match="memory='auto' or 'fast'"):
         f(hidden, weight, target, adv=adv, memory="lean")
-    with pytest.raises(NotImplementedError, match="process_group"):
-        f(hidden, weight, target, adv=adv, process_group=object())
     with pytest.raises(ValueError, match="schedule='auto' or 'chunks'"):
         fuser.compile(rule, schedule="fused")(hidden, weight, target, adv=adv)
     two = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
     with pytest.raises(ValueError, match="take no reduction"):
         two(hidden, weight, target, reduction="mean")
-    with pytest.raises(NotImplementedError, match="process_group"):
-        fuser.losses.token_logprobs(hidden, weight, target, process_group=object())
     with pytest.raises(ValueError, match="temperature must be positive"):
         fuser.losses.token_logprobs(hidden, weight, target, temperature=0.0)
 

@@ -9,6 +9,10 @@ chunk's logits and runs the same kernel with them as per-token inputs: it overwr
 row with ``d (sum_i dout_i * output_i) / d logits`` in fp32, which gives the chunk's
 ``grad_hidden`` rows and its share of the fp32 ``grad_weight`` (through the inputs' dtype
 for 16-bit inputs: the one rounding of the logit gradient, as the ``chunks`` schedule's).
+
+``ShardedTokens`` runs the same with ``weight`` a rank's slice of the vocabulary
+(``process_group=``): the staged kernels of the rule's fp32 plan, their per-token partials
+combined across the group between sweeps as ``ShardedChunked`` combines them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from fuser.runtime.loss.chunked import (
     main_grad_return,
     product_fp32,
 )
+from fuser.runtime.loss.staged import ShardedChunked
 
 
 class TokenRun:
@@ -51,26 +56,81 @@ class TokenRun:
         ones = torch.ones(1, dtype=torch.float32, device=x.device)
         flat_in = inputs.reshape(-1) if inputs.numel() else ones
         flat_out = out.reshape(-1)
-        wt = weight.t()
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
             xc, logits = x[s:e], buf[: e - s]
-            product_fp32(logits, xc, wt)
-            if bias is not None:
-                logits.add_(bias.float())
+            _fp32_logits(logits, xc, weight, bias)
             self.kernel(
                 (e - s,), logits, logits.stride(0), target[s:e], flat_out[s:], ones, ones, 0, self.hyper,
                 vocab, self.ignore_index, int(grad), flat_in[s:] if inputs.numel() else ones, n_tokens,
             )  # fmt: skip
-            if not grad:
-                continue
-            dl = logits if x.dtype == torch.float32 else logits.to(x.dtype)
-            if gx is not None:
-                torch.mm(dl, weight, out=gx[s:e])
-            if gw is not None:
-                accumulate_weight_grad(gw, dl, xc)
-            if gb is not None:
-                gb.add_(logits.sum(0))
+            if grad:
+                _chunk_grads(logits, xc, weight, gx[s:e] if gx is not None else None, gw, gb)
+
+
+def _fp32_logits(logits, xc, weight, bias) -> None:
+    """``logits = xc @ weight.T (+ bias)`` in fp32, from products accumulated in fp32."""
+    product_fp32(logits, xc, weight.t())
+    if bias is not None:
+        logits.add_(bias.float())
+
+
+def _chunk_grads(logits, xc, weight, gx, gw, gb) -> None:
+    """A chunk's shares of the gradients from its fp32 logit gradient ``logits`` (rounded
+    once to the inputs' dtype for the products where that is 16-bit)."""
+    dl = logits if xc.dtype == torch.float32 else logits.to(xc.dtype)
+    if gx is not None:
+        torch.mm(dl, weight, out=gx)
+    if gw is not None:
+        accumulate_weight_grad(gw, dl, xc)
+    if gb is not None:
+        gb.add_(logits.sum(0))
+
+
+class _WithInputs:
+    """A staged kernel of a token rule called as ``ShardedChunked`` calls its kernels: the
+    per-token inputs and their stride go in after ``compute_grad``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.inputs, self.stride = kernel, None, 0
+
+    def __call__(self, grid, *args):
+        return self.kernel(grid, *args[:11], self.inputs, self.stride, *args[11:])
+
+
+class ShardedTokens(ShardedChunked):
+    """``TokenRun``'s contract over this rank's vocabulary slice (``ShardedChunked``'s
+    arguments; ``sources``: the staged kernels of the rule's fp32 plan): every rank gets
+    every output; ``gx`` is summed across the group, ``gw`` and ``gb`` stay this rank's."""
+
+    def __init__(
+        self, sources, layout, zy_first, device, hyper, ignore_index, chunk, group, col_offset, total
+    ):
+        super().__init__(
+            sources, layout, zy_first, device, hyper, ignore_index, chunk, group, col_offset, total
+        )
+        self.kernels = [_WithInputs(k) for k in self.kernels]
+
+    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None) -> None:
+        n_tokens, vocab = x.shape[0], weight.shape[0]
+        grad = gx is not None or gw is not None or gb is not None
+        buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+        red, parts = self._buffers(min(self.chunk, n_tokens), x.device)
+        ones = torch.ones(1, dtype=torch.float32, device=x.device)
+        flat_in, flat_out = (inputs.reshape(-1) if inputs.numel() else ones), out.reshape(-1)
+        for s in range(0, n_tokens, self.chunk):  # (every rank runs the same chunks)
+            e = min(s + self.chunk, n_tokens)
+            xc, logits, r = x[s:e], buf[: e - s], red[: e - s]
+            for k in self.kernels:
+                k.inputs, k.stride = (flat_in[s:] if inputs.numel() else ones), n_tokens
+            _fp32_logits(logits, xc, weight, bias)
+            self._reduce(logits, target[s:e], flat_out[s:], r, parts)
+            if grad:
+                total = self._total(vocab)
+                self._differentiate(logits, target[s:e], flat_out[s:], r, ones, self.col_offset, total, None)
+                _chunk_grads(logits, xc, weight, gx[s:e] if gx is not None else None, gw, gb)
+        if gx is not None:
+            self._all_reduce(gx)
 
 
 class TokenLoss(torch.autograd.Function):
