@@ -11,7 +11,18 @@ import torch
 import fuser
 import fuser.losses
 from fuser.codegen.loss import render_loss
+from fuser.explainer import explanation
 from fuser.ir.loss import lower_loss
+from fuser.runtime.loss import tokens
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output buffer starts as NaN: an element a kernel leaves unwritten fails."""
+    monkeypatch.setattr(
+        tokens, "new_outputs", lambda k, n, device: torch.full((k, n), float("nan"), device=device)
+    )
+
 
 T, H, V = 7, 13, 37
 IGNORE = -100
@@ -285,6 +296,18 @@ def test_call_errors_name_what_to_fix():
         two(hidden, weight, target, reduction="mean")
     with pytest.raises(ValueError, match="temperature must be positive"):
         fuser.losses.token_logprobs(hidden, weight, target, temperature=0.0)
+
+
+def test_explain_shows_inputs_outputs_and_fp32_logits():
+    rule = fuser.loss(
+        GRPO, name="grpo_test", hyper=dict(eps=0.2, temperature=1.0), inputs=("old", "adv", "mask")
+    )
+    text = explanation(rule, "bf16")
+    assert "bf16 hidden states, weight and fp32 logits" in text
+    assert "per-token inputs: old, adv, mask" in text and "each chunk's logits: fp32" in text
+    two = explanation(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
+    assert "the per-token outputs, in the order a call returns them" in two
+    assert "     logp = " in two and "     entropy = " in two
 
 
 def test_token_kernel_renders_identically_and_names_its_rows():

@@ -133,6 +133,12 @@ class ShardedTokens(ShardedChunked):
             self._all_reduce(gx)
 
 
+def new_outputs(k: int, n: int, device) -> torch.Tensor:
+    """The fp32 ``[k, n]`` buffer a forward's kernels write every output of every row into
+    (uninitialised: tests fill it with NaN to see that each element is written)."""
+    return torch.empty(k, n, dtype=torch.float32, device=device)
+
+
 class TokenLoss(torch.autograd.Function):
     """A token rule's outputs of ``x @ W.T + b`` per token, each differentiable with respect
     to ``x``, ``W`` and ``b``; ``inputs`` (fp32 ``[m, T]``) take no gradient. Returns the
@@ -142,7 +148,7 @@ class TokenLoss(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, target, inputs, run: TokenRun, k: int, main_grad: bool, want_grad: bool
     ):
-        out = torch.empty(k, x.shape[0], dtype=torch.float32, device=x.device)
+        out = new_outputs(k, x.shape[0], x.device)
         run.run(x, weight, bias, target, inputs, out)
         ctx.run, ctx.main_grad, ctx.k = run, main_grad, k
         if want_grad:
