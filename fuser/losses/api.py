@@ -58,8 +58,11 @@ class CompiledLoss:
 
     ``hidden`` is ``[T, H]`` or ``[B, S, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]``, all of
     one dtype (fp32, bf16 or fp16); ``target`` holds class indices in ``hidden``'s leading
-    shape. ``reduction``: ``"mean"`` over targets other than ``ignore_index`` (0 when all are
-    ignored), ``"sum"``, or ``"none"`` (one loss per token, 0 where ignored). With
+    shape. ``reduction`` (``None`` is ``"mean"``): ``"mean"`` over targets other than
+    ``ignore_index`` (0 when all are ignored), ``"sum"``, or ``"none"`` (one loss per token,
+    0 where ignored). A rule with per-token inputs takes each by keyword, a tensor of
+    ``target``'s shape; one with outputs other than ``("loss",)`` returns a tuple of them,
+    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
     (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
     inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return

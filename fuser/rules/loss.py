@@ -1,7 +1,8 @@
 """``fuser.loss``: rule text or a traced function -> a checked ``Rule`` of kind ``"loss"``.
 
 A loss rule reads ``z`` (one raw logit), ``z[y]`` (the logit at the target), its
-hyperparameters and vocabulary reductions, and assigns ``loss``, the per-token loss.
+hyperparameters, its per-token inputs (``inputs=``) and vocabulary reductions, and assigns
+``loss``, the per-token loss, or each of its ``outputs=``.
 ``z`` may be reassigned by elementwise transforms; every later ``z`` and ``z[y]`` means
 the transformed value. In the sympy form, the symbol ``z`` always stands for the *raw*
 logit and ``z_y`` for the raw logit at the target, so derivatives with respect to them are

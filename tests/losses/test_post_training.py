@@ -274,6 +274,21 @@ def test_rule_errors(text, options, line, col, message):
     assert e.value.line == line and e.value.col == col
 
 
+def test_traced_function_errors():
+    def two(z, y):
+        return dict(logp=z[y] - fuser.losses.logsumexp(z))
+
+    with pytest.raises(fuser.RuleError, match=r"returns dict\(logp=..., top=...\)"):
+        fuser.loss(two, outputs=("logp", "top"))
+
+    def reads(z, y, *, adv):
+        return adv * fuser.losses.logsumexp(z)
+
+    with pytest.raises(fuser.RuleError, match="neither a hyperparameter nor an input"):
+        fuser.loss(reads)
+    assert fuser.loss(reads, inputs=("adv",)).inputs == ("adv",)
+
+
 def test_call_errors_name_what_to_fix():
     rule = fuser.loss("loss = (logsumexp(z) - z[y]) * adv", inputs=("adv",), name="weighted_ce")
     f = fuser.compile(rule, block=16)
