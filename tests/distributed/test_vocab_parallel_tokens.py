@@ -1,7 +1,7 @@
 """Token rules vocabulary-parallel on CPU (2 gloo processes, uneven vocabulary slices):
 ``token_logprobs(entropy=True)`` and a rule with per-token inputs, a bias and a ``max``
 against the same call on the whole vocabulary in one process: every output, the gradient of
-``hidden`` and each rank's rows of the weight and bias gradients."""
+``hidden`` and each rank's rows of the weight and bias gradients, for fp32 and bf16 inputs."""
 
 from __future__ import annotations
 
@@ -64,15 +64,17 @@ def worker(rank, world, split):
         **small,
     )
     cases = [
-        ("token_logprobs", logprobs, dict(temperature=0.8), None),
-        ("weighted", weighted, dict(w=w_in, shift=0.3), bias),
+        ("token_logprobs", logprobs, dict(temperature=0.8), None, torch.float32),
+        ("weighted", weighted, dict(w=w_in, shift=0.3), bias, torch.float32),
+        # (bf16: each rank rounds its share of grad_hidden before the sum, so the gradients
+        # agree within bf16's rounding, the outputs within fp32's)
+        ("bf16 token_logprobs", logprobs, dict(), None, torch.bfloat16),
     ]
     errors = {}
-    for name, f, kw, b in cases:
-        ref = _call(f, hidden, weight, b, target, kw)
-        got = _call(
-            f, hidden, weight[lo:hi], b[lo:hi] if b is not None else None, target, kw, dist.group.WORLD
-        )
+    for name, f, kw, b, dtype in cases:
+        h, wt = hidden.to(dtype), weight.to(dtype)
+        ref = _call(f, h, wt, b, target, kw)
+        got = _call(f, h, wt[lo:hi], b[lo:hi] if b is not None else None, target, kw, dist.group.WORLD)
         for i, (o, r) in enumerate(zip(got[0], ref[0])):
             errors[f"{name}: output {i}"] = _error(o, r)
         errors[f"{name}: grad hidden"] = _error(got[1], ref[1])
@@ -85,5 +87,6 @@ def worker(rank, world, split):
 @pytest.mark.parametrize("split", SPLITS)
 def test_token_rules_vocab_parallel_match_one_process(split):
     for rank, errors in enumerate(run_ranks(worker, split, timeout=240)):
-        bad = {k: v for k, v in errors.items() if not v <= 2e-5}
+        bound = {k: 2e-2 if k.startswith("bf16") and "grad" in k else 2e-5 for k in errors}
+        bad = {k: v for k, v in errors.items() if not v <= bound[k]}
         assert not bad, f"rank {rank}: {bad}"

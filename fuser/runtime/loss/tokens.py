@@ -8,7 +8,8 @@ upstream gradient of each output (zero for one autograd gives none), recomputes 
 chunk's logits and runs the same kernel with them as per-token inputs: it overwrites the
 row with ``d (sum_i dout_i * output_i) / d logits`` in fp32, which gives the chunk's
 ``grad_hidden`` rows and its share of the fp32 ``grad_weight`` (through the inputs' dtype
-for 16-bit inputs: the one rounding of the logit gradient, as the ``chunks`` schedule's).
+for 16-bit inputs: the one rounding of the logit gradient, with the target column's
+residue added back in fp32, as the ``chunks`` schedule's).
 
 ``ShardedTokens`` runs the same with ``weight`` a rank's slice of the vocabulary
 (``process_group=``): the staged kernels of the rule's fp32 plan, their per-token partials
@@ -65,7 +66,7 @@ class TokenRun:
                 vocab, self.ignore_index, int(grad), flat_in[s:] if inputs.numel() else ones, n_tokens,
             )  # fmt: skip
             if grad:
-                _chunk_grads(logits, xc, weight, gx[s:e] if gx is not None else None, gw, gb)
+                _chunk_grads(logits, xc, weight, target[s:e], 0, gx[s:e] if gx is not None else None, gw, gb)
 
 
 def _fp32_logits(logits, xc, weight, bias) -> None:
@@ -75,14 +76,38 @@ def _fp32_logits(logits, xc, weight, bias) -> None:
         logits.add_(bias.float())
 
 
-def _chunk_grads(logits, xc, weight, gx, gw, gb) -> None:
-    """A chunk's shares of the gradients from its fp32 logit gradient ``logits`` (rounded
-    once to the inputs' dtype for the products where that is 16-bit)."""
-    dl = logits if xc.dtype == torch.float32 else logits.to(xc.dtype)
+def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> None:
+    """A chunk's shares of the gradients from its fp32 logit gradient ``logits`` (columns
+    ``[col_offset, ...)`` of the vocabulary). 16-bit inputs take it rounded once for the
+    products, and the target column's residue (its fp32 value less that rounding) in fp32:
+    into ``gx`` before its one rounding and into ``gw``'s target rows, as the cross-entropy
+    schedules add it (every token of one target would otherwise carry its rounding error
+    into the same row)."""
+    if xc.dtype == torch.float32:
+        if gx is not None:
+            torch.mm(logits, weight, out=gx)
+        if gw is not None:
+            accumulate_weight_grad(gw, logits, xc)
+        if gb is not None:
+            gb.add_(logits.sum(0))
+        return
+    dl = logits.to(xc.dtype)
+    yl = target - col_offset
+    mine = (yl >= 0) & (yl < logits.shape[1])
+    col = yl.clamp(0, max(logits.shape[1] - 1, 0))[:, None]
+    resid = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[1]:
+        resid = torch.where(mine, (logits.gather(1, col) - dl.gather(1, col).float())[:, 0], 0.0)
     if gx is not None:
-        torch.mm(dl, weight, out=gx)
+        block = torch.empty(gx.shape, dtype=torch.float32, device=gx.device)
+        product_fp32(block, dl, weight)
+        if logits.shape[1]:
+            block.addcmul_(resid[:, None], weight.index_select(0, col[:, 0]).float())
+        gx.copy_(block)
     if gw is not None:
         accumulate_weight_grad(gw, dl, xc)
+        if logits.shape[1]:
+            gw.index_add_(0, col[:, 0], resid[:, None] * xc.float())
     if gb is not None:
         gb.add_(logits.sum(0))
 
@@ -128,7 +153,8 @@ class ShardedTokens(ShardedChunked):
             if grad:
                 total = self._total(vocab)
                 self._differentiate(logits, target[s:e], flat_out[s:], r, ones, self.col_offset, total, None)
-                _chunk_grads(logits, xc, weight, gx[s:e] if gx is not None else None, gw, gb)
+                gxc = gx[s:e] if gx is not None else None
+                _chunk_grads(logits, xc, weight, target[s:e], self.col_offset, gxc, gw, gb)
         if gx is not None:
             self._all_reduce(gx)
 
