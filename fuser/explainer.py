@@ -67,8 +67,10 @@ def _statements(rule: Rule) -> list[str]:
     else:
         lines.append("traced from a Python function:")
         lines += ["  " + ln for ln in rule.text.splitlines()]
-    if rule.kind == "loss":
-        lines.append("the per-token loss, from the raw logits:")
+    if rule.kind == "loss" and len(rule.outputs) > 1:
+        lines.append("the per-token outputs, in the order a call returns them, from the raw logits:")
+    elif rule.kind == "loss":
+        lines.append(f"the per-token {rule.outputs[0][0]}, from the raw logits:")
     else:
         lines.append("outputs, each from the values before the step:")
     lines += [f"  {name} <- {_s(expr)}" for name, expr in rule.outputs]
@@ -258,6 +260,8 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     plan = lower_loss(rule, dtype)
+    if plan.token:  # (a token rule's logits are fp32 whatever the inputs' dtype)
+        plan = lower_loss(rule, "fp32")
     source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
     sections = [
         ("parsed statements", ["   " + ln for ln in _statements(rule)]),
@@ -271,9 +275,11 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
         ("kernel and cache key", _kernel(source)),
     ]
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
+    logits = " and fp32 logits" if plan.token else " and logits"
     out = [
-        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight and logits",
+        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight{logits}",
         f"hyperparameters (defaults): {hyper}",
+        *([f"per-token inputs: {', '.join(rule.inputs)}"] if rule.inputs else []),
         "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
         "column; r<i> are reductions over the row, vocab its length",
         "",
@@ -297,7 +303,11 @@ def _loss_plan(plan) -> list[str]:
     return [
         "   per token (fp32):",
         *(f"     {_s(sym)} = {_s(e)}" for sym, e in plan.epilogue),
-        f"     loss = {_s(plan.loss)}",
+        *(
+            (f"     {n} = {_s(e)}" for n, e in zip(plan.outputs, plan.values))
+            if plan.token
+            else [f"     loss = {_s(plan.loss)}"]
+        ),
         "   gradient sweep, per logit (fp32), written over the logits:",
         *(f"     {_s(sym)} = {_s(e)}" for sym, e in plan.grad.body),
         f"     dloss/dz = {_s(plan.grad_value)}",
@@ -305,6 +315,16 @@ def _loss_plan(plan) -> list[str]:
 
 
 def _loss_dtypes(plan, dtype: str) -> list[str]:
+    if plan.token:
+        return [
+            f"   hidden, weight and bias: {dtype}; each chunk's logits: fp32 (products accumulated in "
+            "fp32, never rounded); row math: fp32",
+            f"   logit gradient: fp32, rounded once to {dtype} for the products; weight gradient "
+            "accumulated in fp32",
+            f"   per-token inputs and upstream gradients (dout<i>): fp32 rows "
+            f"({', '.join([*plan.inputs, *(f'd {n}' for n in plan.outputs)])})",
+            f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})",
+        ]
     return [
         f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32",
         f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32",

@@ -44,11 +44,13 @@ def _kernel_name(sym: sympy.Symbol) -> str:
 
 class LossNames(dict):
     """Symbol -> kernel variable: rule inputs by fixed names, hyperparameters as ``h_<name>``,
-    fuser's own symbols (which carry a ``$``) by their name without it."""
+    a token rule's per-token inputs as ``in_<name>``, fuser's own symbols (which carry a
+    ``$``) by their name without it."""
 
-    def __init__(self, hyper: tuple[str, ...]):
+    def __init__(self, hyper: tuple[str, ...], inputs: tuple[str, ...] = ()):
         super().__init__({Z: "z", Z_Y: "z_y", VOCAB: "vocab", IS_Y: "is_y"})
         self.update({symbol(h): f"h_{h}" for h in hyper})
+        self.update({symbol(n): f"in_{n}" for n in inputs})
 
     def __missing__(self, sym):
         if isinstance(sym, sympy.Symbol) and "$" in sym.name:
@@ -197,6 +199,11 @@ def loss_entry(plan: LossPlan) -> str:
     return f"{plan.name}_loss_rows"
 
 
+# A token rule's kernels read its per-token inputs, then (when computing the gradient) the
+# upstream gradient of each output, as rows of one fp32 tensor, and write each output as a
+# row of ``loss``; both have rows ``token_stride`` elements apart.
+TOKEN_SIGNATURE_TAIL = (("inputs", "*fp32"), ("token_stride", "i64"))
+
 SHARDED_SIGNATURE_TAIL = (("red", "*fp32"), ("part", "*fp32"), ("col_offset", "i64"), ("vocab_total", "i64"))
 
 
@@ -284,6 +291,8 @@ def render_loss(
     context = _template_context(plan, stage)
     text = environment().get_template("loss_rows.py.jinja").render(entry=entry, **context)
     signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
+    if plan.token:
+        signature += TOKEN_SIGNATURE_TAIL
     if sharded:
         signature += SHARDED_SIGNATURE_TAIL
     return KernelSource(
@@ -319,7 +328,7 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
     sharded = stage is not None
     layout = shard_layout(plan) if sharded else None
     loads, stores = _shard_lines(plan, layout, stage) if sharded else ([], [])
-    printer = LossPrinter(LossNames(plan.hyper))
+    printer = LossPrinter(LossNames(plan.hyper, plan.inputs))
     grad_body = _grad_body(plan, printer)
     passes = plan.passes[stage : stage + 1] if sharded else plan.passes
     return dict(
@@ -332,13 +341,39 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         red_width=layout.red_width if sharded else 0,
         part_width=layout.part_widths[stage] if sharded and stage < len(plan.passes) else 0,
         epilogue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in plan.epilogue],
-        loss=printer.doprint_expr(plan.loss),
+        outputs=_output_lines(plan, printer),
+        output_names=", ".join(plan.outputs),
+        token=plan.token,
+        token_inputs=[*plan.inputs, *(f"d {n}" for n in plan.outputs)] if plan.token else [],
+        input_loads=_input_loads(plan) if plan.token else [],
         grad=dict(body=grad_body),
         grad_value=printer.doprint_expr(plan.grad_value),
         store=store_cast("dz", plan.dtype),
         residue=has_residue(plan),
         rounded=f"{store_cast('d_y', plan.dtype)}.to(tl.float32)",
     )
+
+
+def _output_lines(plan: LossPlan, printer) -> list[dict]:
+    """Each output's value and where its row of ``loss`` starts (one output: the loss)."""
+    if not plan.token:
+        return [dict(value=printer.doprint_expr(plan.loss), offset="")]
+    return [
+        dict(value=printer.doprint_expr(v), offset=f"{j} * token_stride + " if j else "")
+        for j, v in enumerate(plan.values)
+    ]
+
+
+def _input_loads(plan: LossPlan) -> list[str]:
+    """Loads of a token rule's per-token inputs, then of each output's upstream gradient
+    (rows after the inputs, present only when the launch computes the gradient)."""
+    lines = [f"in_{n} = tl.load(inputs + {j} * token_stride + row)" for j, n in enumerate(plan.inputs)]
+    m = len(plan.inputs)
+    lines += [
+        f"dout{i} = tl.load(inputs + {m + i} * token_stride + row, mask=compute_grad != 0, other=0.0)"
+        for i in range(len(plan.outputs))
+    ]
+    return lines
 
 
 def has_residue(plan: LossPlan) -> bool:

@@ -20,6 +20,11 @@ of vocabulary reductions ``R_i = op_k f_i(z_k; z_y, R_<i)``. Lowering:
 
 The target term ``[j == y] * adj(z_y)`` is part of the fp32 gradient expression, so the
 kernel adds it before rounding the logit gradient to the storage dtype.
+
+A *token* rule (per-token inputs, or outputs other than ``("loss",)``) lowers every output
+``O_i`` and the gradient of ``L' = sum_i dout_i * O_i``, where ``dout_i`` (``dout$<i>``) is
+the upstream gradient of output ``i``, one per-token input of the gradient sweep like the
+rule's own inputs: one derivation covers any mix of upstream gradients.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.rules.functions import LogSumExp, Max, Mean, Reduction, Sum
+from fuser.rules.loss import is_token_rule
 from fuser.rules.parse import symbol
 from fuser.rules.rule import ZY, Rule
 
@@ -46,6 +52,11 @@ IS_Y = sympy.Symbol("is_y$", real=True)
 
 def reduction_symbol(i: int) -> sympy.Symbol:
     return sympy.Symbol(f"r${i}", real=True)
+
+
+def upstream_symbol(i: int) -> sympy.Symbol:
+    """The upstream gradient of a token rule's output ``i`` (one number per token)."""
+    return sympy.Symbol(f"dout${i}", real=True)
 
 
 def argmax_indicator(i: int) -> sympy.Symbol:
@@ -87,6 +98,16 @@ class LossPlan:
     grad_value: sympy.Expr
     # The symbolic derivation, before CSE and hoisting, for `fuser show` and tests.
     derivation: tuple[tuple[str, sympy.Expr], ...]
+    # A token rule's per-token inputs, its outputs and each output's value (``loss`` is the
+    # first); its gradient is that of sum_i dout$i * output_i. Empty for other rules.
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ("loss",)
+    values: tuple[sympy.Expr, ...] = ()
+
+    @property
+    def token(self) -> bool:
+        """Whether this is a token rule's plan (see the module's docstring)."""
+        return bool(self.values)
 
     @property
     def reductions(self) -> tuple[Accumulator, ...]:
@@ -158,11 +179,19 @@ def _element_free(e: sympy.Expr) -> bool:
     return not any(s == Z or s == IS_Y or s.name.startswith("is_max$") for s in e.free_symbols)
 
 
+def objective(rule: Rule) -> sympy.Expr:
+    """What the gradient is taken of: the loss, or for a token rule
+    ``sum_i dout$i * output_i``."""
+    if not is_token_rule(rule):
+        return rule.output("loss")
+    return sympy.Add(*[upstream_symbol(i) * e for i, (_, e) in enumerate(rule.outputs)])
+
+
 def derive(rule: Rule) -> tuple[_Graph, sympy.Expr, sympy.Expr, dict[int, sympy.Expr], sympy.Expr]:
     """Reductions, the loss over them, ``dL/dz`` for one element, each reduction's adjoint
     and the target adjoint, all as sympy over the per-token and per-element symbols."""
     graph = _Graph()
-    loss = graph.lower(rule.output("loss"))
+    loss = graph.lower(objective(rule))
     primary = len(graph.nodes)
 
     # dR_m/dc for every reduction m and per-token scalar c it reads.
@@ -291,16 +320,22 @@ def lower_loss(rule: Rule, dtype: str = "fp32") -> LossPlan:
         accs = tuple(Accumulator(n.index, n.op, e) for n, e in zip(nodes, reduced))
         passes.append(Pass(prologue, body, accs))
 
-    # Per-token scalars after the reductions: the loss and the gradient's per-token parts.
+    # Per-token scalars after the reductions: the loss (a token rule's outputs) and the
+    # gradient's per-token parts.
+    token = is_token_rule(rule)
+    values = [graph.lower(e) for _, e in rule.outputs] if token else [loss]
     grad_hoist = _Hoister(counters["c"])
     grad_hoisted = grad_hoist(grad)
-    scalar_exprs = [loss] + [e for e, _ in grad_hoist.found.items()]
+    scalar_exprs = values + [e for e, _ in grad_hoist.found.items()]
     repl, reduced = sympy.cse(scalar_exprs, symbols=_numbered("e", counters["e"]), optimizations="basic")
-    epilogue = list(repl) + [(s, e) for (_, s), e in zip(grad_hoist.found.items(), reduced[1:])]
+    k = len(values)
+    epilogue = list(repl) + [(s, e) for (_, s), e in zip(grad_hoist.found.items(), reduced[k:])]
     g_repl, g_reduced = sympy.cse(
         [grad_hoisted], symbols=_numbered("t", counters["t"]), optimizations="basic"
     )
-    derivation = [("loss", loss), ("dloss/dz", grad), ("adj(z_y)", adj_y)]
+    derivation = [(n, v) for (n, _), v in zip(rule.outputs, values)] if token else [("loss", loss)]
+    derivation += [("sum_i dout_i * output_i", loss)] if token else []
+    derivation += [("dloss/dz", grad), ("adj(z_y)", adj_y)]
     derivation += [(f"adj(r{i})", a) for i, a in sorted(adj.items())]
     derivation += [(f"r{n.index} = {n.op}", n.arg) for n in graph.nodes]
     return LossPlan(
@@ -314,6 +349,9 @@ def lower_loss(rule: Rule, dtype: str = "fp32") -> LossPlan:
         grad=Pass((), tuple(g_repl), ()),
         grad_value=g_reduced[0],
         derivation=tuple(derivation),
+        inputs=rule.inputs,
+        outputs=tuple(n for n, _ in rule.outputs),
+        values=tuple(reduced[:k]) if token else (),
     )
 
 

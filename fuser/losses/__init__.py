@@ -25,8 +25,13 @@ from fuser.losses.builtins import (
     SOFTCAP_CROSS_ENTROPY_APPROX,
     SOFTCAP_CROSS_ENTROPY_UNSMOOTHED,
     SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX,
+    SOFTCAP_TOKEN_LOGPROBS,
+    SOFTCAP_TOKEN_LOGPROBS_ENTROPY,
+    TOKEN_LOGPROBS,
+    TOKEN_LOGPROBS_ENTROPY,
     cross_entropy,
     entropy_regularized_cross_entropy,
+    token_logprobs,
 )
 from fuser.rules.loss import logsumexp
 from fuser.rules.loss import vocab_max as max  # noqa: A004 - the rule language's names
@@ -42,6 +47,10 @@ __all__ = [
     "SOFTCAP_CROSS_ENTROPY_APPROX",
     "SOFTCAP_CROSS_ENTROPY_UNSMOOTHED",
     "SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX",
+    "SOFTCAP_TOKEN_LOGPROBS",
+    "SOFTCAP_TOKEN_LOGPROBS_ENTROPY",
+    "TOKEN_LOGPROBS",
+    "TOKEN_LOGPROBS_ENTROPY",
     "cross_entropy",
     "entropy_regularized_cross_entropy",
     "kernel_sources",
@@ -50,4 +59,5 @@ __all__ = [
     "max",
     "mean",
     "sum",
+    "token_logprobs",
 ]

@@ -24,7 +24,9 @@ from fuser.codegen.loss_matmul import (
 )
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
+from fuser.losses import tokens
 from fuser.losses.checks import check_tensors, live_rows
+from fuser.rules.loss import is_token_rule
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.choice import (
     SCALED_DTYPES,
@@ -42,6 +44,7 @@ from fuser.runtime.loss.fused import Fused, TileSums
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
 from fuser.runtime.loss.staged import ShardedChunked, Staged
+from fuser.runtime.loss.tokens import ShardedTokens, TokenRun, token_chunk
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY = ("auto", "lean", "fast")
@@ -55,8 +58,11 @@ class CompiledLoss:
 
     ``hidden`` is ``[T, H]`` or ``[B, S, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]``, all of
     one dtype (fp32, bf16 or fp16); ``target`` holds class indices in ``hidden``'s leading
-    shape. ``reduction``: ``"mean"`` over targets other than ``ignore_index`` (0 when all are
-    ignored), ``"sum"``, or ``"none"`` (one loss per token, 0 where ignored). With
+    shape. ``reduction`` (``None`` is ``"mean"``): ``"mean"`` over targets other than
+    ``ignore_index`` (0 when all are ignored), ``"sum"``, or ``"none"`` (one loss per token,
+    0 where ignored). A rule with per-token inputs takes each by keyword, a tensor of
+    ``target``'s shape; one with outputs other than ``("loss",)`` returns a tuple of them,
+    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
     (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
     inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return
@@ -130,7 +136,10 @@ class CompiledLoss:
         self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
 
     def kernel_source(self, dtype: str = "bf16") -> KernelSource:
-        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``)."""
+        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``); a
+        token rule's takes fp32 logits whatever the inputs' dtype (``token_source``)."""
+        if is_token_rule(self.rule):
+            dtype = "fp32"
         if dtype not in self._sources:
             self._sources[dtype] = render_loss(
                 lower_loss(self.rule, dtype), block=self.block, num_warps=self.num_warps
@@ -323,12 +332,17 @@ class CompiledLoss:
         bias: torch.Tensor | None = None,
         *,
         ignore_index: int = -100,
-        reduction: str = "mean",
+        reduction: str | None = None,
         accumulate_into: str | None = None,
         process_group=None,
         memory: str = "auto",
         **hyper_overrides,
     ) -> torch.Tensor:
+        token = is_token_rule(self.rule)
+        if token:
+            inputs, hyper_overrides = tokens.split_keywords(self.rule, hyper_overrides)
+            tokens.check_options(self.rule, self.schedule, memory, reduction)
+        reduction = "mean" if reduction is None else reduction
         dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
         if memory not in MEMORY:
             raise ValueError(f"memory must be one of {MEMORY}, not {memory!r}")
@@ -353,12 +367,59 @@ class CompiledLoss:
         want_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
+        if token:
+            keywords = dict(main_grad=main_grad, want_grad=want_grad, group=process_group)
+            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, **keywords)
         out = self._run_call(
             call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
         )
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
+
+    def token_source(self) -> KernelSource:
+        """A token rule's row kernel: fp32 logits whatever the inputs' dtype (the logits of
+        its calls accumulate and stay in fp32)."""
+        return self.kernel_source("fp32")
+
+    def _token_call(
+        self, call: _Call, x, weight, bias, y, inputs, target, reduction, *, main_grad, want_grad, group
+    ):
+        """A token rule's call (``fuser.losses.tokens``): its outputs as a tuple of fp32
+        tensors of ``target``'s shape, or, for a rule whose one output is ``loss``, that
+        loss reduced by ``reduction``; with ``group``, over this rank's vocabulary slice."""
+        rows = tokens.input_rows(self.rule, inputs, target, call.device)
+        shards = None if group is None else self._vocab_slices(call, group)
+        slices = None if shards is None else shards[0]
+
+        def count_rows(flat):
+            vocab = call.vocab if slices is None else sum(slices)
+            return live_rows(flat, call.ignore_index, vocab, target.shape, slices)
+
+        def make_run(count: int):  # (the chunks of the global vocabulary's size: alike on every rank)
+            chunk = token_chunk(
+                count, call.hid, call.vocab if slices is None else sum(slices), self.chunk_size
+            )
+            if shards is None:
+                return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk)
+            sizes, rank = shards
+            sources, layout, zy_first = self.sharded_kernel_sources("fp32")
+            return ShardedTokens(
+                sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk, group,
+                sum(sizes[:rank]), sum(sizes),
+            )  # fmt: skip
+
+        main_grad = main_grad and weight.requires_grad
+        outs, count = tokens.run_token_rule(
+            self.rule, x, weight, bias, y, rows, target.shape,
+            main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
+        )  # fmt: skip
+        if tuple(n for n, _ in self.rule.outputs) != ("loss",):
+            return outs
+        (loss,) = outs
+        if reduction == "mean":
+            return loss.sum() / max(count, 1)
+        return loss.sum() if reduction == "sum" else loss
 
     def _run_call(
         self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group, shape
@@ -604,8 +665,12 @@ def kernel_sources(
     (``weight_grad_sources``), and last those that scale a forward's gradients by
     ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
     call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
-    the residue's and the gradients' scaling."""
+    the residue's and the gradients' scaling. A token rule (per-token inputs, several
+    outputs) launches the row kernel and the staged sequence (``process_group=``) of its plan
+    for fp32 logits, whatever ``dtype``."""
     f = CompiledLoss(rule, **options)
+    if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
+        return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]

@@ -83,6 +83,44 @@ ENTROPY_REGULARIZED_CROSS_ENTROPY = loss(
     hyper=dict(entropy_coef=0.01, temperature=1.0),
 )
 
+# Per-token log-probabilities of the targets under softmax(z / temperature) (optionally of
+# the soft-capped logits) and the entropy of that distribution, for RL objectives. Both hold
+# by construction in fp32: lse >= max(z) >= z, so each entropy term p * (lse - z) is >= 0 and
+# (with the same rounding of z[y] as of the logits it reduces) z[y] - lse <= 0; the `where`
+# keeps the sign should a soft cap's rounding at the target differ by an ulp. No term is
+# 0 * (-inf): the logits are finite.
+_LOGPROBS = """\
+    z = z / temperature
+    lse = logsumexp(z)
+    d = z[y] - lse
+    logp = where(d < 0, d, 0)
+"""
+_ENTROPY = """\
+    entropy = sum(exp(z - lse) * (lse - z))
+"""
+_CAP = """\
+    z = softcap * tanh(z / softcap)
+"""
+TOKEN_LOGPROBS = loss(_LOGPROBS, name="token_logprobs", hyper=dict(temperature=1.0), outputs=("logp",))
+TOKEN_LOGPROBS_ENTROPY = loss(
+    _LOGPROBS + _ENTROPY,
+    name="token_logprobs_entropy",
+    hyper=dict(temperature=1.0),
+    outputs=("logp", "entropy"),
+)
+SOFTCAP_TOKEN_LOGPROBS = loss(
+    _CAP + _LOGPROBS,
+    name="softcap_token_logprobs",
+    hyper=dict(softcap=30.0, temperature=1.0),
+    outputs=("logp",),
+)
+SOFTCAP_TOKEN_LOGPROBS_ENTROPY = loss(
+    _CAP + _LOGPROBS + _ENTROPY,
+    name="softcap_token_logprobs_entropy",
+    hyper=dict(softcap=30.0, temperature=1.0),
+    outputs=("logp", "entropy"),
+)
+
 RULES = (
     CROSS_ENTROPY,
     CROSS_ENTROPY_FULL,
@@ -91,6 +129,10 @@ RULES = (
     SOFTCAP_CROSS_ENTROPY_APPROX,
     SOFTCAP_CROSS_ENTROPY_UNSMOOTHED_APPROX,
     ENTROPY_REGULARIZED_CROSS_ENTROPY,
+    TOKEN_LOGPROBS,
+    TOKEN_LOGPROBS_ENTROPY,
+    SOFTCAP_TOKEN_LOGPROBS,
+    SOFTCAP_TOKEN_LOGPROBS_ENTROPY,
 )
 
 
@@ -200,3 +242,39 @@ def entropy_regularized_cross_entropy(
         entropy_coef=entropy_coef,
         temperature=temperature,
     )
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    process_group=None,
+    memory: str = "auto",
+):
+    """Per-token ``log softmax(z / temperature)[target]`` of ``z = hidden @ weight.T`` (after
+    ``softcap * tanh(z / softcap)`` with ``softcap``), fp32 of ``target``'s shape, 0 where
+    ``target`` is ``ignore_index``; with ``entropy=True`` also the entropy of
+    ``softmax(z / temperature)`` per token: ``(logp, entropy)``. Both are differentiable (a
+    gradient for either, both or one of them), never hold the full logits, and come from
+    logits accumulated and kept in fp32 whatever the inputs' dtype: ``logp <= 0`` and
+    ``entropy >= 0`` hold in fp32. With ``process_group``, ``weight`` is this rank's slice of
+    the vocabulary (as ``cross_entropy`` takes it) and every rank gets every token's values;
+    targets are checked as ``cross_entropy``'s are.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, not {softcap}")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be True or False, not {entropy!r}")
+    name = ("softcap_" if softcap is not None else "") + "token_logprobs" + ("_entropy" if entropy else "")
+    hyper = dict(temperature=temperature) | ({} if softcap is None else dict(softcap=softcap))
+    out = _compiled(name)(
+        hidden, weight, target, ignore_index=ignore_index, process_group=process_group, memory=memory, **hyper
+    )
+    return out if entropy else out[0]

@@ -1,7 +1,8 @@
 """``fuser.loss``: rule text or a traced function -> a checked ``Rule`` of kind ``"loss"``.
 
 A loss rule reads ``z`` (one raw logit), ``z[y]`` (the logit at the target), its
-hyperparameters and vocabulary reductions, and assigns ``loss``, the per-token loss.
+hyperparameters, its per-token inputs (``inputs=``) and vocabulary reductions, and assigns
+``loss``, the per-token loss, or each of its ``outputs=``.
 ``z`` may be reassigned by elementwise transforms; every later ``z`` and ``z[y]`` means
 the transformed value. In the sympy form, the symbol ``z`` always stands for the *raw*
 logit and ``z_y`` for the raw logit at the target, so derivatives with respect to them are
@@ -10,13 +11,15 @@ derivatives with respect to the logits the matmul produced.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import keyword
 import textwrap
 
 import sympy
 
 from fuser.errors import RuleError
-from fuser.rules.functions import LOSS_REDUCTIONS, Reduction
+from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, Reduction
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.rule import LOSS_INPUTS, ZY, Rule, check_names, identifier
 
@@ -50,38 +53,120 @@ def outer_symbols(expr: sympy.Basic) -> set[sympy.Symbol]:
     return out
 
 
-def loss_language(hyper: dict) -> Language:
+def loss_language(hyper: dict, inputs: tuple[str, ...] = ()) -> Language:
     return Language(
-        readable=frozenset({"z", "y", *hyper}),
-        frozen=frozenset({"y", *hyper}),
+        readable=frozenset({"z", "y", *hyper, *inputs}),
+        frozen=frozenset({"y", *hyper, *inputs}),
         reductions=LOSS_REDUCTIONS,
         subscripts={("z", "y"): at_target},
+        per_token=frozenset(inputs),
     )
 
 
-def loss(source=None, *, name: str | None = None, hyper: dict | None = None):
-    """Define a loss epilogue from text or a function (see ``fuser.losses``)."""
+def loss(
+    source=None,
+    *,
+    name: str | None = None,
+    hyper: dict | None = None,
+    inputs=(),
+    outputs=("loss",),
+):
+    """Define a loss epilogue from text or a function (see ``fuser.losses``).
+
+    ``inputs`` names per-token float inputs the rule reads as scalars (given at the call by
+    keyword as ``[T]`` tensors, no gradient to them); ``outputs`` names the per-token values
+    the rule assigns, in the order a compiled call returns them (default ``("loss",)``, the
+    per-token loss that ``reduction`` reduces)."""
     hyper = dict(hyper or {})
     if source is None:
-        return lambda fn: loss(fn, name=name, hyper=hyper)
+        return lambda fn: loss(fn, name=name, hyper=hyper, inputs=inputs, outputs=outputs)
     rule_name = name or getattr(source, "__name__", None) or "loss"
     try:
         check_names("loss", hyper, {}, LOSS_INPUTS)
-        return build_loss_rule(source, identifier(rule_name), hyper)
+        inputs, outputs = _check_io(source, hyper, inputs, outputs)
+        return build_loss_rule(source, identifier(rule_name), hyper, inputs, outputs)
     except RuleError as e:
         raise e.with_rule(rule_name) from None
 
 
-def build_loss_rule(source, name: str, hyper: dict) -> Rule:
+def _names(value, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise RuleError(f"{what} must be a tuple of names, not {value!r}") from None
+    for n in names:
+        if not isinstance(n, str) or not n.isidentifier() or keyword.iskeyword(n):
+            raise RuleError(f"{what[:-1]} name {n!r} is not a valid identifier")
+    if len(set(names)) != len(names):
+        raise RuleError(f"{what} {list(names)} name one value twice")
+    return names
+
+
+def _check_io(source, hyper: dict, inputs, outputs) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``inputs`` and ``outputs`` as tuples of names, after raising ``RuleError`` for a name
+    that is reserved, taken twice, or both an input and a hyperparameter (at its first use
+    in rule text)."""
+    inputs, outputs = _names(inputs, "inputs"), _names(outputs, "outputs")
+    if not outputs:
+        raise RuleError("outputs must name at least one per-token value the rule assigns")
+    reserved = {*LOSS_INPUTS, ZY, *ELEMENTWISE, *LOSS_REDUCTIONS}
+    for what, names in (("input", inputs), ("output", outputs)):
+        for n in names:
+            if n in reserved:
+                raise RuleError(f"{what} name {n!r} is reserved (it names z, y or a function)")
+    for n in inputs:
+        if n in hyper:
+            raise _first_use(source, n, f"{n!r} is named as both a per-token input and a hyperparameter")
+        if n in outputs:
+            raise _first_use(source, n, f"{n!r} is named as both a per-token input and an output")
+    for n in outputs:
+        if n in hyper:
+            raise _first_use(source, n, f"{n!r} is named as both an output and a hyperparameter")
+    return inputs, outputs
+
+
+def _first_use(source, name: str, message: str) -> RuleError:
+    """``RuleError(message)`` at the first place rule text uses ``name`` (line 1 for a
+    function, or text that does not parse)."""
+    if callable(source) or not isinstance(source, str):
+        return RuleError(message, line=1)
+    text = textwrap.dedent(source).strip("\n")
+    lines = text.splitlines()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return RuleError(message, line=1)
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name]
+    if not uses:
+        return RuleError(message, line=1)
+    first = min(uses, key=lambda n: (n.lineno, n.col_offset))
+    return RuleError(
+        message, line=first.lineno, col=first.col_offset + 1, source_line=lines[first.lineno - 1]
+    )
+
+
+def is_token_rule(rule: Rule) -> bool:
+    """Whether a loss rule reads per-token inputs or has outputs besides ``("loss",)``: its
+    compiled call takes ``[T]`` inputs by keyword and, for other outputs, returns them."""
+    return bool(rule.inputs) or tuple(n for n, _ in rule.outputs) != ("loss",)
+
+
+def build_loss_rule(
+    source, name: str, hyper: dict, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ("loss",)
+) -> Rule:
     """Parse (text) or trace (function) a loss epilogue and check it."""
     if callable(source):
-        text, statements = _trace_loss(source, hyper)
+        text, statements = _trace_loss(source, hyper, inputs, outputs)
         lines = text.splitlines()
     else:
-        statements, _, lines = parse_text(source, loss_language(hyper))
+        statements, _, lines = parse_text(source, loss_language(hyper, inputs))
         text = "\n".join(lines)
-    loss = _check(statements, lines, hyper)
-    return Rule("loss", name, text, tuple(hyper.items()), (), tuple(statements), (("loss", loss),))
+    values = _check(statements, lines, hyper, inputs, outputs)
+    return Rule(
+        "loss", name, text, tuple(hyper.items()), (), tuple(statements), tuple(zip(outputs, values)), inputs
+    )
 
 
 def _error(message: str, st: Statement | None, lines: list[str]) -> RuleError:
@@ -91,10 +176,16 @@ def _error(message: str, st: Statement | None, lines: list[str]) -> RuleError:
     return RuleError(message, line=st.line, col=st.col, source_line=src)
 
 
-def _check(statements: list[Statement], lines: list[str], hyper: dict) -> sympy.Expr:
-    """Validate the statements; return the final per-token loss."""
-    allowed = {Z, Z_Y} | {symbol(h) for h in hyper}
-    last_loss = None
+def _check(
+    statements: list[Statement],
+    lines: list[str],
+    hyper: dict,
+    inputs: tuple[str, ...] = (),
+    outputs: tuple[str, ...] = ("loss",),
+) -> list[sympy.Expr]:
+    """Validate the statements; return the final value of each output."""
+    allowed = {Z, Z_Y} | {symbol(h) for h in hyper} | {symbol(n) for n in inputs}
+    last: dict[str, Statement] = {}
     for st in statements:
         expr = st.expr
         if Y in expr.free_symbols:
@@ -110,22 +201,26 @@ def _check(statements: list[Statement], lines: list[str], hyper: dict) -> sympy.
                     st,
                     lines,
                 )
-        if st.target == "loss":
-            last_loss = st
-    if last_loss is None:
-        raise RuleError(
-            "the rule never assigns loss (the per-token loss)",
-            line=statements[-1].line if statements else None,
-        )
-    loss = last_loss.expr
-    if Z in outer_symbols(loss):
-        raise _error(
-            "loss uses z outside a reduction: the per-token loss may read z[y] and "
-            "reductions such as logsumexp(z), not z itself",
-            last_loss,
-            lines,
-        )
-    return loss
+        if st.target in outputs:
+            last[st.target] = st
+    values = []
+    for out in outputs:
+        if out not in last:
+            what = "the per-token loss" if out == "loss" else "one of its outputs"
+            raise RuleError(
+                f"the rule never assigns {out} ({what})",
+                line=statements[-1].line if statements else None,
+            )
+        st = last[out]
+        if Z in outer_symbols(st.expr):
+            raise _error(
+                f"{out} uses z outside a reduction: a per-token output may read z[y] and "
+                "reductions such as logsumexp(z), not z itself",
+                st,
+                lines,
+            )
+        values.append(st.expr)
+    return values
 
 
 # ---- the traced-function form ----------------------------------------------------------------
@@ -254,12 +349,12 @@ vocab_mean = _reduction("mean")
 vocab_max = _reduction("max")
 
 
-def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
+def _trace_loss(fn, hyper: dict, inputs=(), outputs=("loss",)) -> tuple[str, list[Statement]]:
     try:
         src = textwrap.dedent(inspect.getsource(fn)).strip("\n")
     except (OSError, TypeError):
         src = f"<function {getattr(fn, '__name__', '?')}>"
-    args, kwargs = _trace_arguments(fn, hyper)
+    args, kwargs = _trace_arguments(fn, hyper, inputs)
     try:
         result = fn(*args, **kwargs)
     except RuleError:
@@ -270,42 +365,52 @@ def _trace_loss(fn, hyper: dict) -> tuple[str, list[Statement]]:
             "functions, fuser.losses reductions and z[y], with no `if` on values)",
             line=_traceback_line(e, fn),
         ) from None
-    return src, [Statement("loss", _loss_value(result), 1, 1)]
+    return src, [Statement(n, v, 1, 1) for n, v in zip(outputs, _output_values(result, outputs))]
 
 
-def _trace_arguments(fn, hyper: dict) -> tuple[list, dict]:
+def _trace_arguments(fn, hyper: dict, inputs=()) -> tuple[list, dict]:
     """What ``fn`` is called with: the logits ``z`` and target ``y`` positionally,
-    hyperparameters by keyword."""
+    hyperparameters and per-token inputs by keyword."""
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     for pname, param in sig.parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise RuleError(f"the loss function may not take *{pname} or **{pname}; name each input", line=1)
         if param.kind == param.KEYWORD_ONLY:
-            if pname not in hyper:
-                raise RuleError(f"keyword-only parameter {pname!r} is not a hyperparameter", line=1)
+            if pname not in hyper and pname not in inputs:
+                raise RuleError(
+                    f"keyword-only parameter {pname!r} is neither a hyperparameter nor an input", line=1
+                )
             kwargs[pname] = symbol(pname)
         elif pname == "z":
             args.append(Logits(Z))
         elif pname == "y":
             args.append(_TARGET)
         else:
-            hint = " (make it keyword-only, after *)" if pname in hyper else ""
+            hint = " (make it keyword-only, after *)" if pname in hyper or pname in inputs else ""
             raise RuleError(f"parameter {pname!r} is neither z nor y{hint}", line=1)
     return args, kwargs
 
 
-def _loss_value(result) -> sympy.Expr:
-    """The per-token loss a loss function returned (the value or ``dict(loss=...)``), checked."""
+def _output_values(result, outputs: tuple[str, ...]) -> list[sympy.Expr]:
+    """The per-token outputs a loss function returned (the value of a single output, or a
+    dict of every output), checked, in ``outputs``' order."""
     if isinstance(result, dict):
-        if set(result) != {"loss"}:
-            raise RuleError(
-                f"a loss function returns the loss or dict(loss=...), not keys {sorted(result)}", line=1
-            )
-        result = result["loss"]
+        if set(result) != set(outputs):
+            want = ", ".join(f"{n}=..." for n in outputs)
+            raise RuleError(f"a loss function returns dict({want}), not keys {sorted(result)}", line=1)
+        return [_loss_value(result[n], n) for n in outputs]
+    if len(outputs) != 1:
+        want = ", ".join(f"{n}=..." for n in outputs)
+        raise RuleError(f"a loss function with several outputs returns dict({want})", line=1)
+    return [_loss_value(result, outputs[0])]
+
+
+def _loss_value(result, name: str = "loss") -> sympy.Expr:
+    """One per-token value a loss function returned, checked."""
     if isinstance(result, Logits):
         raise RuleError(
-            "the loss function returns z itself: the per-token loss may read z[y] and "
+            f"the loss function returns z itself as {name}: a per-token output may read z[y] and "
             "reductions such as logsumexp(z)",
             line=1,
         )

@@ -91,7 +91,8 @@ class Language:
     allows ``base[index]`` for exactly those (base, index) name pairs and maps each to a
     function of the current value of ``base``. ``functions`` are the kind's own functions
     besides ``ELEMENTWISE`` (name -> (builder, number of arguments)); ``per_step`` the
-    names that hold one number per step (what ``every(k)`` may read).
+    names that hold one number per step (what ``every(k)`` may read); ``per_token`` a loss
+    rule's per-token inputs, which take no subscript.
     """
 
     readable: frozenset[str]
@@ -100,6 +101,7 @@ class Language:
     subscripts: dict
     functions: dict = field(default_factory=dict)
     per_step: frozenset[str] = frozenset()
+    per_token: frozenset[str] = frozenset()
 
 
 def symbol(name: str) -> sympy.Symbol:
@@ -257,6 +259,12 @@ class Walker:
         return cond
 
     def subscript(self, node: ast.Subscript):
+        if isinstance(node.value, ast.Name) and node.value.id in self.lang.per_token:
+            raise self.error(
+                node,
+                f"{node.value.id!r} is a per-token input (one number per token): read it as "
+                f"{node.value.id}, without a subscript",
+            )
         if (
             isinstance(node.value, ast.Name)
             and isinstance(node.slice, ast.Name)

@@ -53,6 +53,8 @@ class Rule:
     state: tuple[tuple[str, float | str], ...]
     statements: tuple[Statement, ...]
     outputs: tuple[tuple[str, sympy.Expr], ...]
+    # A loss rule's per-token inputs (one float per token each, read as scalars).
+    inputs: tuple[str, ...] = ()
 
     @property
     def hyper_defaults(self) -> MappingProxyType:

@@ -1,0 +1,223 @@
+"""Token rules (per-token inputs, several per-token outputs): the chunked driver and the
+autograd ``Function``.
+
+For each chunk of tokens the logits ``x_chunk @ W.T (+ b)`` are taken into an fp32 buffer
+(products of the inputs' dtype accumulated in fp32 and never rounded), and the rule's row
+kernel, lowered for fp32 logits, writes every output of every token. Backward takes the
+upstream gradient of each output (zero for one autograd gives none), recomputes each
+chunk's logits and runs the same kernel with them as per-token inputs: it overwrites the
+row with ``d (sum_i dout_i * output_i) / d logits`` in fp32, which gives the chunk's
+``grad_hidden`` rows and its share of the fp32 ``grad_weight`` (through the inputs' dtype
+for 16-bit inputs: the one rounding of the logit gradient, with the target column's
+residue added back in fp32, as the ``chunks`` schedule's).
+
+``ShardedTokens`` runs the same with ``weight`` a rank's slice of the vocabulary
+(``process_group=``): the staged kernels of the rule's fp32 plan, their per-token partials
+combined across the group between sweeps as ``ShardedChunked`` combines them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuser.cache import load_kernel
+from fuser.codegen.source import KernelSource
+from fuser.runtime.loss.chunked import (
+    accumulate_weight_grad,
+    chunk_rows,
+    logits_buffer,
+    main_grad_return,
+    product_fp32,
+)
+from fuser.runtime.loss.staged import ShardedChunked
+
+
+class TokenRun:
+    """Everything a token rule's call needs besides its tensors: the row kernel (fp32
+    logits), the hyperparameter row, the ignore index and the chunk length."""
+
+    def __init__(
+        self, source: KernelSource, device: torch.device, hyper: torch.Tensor, ignore_index: int, chunk: int
+    ):
+        self.kernel = load_kernel(source, device)
+        self.hyper = hyper
+        self.ignore_index = int(ignore_index)
+        self.chunk = chunk
+
+    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None) -> None:
+        """Every output into ``out`` (fp32 ``[k, T]``); ``inputs`` (fp32 ``[m, T]``, or
+        ``[m + k, T]`` with the upstream gradients after the rule's inputs). With any of
+        ``gx`` (rows of the inputs' dtype), ``gw``, ``gb`` (fp32, added into) also the
+        gradients of ``sum_i dout_i * output_i``."""
+        n_tokens, vocab = x.shape[0], weight.shape[0]
+        if n_tokens == 0:
+            return
+        grad = gx is not None or gw is not None or gb is not None
+        buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+        ones = torch.ones(1, dtype=torch.float32, device=x.device)
+        flat_in = inputs.reshape(-1) if inputs.numel() else ones
+        flat_out = out.reshape(-1)
+        for s in range(0, n_tokens, self.chunk):
+            e = min(s + self.chunk, n_tokens)
+            xc, logits = x[s:e], buf[: e - s]
+            _fp32_logits(logits, xc, weight, bias)
+            self.kernel(
+                (e - s,), logits, logits.stride(0), target[s:e], flat_out[s:], ones, ones, 0, self.hyper,
+                vocab, self.ignore_index, int(grad), flat_in[s:] if inputs.numel() else ones, n_tokens,
+            )  # fmt: skip
+            if grad:
+                _chunk_grads(logits, xc, weight, target[s:e], 0, gx[s:e] if gx is not None else None, gw, gb)
+
+
+def _fp32_logits(logits, xc, weight, bias) -> None:
+    """``logits = xc @ weight.T (+ bias)`` in fp32, from products accumulated in fp32."""
+    product_fp32(logits, xc, weight.t())
+    if bias is not None:
+        logits.add_(bias.float())
+
+
+def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> None:
+    """A chunk's shares of the gradients from its fp32 logit gradient ``logits`` (columns
+    ``[col_offset, ...)`` of the vocabulary). 16-bit inputs take it rounded once for the
+    products, and the target column's residue (its fp32 value less that rounding) in fp32:
+    into ``gx`` before its one rounding and into ``gw``'s target rows, as the cross-entropy
+    schedules add it (every token of one target would otherwise carry its rounding error
+    into the same row)."""
+    if xc.dtype == torch.float32:
+        if gx is not None:
+            torch.mm(logits, weight, out=gx)
+        if gw is not None:
+            accumulate_weight_grad(gw, logits, xc)
+        if gb is not None:
+            gb.add_(logits.sum(0))
+        return
+    dl = logits.to(xc.dtype)
+    yl = target - col_offset
+    mine = (yl >= 0) & (yl < logits.shape[1])
+    col = yl.clamp(0, max(logits.shape[1] - 1, 0))[:, None]
+    resid = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[1]:
+        resid = torch.where(mine, (logits.gather(1, col) - dl.gather(1, col).float())[:, 0], 0.0)
+    if gx is not None:
+        block = torch.empty(gx.shape, dtype=torch.float32, device=gx.device)
+        product_fp32(block, dl, weight)
+        if logits.shape[1]:
+            block.addcmul_(resid[:, None], weight.index_select(0, col[:, 0]).float())
+        gx.copy_(block)
+    if gw is not None:
+        accumulate_weight_grad(gw, dl, xc)
+        if logits.shape[1]:
+            gw.index_add_(0, col[:, 0], resid[:, None] * xc.float())
+    if gb is not None:
+        gb.add_(logits.sum(0))
+
+
+class _WithInputs:
+    """A staged kernel of a token rule called as ``ShardedChunked`` calls its kernels: the
+    per-token inputs and their stride go in after ``compute_grad``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.inputs, self.stride = kernel, None, 0
+
+    def __call__(self, grid, *args):
+        return self.kernel(grid, *args[:11], self.inputs, self.stride, *args[11:])
+
+
+class ShardedTokens(ShardedChunked):
+    """``TokenRun``'s contract over this rank's vocabulary slice (``ShardedChunked``'s
+    arguments; ``sources``: the staged kernels of the rule's fp32 plan): every rank gets
+    every output; ``gx`` is summed across the group, ``gw`` and ``gb`` stay this rank's."""
+
+    def __init__(
+        self, sources, layout, zy_first, device, hyper, ignore_index, chunk, group, col_offset, total
+    ):
+        super().__init__(
+            sources, layout, zy_first, device, hyper, ignore_index, chunk, group, col_offset, total
+        )
+        self.kernels = [_WithInputs(k) for k in self.kernels]
+
+    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None) -> None:
+        n_tokens, vocab = x.shape[0], weight.shape[0]
+        grad = gx is not None or gw is not None or gb is not None
+        buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+        red, parts = self._buffers(min(self.chunk, n_tokens), x.device)
+        ones = torch.ones(1, dtype=torch.float32, device=x.device)
+        flat_in, flat_out = (inputs.reshape(-1) if inputs.numel() else ones), out.reshape(-1)
+        for s in range(0, n_tokens, self.chunk):  # (every rank runs the same chunks)
+            e = min(s + self.chunk, n_tokens)
+            xc, logits, r = x[s:e], buf[: e - s], red[: e - s]
+            for k in self.kernels:
+                k.inputs, k.stride = (flat_in[s:] if inputs.numel() else ones), n_tokens
+            _fp32_logits(logits, xc, weight, bias)
+            self._reduce(logits, target[s:e], flat_out[s:], r, parts)
+            if grad:
+                total = self._total(vocab)
+                self._differentiate(logits, target[s:e], flat_out[s:], r, ones, self.col_offset, total, None)
+                gxc = gx[s:e] if gx is not None else None
+                _chunk_grads(logits, xc, weight, target[s:e], self.col_offset, gxc, gw, gb)
+        if gx is not None:
+            self._all_reduce(gx)
+
+
+def new_outputs(k: int, n: int, device) -> torch.Tensor:
+    """The fp32 ``[k, n]`` buffer a forward's kernels write every output of every row into
+    (uninitialised: tests fill it with NaN to see that each element is written)."""
+    return torch.empty(k, n, dtype=torch.float32, device=device)
+
+
+class TokenLoss(torch.autograd.Function):
+    """A token rule's outputs of ``x @ W.T + b`` per token, each differentiable with respect
+    to ``x``, ``W`` and ``b``; ``inputs`` (fp32 ``[m, T]``) take no gradient. Returns the
+    ``k`` outputs, fp32 ``[T]`` each."""
+
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, target, inputs, run: TokenRun, k: int, main_grad: bool, want_grad: bool
+    ):
+        out = new_outputs(k, x.shape[0], x.device)
+        run.run(x, weight, bias, target, inputs, out)
+        ctx.run, ctx.main_grad, ctx.k = run, main_grad, k
+        if want_grad:
+            ctx.save_for_backward(x, weight, bias, target, inputs)
+        return tuple(out.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x, weight, bias, target, inputs = ctx.saved_tensors
+        n = x.shape[0]
+        if all(g is None for g in grads) or not (need_x or need_w or need_b):
+            return None, None, None, *_NO_GRADS
+        dout = torch.stack(
+            [
+                torch.zeros(n, dtype=torch.float32, device=x.device) if g is None else g.reshape(n).float()
+                for g in grads
+            ]
+        )
+        full = torch.cat([inputs.reshape(-1, n), dout]).contiguous()
+        main_grad = ctx.main_grad and need_w
+        gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+        if main_grad:
+            gw = weight.main_grad
+        else:
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
+        out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
+        ctx.run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb)
+        if main_grad:
+            gw = main_grad_return(weight)
+        elif gw is not None and gw.dtype != weight.dtype:
+            gw = gw.to(weight.dtype)
+        if gb is not None and gb.dtype != bias.dtype:
+            gb = gb.to(bias.dtype)
+        return gx, gw, gb, *_NO_GRADS
+
+
+# The gradients of forward's arguments after x, weight and bias: none.
+_NO_GRADS = (None,) * 6
+
+
+def token_chunk(n_tokens: int, hidden: int, vocab: int, chunk_size: int | None) -> int:
+    """Tokens per chunk of fp32 logits (``chunk_rows`` at 4 bytes a logit), or
+    ``chunk_size``."""
+    return chunk_size or chunk_rows(n_tokens, hidden, vocab, 4)
