@@ -409,3 +409,28 @@ def test_example_runs(capsys):
     _example().main()
     out = capsys.readouterr().out
     assert out.count("GRPO loss") == 3 and "nan" not in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_logprobs_on_the_gpu(dtype):
+    """On CUDA (cuBLAS products with fp32 outputs, several chunks of tokens, an odd vocabulary
+    whose rows are no multiple of 16 bytes): both outputs and both gradients against float64
+    on the same inputs. fp32 inputs may take TF32 products (10 mantissa bits), hence 1e-3."""
+    t, h, v = 1031, 257, 5003
+    hidden = (torch.randn(t, h, dtype=torch.float64) * 2).to(dtype)
+    weight = (torch.randn(v, h, dtype=torch.float64) / h**0.5 * 1.5).to(dtype)
+    target = torch.randint(0, v, (t,))
+    target[torch.randperm(t)[: t // 7]] = IGNORE
+    x, w = (u.detach().cuda().requires_grad_() for u in (hidden, weight))
+    logp, ent = fuser.losses.token_logprobs(x, w, target.cuda(), temperature=0.9, entropy=True)
+    check_signs(logp, ent)
+    g1, g2 = torch.randn(t), torch.rand(t) + 0.5
+    (logp * g1.cuda() + ent * g2.cuda()).sum().backward()
+    (rx, rw), rlogp, rent = reference(hidden, weight, target, temperature=0.9)
+    (rlogp * g1.double() + rent * g2.double()).sum().backward()
+    values = 1e-5 if dtype == torch.bfloat16 else 1e-3
+    assert rel(logp.cpu(), rlogp) < values and rel(ent.cpu(), rent) < values
+    grads = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    assert rel(x.grad.cpu(), rx.grad) < grads and rel(w.grad.cpu(), rw.grad) < grads
+    assert (logp.cpu()[target == IGNORE] == 0).all() and (x.grad.cpu()[target == IGNORE] == 0).all()
