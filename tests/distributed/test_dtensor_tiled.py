@@ -109,6 +109,7 @@ def close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, rtol: floa
     return bool((got - want).norm() <= rtol * max(want.norm(), scale.norm(), 1e-30))
 
 
+@pytest.mark.sweep(runs=2)  # two of the four rules a run, all in 2 runs
 @pytest.mark.parametrize("name", ["rows_and_columns", "adafactor", "came", "normuon"])
 def test_row_shards_follow_the_same_optimizer_on_whole_tensors(name):
     ranks = run_ranks(worker, name)

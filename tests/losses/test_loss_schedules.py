@@ -65,6 +65,7 @@ def test_cross_entropy_every_schedule(schedule, reduction, short_slices):
     check(got, ref)
 
 
+@pytest.mark.sweep(runs=2)  # half the (rule, schedule) pairs a run, all in 2 runs
 @pytest.mark.parametrize("schedule", ["whole", "vocab", "fused"])
 @pytest.mark.parametrize("name", ["max_margin", "max_of_scaled", "lse_of_lse", "softcap_zloss"])
 def test_user_rules_every_schedule(schedule, name, short_slices):
@@ -272,6 +273,7 @@ def record_launches(monkeypatch, module, entry_part: str) -> list:
     return launched
 
 
+@pytest.mark.sweep(runs=2)  # half the cases a run, all in 2 runs
 @pytest.mark.parametrize("dtype, h, descriptors", TMA_CASES)
 @pytest.mark.parametrize("main_grad", [False, True])
 def test_lean_gradient_kernel_through_tensor_descriptors(dtype, h, descriptors, main_grad, short_slices,
@@ -535,6 +537,7 @@ def test_every_launch_gets_16_byte_aligned_rows(schedule, short_slices, monkeypa
     assert seen and set(seen) == {(0, 0, True)}
 
 
+@pytest.mark.sweep(runs=2)  # two of the four schedules a run, all in 2 runs
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_row_padding_holds_no_garbage(schedule, short_slices, monkeypatch):
     # a matmul may read a row's padding with it (CPU bf16 GEMMs do): memory that held NaN

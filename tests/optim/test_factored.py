@@ -72,6 +72,7 @@ def torch_kwargs(kw):
     return dict(kw, eps=(FP32_EPS if eps[0] is None else eps[0], eps[1]))
 
 
+@pytest.mark.sweep(runs=2)  # half the keyword cases a run, all in 2 runs
 @pytest.mark.parametrize("case", list(ADAFACTOR_CASES))
 def test_adafactor_follows_torch(case, device):
     kw = dict(ADAFACTOR_CASES[case])
@@ -246,6 +247,7 @@ def came_keys(p):
     return {k: k for k in keys} if p.dim() >= 2 else dict(exp_avg="exp_avg", exp_avg_sq_col="exp_avg_sq")
 
 
+@pytest.mark.sweep(runs=2)  # half the keyword cases a run, all in 2 runs
 @pytest.mark.parametrize("case", list(CAME_CASES))
 def test_came_follows_pytorch_optimizer(case, device):
     kw = CAME_CASES[case]

@@ -37,6 +37,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.sweep(runs=3)  # one configuration a run, all in 3 runs
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_normuon_follows_pytorch_optimizer(config, device, monkeypatch):
     exact_newton_schulz(monkeypatch)
