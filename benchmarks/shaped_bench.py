@@ -49,7 +49,7 @@ from timing import copy_bandwidth, step_ms, sync, wall_ms  # noqa: E402
 
 import fuser  # noqa: E402
 
-SMOKE_SHAPES = [(64, 48), (48,), (32, 64), (64,)]
+SMOKE_SHAPES = [(24, 19), (19,), (16, 21), (24,)]
 # Bytes an element that every implementation moves: p read and written, g read, and the
 # element states read and written.
 FLOOR_BYTES = {"adafactor": 12, "came": 20}
