@@ -37,12 +37,12 @@ def tokenizer():
     )
 
 
-@pytest.fixture
-def model_dir(tmp_path):
+def save_tiny_llama(path, **config):
     """A tiny fp32 Llama and its tokenizer saved to a folder: GRPOTrainer builds its
     reference model from the policy's path."""
     torch.manual_seed(case_seed())
     config = transformers.LlamaConfig(
+        **config,
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -54,9 +54,14 @@ def model_dir(tmp_path):
         eos_token_id=EOS,
         bos_token_id=EOS,
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    tokenizer().save_pretrained(tmp_path / "model")
-    return tmp_path / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return save_tiny_llama(tmp_path / "model")
 
 
 def reward(completions, **_):
@@ -97,11 +102,14 @@ def sequences():
     return ids, mask
 
 
-def float64_reference(model, ids, mask, keep, temperature):
-    """log-probs and entropies of the last ``keep`` next tokens from the model's own logits,
-    in float64, 0 at padding."""
+def float64_reference(model, ids, mask, keep, temperature, softcap=None):
+    """log-probs and entropies of the last ``keep`` next tokens from the model's own logits
+    (soft-capped as TRL's head reads the config), in float64, 0 at padding."""
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()[:, :-1] / temperature
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()[:, :-1]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     logsm = torch.log_softmax(logits, dim=-1)[:, -keep:]
     target = ids[:, 1:][:, -keep:]
     counted = mask[:, 1:][:, -keep:].bool()
@@ -128,14 +136,22 @@ def logps_and_grads(trainer, ids, mask, keep, batch_size, upstream):
     return logp.detach(), entropy.detach(), grads
 
 
-@pytest.mark.parametrize("temperature, batch_size", [(0.7, 2), (1.0, None)])
-def test_patched_logps_and_entropies_match_trls_own(model_dir, temperature, batch_size):
+@pytest.mark.parametrize(
+    "temperature, batch_size, variant",
+    [(0.7, 2, "plain"), (1.0, None, "plain"), (0.9, 3, "bias"), (0.8, 2, "softcap")],
+)
+def test_patched_logps_and_entropies_match_trls_own(model_dir, temperature, batch_size, variant):
+    softcap = 2.0 if variant == "softcap" else None
+    if softcap is not None:
+        model_dir = save_tiny_llama(model_dir.parent / "capped", final_logit_softcapping=softcap)
     trainer = grpo_trainer(model_dir, temperature=temperature)
+    if variant == "bias":  # a head with a bias (TRL's head and the model's logits add it)
+        trainer.model.lm_head.bias = torch.nn.Parameter(torch.randn(VOCAB))
     ids, mask = sequences()
     keep = 6
     upstream = (torch.randn(5, keep), torch.rand(5, keep) + 0.5)
     want = logps_and_grads(trainer, ids, mask, keep, batch_size, upstream)
-    ref_logp, ref_entropy = float64_reference(trainer.model, ids, mask, keep, temperature)
+    ref_logp, ref_entropy = float64_reference(trainer.model, ids, mask, keep, temperature, softcap)
 
     patch(trainer)
     launches = fuser.stats()["launches"]
@@ -154,6 +170,7 @@ def test_patched_logps_and_entropies_match_trls_own(model_dir, temperature, batc
     torch.testing.assert_close(logp.double(), ref_logp, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=2e-6, atol=2e-6)
     assert grads.keys() == want[2].keys() and "lm_head.weight" in grads
+    assert ("lm_head.bias" in grads) == (variant == "bias")
     for name, grad in want[2].items():  # fp32 sums in another order: relative to each tensor's size
         assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
 
