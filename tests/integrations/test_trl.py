@@ -7,6 +7,7 @@ against each other and float64, and the gradients of every parameter; then two t
 of a patched trainer against an unpatched one from the same seed."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -226,3 +227,18 @@ def test_refuses_what_it_cannot_compute(model_dir):
         use_fused_logprobs(model, temperature=0.0)
     with pytest.raises(TypeError, match="GRPOTrainer"):
         patch(object())
+
+
+def test_example_runs(tmp_path, capsys):
+    """examples/trl_grpo.py: GRPO steps with the integration on."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logs = module.main(2, str(tmp_path))
+    out = capsys.readouterr().out
+    assert len(logs) == 2 and len(re.findall(r"step +\d+  loss", out)) == 2 and "nan" not in out
+    assert all(h["entropy"] > 0 for h in logs)
