@@ -70,6 +70,7 @@ def reward(completions, **_):
 
 
 def grpo_trainer(model_dir, **config):
+    config.setdefault("bf16", False)  # fp32: TRL's own path rounds its logits to the product's dtype
     args = trl.GRPOConfig(
         output_dir=str(model_dir.parent / "out"),
         per_device_train_batch_size=4,
@@ -82,7 +83,6 @@ def grpo_trainer(model_dir, **config):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,  # fp32: TRL's own path rounds its logits to the product's dtype
         seed=case_seed() % 2**31,
         **config,
     )
@@ -174,6 +174,28 @@ def test_patched_logps_and_entropies_match_trls_own(model_dir, temperature, batc
     assert ("lm_head.bias" in grads) == (variant == "bias")
     for name, grad in want[2].items():  # fp32 sums in another order: relative to each tensor's size
         assert (grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+
+
+@pytest.mark.parametrize("cast_lm_head_to_fp32", [False, True])
+def test_under_bf16_autocast(model_dir, cast_lm_head_to_fp32):
+    """GRPO's default bf16 autocast: the head's product takes bf16 inputs as TRL's does, or
+    fp32 ones with ``cast_lm_head_to_fp32`` (then both paths agree to fp32's error); fuser's
+    logits stay fp32 where TRL rounds them to bf16, hence the looser bound without the cast."""
+    trainer = grpo_trainer(model_dir, temperature=0.8, bf16=True, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    ids, mask = sequences()
+    keep = 6
+    upstream = (torch.randn(5, keep), torch.rand(5, keep) + 0.5)
+    want = logps_and_grads(trainer, ids, mask, keep, 2, upstream)
+    patch(trainer)
+    got = logps_and_grads(trainer, ids, mask, keep, 2, upstream)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    tol = 2e-6 if cast_lm_head_to_fp32 else 5e-3
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
+    for name, grad in want[2].items():
+        assert (got[2][name] - grad).abs().max() <= (
+            1e-4 if cast_lm_head_to_fp32 else 5e-2
+        ) * grad.abs().max(), name
 
 
 def test_reference_model_and_plain_calls(model_dir):
