@@ -1,4 +1,4 @@
-"""A GRPO loss on fuser's per-token log-probabilities and entropy.
+"""GRPO, DPO and SimPO losses on fuser's per-token log-probabilities and entropy.
 
 ``fuser.losses.token_logprobs`` computes each completion token's log-probability under the
 policy head and the entropy of its distribution straight from the last hidden states,
@@ -8,6 +8,13 @@ rest of the objective is a few lines of torch over ``[B, S]`` tensors: the clipp
 policy's log-probabilities through the k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
 with weight ``beta``, an entropy bonus, and DAPO's token-level normalisation (the sum over
 every completion token of the batch over their count).
+
+The preference losses sum the same per-token log-probabilities over each sequence's
+completion tokens (``-100`` elsewhere), the batch holding the chosen sequences and then the
+rejected ones, as TRL concatenates them: DPO against a frozen reference head (TRL's
+``DPOTrainer``, ``loss_type="sigmoid"``, with the conservative ``label_smoothing`` of
+``CPOTrainer``'s sigmoid loss), and SimPO on length-normalised sums with a target margin
+(TRL's ``CPOTrainer(loss_type="simpo", cpo_alpha=0)``).
 
 Run it as a script to take a few steps on a tiny policy head; on a machine with no GPU the
 kernels run through Triton's interpreter on CPU tensors.
@@ -48,6 +55,43 @@ def grpo_loss(
     # --8<-- [end:grpo]
 
 
+# --8<-- [start:preference]
+def sequence_logps(hidden, weight, target, *, average=False):
+    """Sum (or mean) of each sequence's log-probs over its counted tokens: [N, S] -> [N]."""
+    logp = fuser.losses.token_logprobs(hidden, weight, target)  # 0 where target is -100
+    total = logp.sum(-1)
+    return total / (target != -100).sum(-1).clamp(min=1) if average else total
+
+
+def preference_loss(margin, label_smoothing=0.0):
+    """-log sigmoid(margin), mixed with the flipped preference by label_smoothing."""
+    sig = torch.nn.functional.logsigmoid
+    return (-(1 - label_smoothing) * sig(margin) - label_smoothing * sig(-margin)).mean()
+
+
+def dpo_loss(
+    hidden,  # [2N, S, H] the policy's last hidden states: N chosen sequences, then N rejected
+    weight,  # [V, H] its output head
+    ref_hidden,  # [2N, S, H'] the frozen reference model's, on the same sequences
+    ref_weight,  # [V, H'] its head
+    target,  # [2N, S] next-token ids, -100 at prompt and padding
+    *,
+    beta=0.1,
+    label_smoothing=0.0,
+):
+    logps = sequence_logps(hidden, weight, target)
+    with torch.no_grad():
+        ref_logps = sequence_logps(ref_hidden, ref_weight, target)
+    chosen, rejected = (logps - ref_logps).chunk(2)  # log-ratios to the reference
+    return preference_loss(beta * (chosen - rejected), label_smoothing)
+
+
+def simpo_loss(hidden, weight, target, *, beta=2.0, gamma=0.5, label_smoothing=0.0):
+    chosen, rejected = sequence_logps(hidden, weight, target, average=True).chunk(2)
+    return preference_loss(beta * (chosen - rejected) - gamma, label_smoothing)
+    # --8<-- [end:preference]
+
+
 def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -69,6 +113,18 @@ def main():
         loss.backward()
         opt.step()
         print(f"step {step}: GRPO loss {loss.item():+.6f}")
+
+    # Preference pairs: 2 chosen then 2 rejected completions after a 3-token prompt.
+    target = torch.randint(0, V, (4, S), device=device)
+    target[:, :3] = -100
+    target[1::2, -2:] = -100  # shorter completions, padded
+    for step in range(2):
+        dpo = dpo_loss(hidden, weight, hidden, reference, target, beta=0.1)
+        simpo = simpo_loss(hidden, weight, target)
+        opt.zero_grad()
+        (dpo + simpo).backward()
+        opt.step()
+        print(f"step {step}: DPO loss {dpo.item():+.6f}, SimPO loss {simpo.item():+.6f}")
 
 
 if __name__ == "__main__":

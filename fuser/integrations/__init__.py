@@ -1,2 +1,3 @@
 """Integrations with training frameworks; each module imports its framework on use:
-``fuser.integrations.transformers`` (Hugging Face ``Trainer`` and causal LMs)."""
+``fuser.integrations.transformers`` (Hugging Face ``Trainer`` and causal LMs),
+``fuser.integrations.trl`` (TRL's ``GRPOTrainer``)."""

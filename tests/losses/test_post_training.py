@@ -408,7 +408,7 @@ def test_example_grpo_loss_matches_float64():
 def test_example_runs(capsys):
     _example().main()
     out = capsys.readouterr().out
-    assert out.count("GRPO loss") == 3 and "nan" not in out
+    assert out.count("GRPO loss") == 3 and out.count("SimPO loss") == 2 and "nan" not in out
 
 
 @pytest.mark.gpu
