@@ -357,6 +357,7 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         output_names=", ".join(plan.outputs),
         token=plan.token,
         teacher=plan.teacher,
+        reads_t_y=plan.teacher and T_Y in _plan_symbols(plan),
         grad_reads_t=any(T in e.free_symbols for e in [e for _, e in plan.grad.body] + [plan.grad_value]),
         token_inputs=[*plan.inputs, *(f"d {n}" for n in plan.outputs)] if plan.token else [],
         input_loads=_input_loads(plan) if plan.token else [],
@@ -366,6 +367,13 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         residue=has_residue(plan),
         rounded=f"{store_cast('d_y', plan.dtype)}.to(tl.float32)",
     )
+
+
+def _plan_symbols(plan: LossPlan) -> set:
+    """Every symbol the kernel's expressions read."""
+    exprs = [e for p in plan.passes for _, e in p.prologue + p.body] + [a.arg for a in plan.reductions]
+    exprs += [e for _, e in plan.epilogue + plan.grad.body] + [plan.loss, plan.grad_value, *plan.values]
+    return set().union(*(e.free_symbols for e in exprs))
 
 
 def _output_lines(plan: LossPlan, printer) -> list[dict]:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 import fuser
 import fuser.losses
+from fuser.codegen.loss import render_loss
+from fuser.ir.loss import lower_loss
 from fuser.losses.builtins import DISTILL_JSD
 from fuser.runtime.loss import tokens
 
@@ -269,3 +271,32 @@ def test_teacher_errors():
         fuser.losses.distill(x, w, tx, tw, y, beta=1.5)
     with pytest.raises(ValueError, match="temperature must be positive"):
         fuser.losses.distill(x, w, tx, tw, y, temperature=0.0)
+
+
+def test_teacher_kernel_renders_deterministically_and_reads_t_once_per_sweep():
+    """The JSD's row kernel renders byte-identically twice, quotes the rule, takes the
+    teacher's buffer last and loads ``t`` only in the sweeps whose reductions read it."""
+    a = render_loss(lower_loss(DISTILL_JSD, "fp32"), block=16)
+    b = render_loss(lower_loss(DISTILL_JSD, "fp32"), block=16)
+    assert a.text == b.text and a.signature[-1] == ("teacher", "*fp32")
+    assert "#   lm = (ls + lt + abs(d)) / 2" in a.text
+    assert "t_y = tl.load(tbase + y_safe" not in a.text  # (the rule reads no t[y])
+    # two sweeps and the gradient sweep, each a full-block load and a masked tail
+    assert a.text.count("t = tl.load(tbase + cols") == 6
+
+
+def test_main_grad_with_a_teacher():
+    """``accumulate_into="main_grad"``: the student's weight gradient is added into its fp32
+    ``main_grad``, as float64's."""
+    x, w, tx, tw, y = draw()
+    w.main_grad = torch.randn(V, H)
+    before = w.main_grad.clone()
+    out = fuser.losses.distill(x, w, tx, tw, y, kind="kl", temperature=0.9)
+    (rx, rw), ref = reference(x, w, tx, tw, y, kind="kl", temperature=0.9)
+    ref.backward()
+    f = fuser.compile(fuser.losses.DISTILL_KL)
+    x2 = x.detach().clone().requires_grad_()
+    again = f(x2, w, y, teacher_hidden=tx, teacher_weight=tw, temperature=0.9, accumulate_into="main_grad")
+    again.backward()
+    assert again.item() == out.item() and rel(x2.grad, rx.grad) < FP32
+    assert rel(w.main_grad - before, rw.grad) < FP32 and tx.grad is None and tw.grad is None
