@@ -62,7 +62,10 @@ class CompiledLoss:
     ``ignore_index`` (0 when all are ignored), ``"sum"``, or ``"none"`` (one loss per token,
     0 where ignored). A rule with per-token inputs takes each by keyword, a tensor of
     ``target``'s shape; one with outputs other than ``("loss",)`` returns a tuple of them,
-    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). With
+    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). One
+    that reads the teacher's logits ``t`` takes ``teacher_hidden=`` (``[T, H_t]``, in
+    ``hidden``'s leading shape), ``teacher_weight=`` (``[V, H_t]``) and optionally
+    ``teacher_bias=``, none of which gets a gradient. With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
     (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
     inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return
