@@ -16,6 +16,7 @@ from fuser.codegen.printer import TritonPrinter
 from fuser.codegen.render import MAX_COMBINE, SUM, SUM_COMBINE, environment, helpers_source, store_cast
 from fuser.codegen.source import KernelSource
 from fuser.ir.loss import IS_Y, VOCAB, Z_Y, Accumulator, LossPlan, Pass, Z
+from fuser.rules.loss import T_Y, T
 from fuser.rules.parse import symbol
 
 TRITON_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
@@ -48,7 +49,7 @@ class LossNames(dict):
     ``$``) by their name without it."""
 
     def __init__(self, hyper: tuple[str, ...], inputs: tuple[str, ...] = ()):
-        super().__init__({Z: "z", Z_Y: "z_y", VOCAB: "vocab", IS_Y: "is_y"})
+        super().__init__({Z: "z", Z_Y: "z_y", T: "t", T_Y: "t_y", VOCAB: "vocab", IS_Y: "is_y"})
         self.update({symbol(h): f"h_{h}" for h in hyper})
         self.update({symbol(n): f"in_{n}" for n in inputs})
 
@@ -182,6 +183,7 @@ def pass_context(p: Pass, printer, accumulator_lines) -> dict:
     body = indicator_lines(exprs, printer)
     body += [f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.body]
     return dict(
+        reads_t=any(T in e.free_symbols for e in exprs),
         summary=", ".join(f"r{a.index} = {a.op}(...)" for a in p.accumulators),
         prologue=[f"{printer.names[s]} = {printer.doprint_expr(e)}" for s, e in p.prologue],
         init=init,
@@ -203,6 +205,10 @@ def loss_entry(plan: LossPlan) -> str:
 # upstream gradient of each output, as rows of one fp32 tensor, and write each output as a
 # row of ``loss``; both have rows ``token_stride`` elements apart.
 TOKEN_SIGNATURE_TAIL = (("inputs", "*fp32"), ("token_stride", "i64"))
+
+# A rule that reads the teacher's logits takes them as a second fp32 buffer of the
+# student's row stride, after the token arguments.
+TEACHER_SIGNATURE_TAIL = (("teacher", "*fp32"),)
 
 SHARDED_SIGNATURE_TAIL = (("red", "*fp32"), ("part", "*fp32"), ("col_offset", "i64"), ("vocab_total", "i64"))
 
@@ -285,6 +291,10 @@ def render_loss(
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, not {block}")
     sharded = stage is not None
+    if sharded and plan.teacher:
+        raise ValueError(
+            f"{plan.name} reads the teacher's logits: no vocabulary-parallel kernels take them yet"
+        )
     if sharded and not 0 <= stage <= len(plan.passes):
         raise ValueError(f"stage must be in [0, {len(plan.passes)}], not {stage}")
     entry = loss_entry(plan) + (f"_vp{stage}" if sharded else "")
@@ -293,6 +303,8 @@ def render_loss(
     signature = (("logits", TRITON_DTYPES[plan.dtype]), ("stride", "i32")) + SIGNATURE_TAIL
     if plan.token:
         signature += TOKEN_SIGNATURE_TAIL
+    if plan.teacher:
+        signature += TEACHER_SIGNATURE_TAIL
     if sharded:
         signature += SHARDED_SIGNATURE_TAIL
     return KernelSource(
@@ -344,6 +356,9 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         outputs=_output_lines(plan, printer),
         output_names=", ".join(plan.outputs),
         token=plan.token,
+        teacher=plan.teacher,
+        reads_t_y=plan.teacher and T_Y in _plan_symbols(plan),
+        grad_reads_t=any(T in e.free_symbols for e in [e for _, e in plan.grad.body] + [plan.grad_value]),
         token_inputs=[*plan.inputs, *(f"d {n}" for n in plan.outputs)] if plan.token else [],
         input_loads=_input_loads(plan) if plan.token else [],
         grad=dict(body=grad_body),
@@ -352,6 +367,13 @@ def _template_context(plan: LossPlan, stage: int | None) -> dict:
         residue=has_residue(plan),
         rounded=f"{store_cast('d_y', plan.dtype)}.to(tl.float32)",
     )
+
+
+def _plan_symbols(plan: LossPlan) -> set:
+    """Every symbol the kernel's expressions read."""
+    exprs = [e for p in plan.passes for _, e in p.prologue + p.body] + [a.arg for a in plan.reductions]
+    exprs += [e for _, e in plan.epilogue + plan.grad.body] + [plan.loss, plan.grad_value, *plan.values]
+    return set().union(*(e.free_symbols for e in exprs))
 
 
 def _output_lines(plan: LossPlan, printer) -> list[dict]:

@@ -25,6 +25,11 @@ A *token* rule (per-token inputs, or outputs other than ``("loss",)``) lowers ev
 ``O_i`` and the gradient of ``L' = sum_i dout_i * O_i``, where ``dout_i`` (``dout$<i>``) is
 the upstream gradient of output ``i``, one per-token input of the gradient sweep like the
 rule's own inputs: one derivation covers any mix of upstream gradients.
+
+A rule that reads the teacher's logit ``t`` (and ``t_y``) lowers it as a second
+per-element (per-token) value beside ``z`` (``z_y``): reductions may reduce expressions of
+both, and only the student's ``z`` is differentiated. A reduction that depends on no ``z``
+(``logsumexp(t)``) takes no adjoint, so it adds no reductions to the derivation.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.rules.functions import LogSumExp, Max, Mean, Reduction, Sum
-from fuser.rules.loss import is_token_rule
+from fuser.rules.loss import T, is_token_rule, reads_teacher
 from fuser.rules.parse import symbol
 from fuser.rules.rule import ZY, Rule
 
@@ -103,6 +108,8 @@ class LossPlan:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ("loss",)
     values: tuple[sympy.Expr, ...] = ()
+    # Whether the kernels read the teacher's fp32 logits (``t``, ``t_y``) beside the student's.
+    teacher: bool = False
 
     @property
     def token(self) -> bool:
@@ -176,7 +183,7 @@ def _diff(e: sympy.Expr, s: sympy.Symbol) -> sympy.Expr:
 
 def _element_free(e: sympy.Expr) -> bool:
     """Whether ``e`` is one number per token (reads no per-element symbol)."""
-    return not any(s == Z or s == IS_Y or s.name.startswith("is_max$") for s in e.free_symbols)
+    return not any(s in (Z, T, IS_Y) or s.name.startswith("is_max$") for s in e.free_symbols)
 
 
 def objective(rule: Rule) -> sympy.Expr:
@@ -193,13 +200,20 @@ def derive(rule: Rule) -> tuple[_Graph, sympy.Expr, sympy.Expr, dict[int, sympy.
     graph = _Graph()
     loss = graph.lower(objective(rule))
     primary = len(graph.nodes)
+    # The reductions that depend on the student's logits (of a teacher's alone: none of
+    # them, so nothing is differentiated through them).
+    student = set()
+    for node in graph.nodes[:primary]:
+        reads = node.arg.free_symbols
+        if Z in reads or Z_Y in reads or any(s in student for s in reads):
+            student.add(node.sym)
 
     # dR_m/dc for every reduction m and per-token scalar c it reads.
     jac: dict[int, dict[sympy.Symbol, sympy.Expr]] = {}
     for node in list(graph.nodes[:primary]):
         jac[node.index] = {}
         scalars = sorted(
-            (s for s in node.arg.free_symbols if s == Z_Y or s.name.startswith("r$")),
+            (s for s in node.arg.free_symbols if s == Z_Y or s in student),
             key=sympy.default_sort_key,
         )
         for c in scalars:
@@ -235,13 +249,19 @@ def derive(rule: Rule) -> tuple[_Graph, sympy.Expr, sympy.Expr, dict[int, sympy.
     return graph, loss, grad, adj, adj_y
 
 
+# The largest ratio (in sympy's count of operations) that ``_reduction_derivative`` tries to
+# simplify to a per-token value: a generalised JSD's summand takes sympy tens of seconds and
+# simplifies to nothing; every ratio of the built-ins that simplify sees is under 35.
+SIMPLIFY_OPS = 40
+
+
 def _reduction_derivative(graph: _Graph, node: _Node, g: sympy.Expr) -> sympy.Expr:
     """d R / d c for reduction ``node`` where ``g = d f / d c`` per element."""
     if node.op == "sum":
         if _element_free(g):
             return g * VOCAB
         ratio = sympy.powsimp(g / node.arg)
-        if not _element_free(ratio):
+        if not _element_free(ratio) and sympy.count_ops(ratio) <= SIMPLIFY_OPS:
             ratio = sympy.simplify(ratio)
         if _element_free(ratio):
             return ratio * node.sym
@@ -352,6 +372,7 @@ def lower_loss(rule: Rule, dtype: str = "fp32") -> LossPlan:
         inputs=rule.inputs,
         outputs=tuple(n for n, _ in rule.outputs),
         values=tuple(reduced[:k]) if token else (),
+        teacher=reads_teacher(rule),
     )
 
 

@@ -26,7 +26,7 @@ from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.losses import tokens
 from fuser.losses.checks import check_tensors, live_rows
-from fuser.rules.loss import is_token_rule
+from fuser.rules.loss import is_token_rule, reads_teacher
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.choice import (
     SCALED_DTYPES,
@@ -62,7 +62,10 @@ class CompiledLoss:
     ``ignore_index`` (0 when all are ignored), ``"sum"``, or ``"none"`` (one loss per token,
     0 where ignored). A rule with per-token inputs takes each by keyword, a tensor of
     ``target``'s shape; one with outputs other than ``("loss",)`` returns a tuple of them,
-    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). With
+    fp32 of ``target``'s shape, and takes no ``reduction`` (``fuser.losses.tokens``). One
+    that reads the teacher's logits ``t`` takes ``teacher_hidden=`` (``[T, H_t]``, in
+    ``hidden``'s leading shape), ``teacher_weight=`` (``[V, H_t]``) and optionally
+    ``teacher_bias=``, none of which gets a gradient. With
     ``accumulate_into="main_grad"`` the weight gradient is added into ``weight.main_grad``
     (fp32) instead of being returned (Megatron's contract). The loss is fp32 whatever the
     inputs' dtype, as ``F.cross_entropy`` of fp32 logits, Liger and Cut Cross-Entropy return
@@ -336,14 +339,22 @@ class CompiledLoss:
         accumulate_into: str | None = None,
         process_group=None,
         memory: str = "auto",
+        teacher_hidden: torch.Tensor | None = None,
+        teacher_weight: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
         **hyper_overrides,
     ) -> torch.Tensor:
         token = is_token_rule(self.rule)
+        teacher = (teacher_hidden, teacher_weight, teacher_bias)
         if token:
             inputs, hyper_overrides = tokens.split_keywords(self.rule, hyper_overrides)
             tokens.check_options(self.rule, self.schedule, memory, reduction)
+        elif any(t is not None for t in teacher):
+            tokens.teacher_tensors(self.rule, hidden, weight, *teacher, process_group)  # (raises)
         reduction = "mean" if reduction is None else reduction
         dtype = _check_call(hidden, weight, target, bias, reduction, accumulate_into)
+        if token:
+            teacher = tokens.teacher_tensors(self.rule, hidden, weight, *teacher, process_group)
         if memory not in MEMORY:
             raise ValueError(f"memory must be one of {MEMORY}, not {memory!r}")
         if memory != "auto" and self.schedule != "auto":
@@ -368,7 +379,7 @@ class CompiledLoss:
             t is not None and t.requires_grad for t in (hidden, weight, bias)
         )
         if token:
-            keywords = dict(main_grad=main_grad, want_grad=want_grad, group=process_group)
+            keywords = dict(main_grad=main_grad, want_grad=want_grad, group=process_group, teacher=teacher)
             return self._token_call(call, x, weight, bias, y, inputs, target, reduction, **keywords)
         out = self._run_call(
             call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
@@ -383,11 +394,14 @@ class CompiledLoss:
         return self.kernel_source("fp32")
 
     def _token_call(
-        self, call: _Call, x, weight, bias, y, inputs, target, reduction, *, main_grad, want_grad, group
-    ):
+        self, call: _Call, x, weight, bias, y, inputs, target, reduction, *, main_grad, want_grad, group,
+        teacher=None,
+    ):  # fmt: skip
         """A token rule's call (``fuser.losses.tokens``): its outputs as a tuple of fp32
         tensors of ``target``'s shape, or, for a rule whose one output is ``loss``, that
-        loss reduced by ``reduction``; with ``group``, over this rank's vocabulary slice."""
+        loss reduced by ``reduction`` (``"mean"``: over the targets not ignored); with
+        ``group``, over this rank's vocabulary slice; ``teacher``: the teacher's ``(hidden,
+        weight, bias)`` for a rule that reads ``t``."""
         rows = tokens.input_rows(self.rule, inputs, target, call.device)
         shards = None if group is None else self._vocab_slices(call, group)
         slices = None if shards is None else shards[0]
@@ -413,6 +427,7 @@ class CompiledLoss:
         outs, count = tokens.run_token_rule(
             self.rule, x, weight, bias, y, rows, target.shape,
             main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
+            teacher=teacher,
         )  # fmt: skip
         if tuple(n for n, _ in self.rule.outputs) != ("loss",):
             return outs
@@ -670,6 +685,8 @@ def kernel_sources(
     for fp32 logits, whatever ``dtype``."""
     f = CompiledLoss(rule, **options)
     if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
+        if reads_teacher(rule):  # (one device only: no vocabulary-parallel sequence yet)
+            return [f.token_source()]
         return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
     staged = list(f.sharded_kernel_sources(dtype)[0])
     sweeps, grad = f.matmul_kernel_sources(dtype)

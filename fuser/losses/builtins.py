@@ -121,6 +121,48 @@ SOFTCAP_TOKEN_LOGPROBS_ENTROPY = loss(
     outputs=("logp", "entropy"),
 )
 
+# Distillation: a divergence between softmax(t / temperature) of the teacher's logits and
+# softmax(z / temperature) of the student's, summed over the vocabulary, plus `hard_weight`
+# times the cross-entropy of the student's raw logits on the target (as Liger's
+# LigerFusedLinearJSDLoss weighs its hard loss; no temperature**2 factor, as there).
+_DISTILL = """\
+    s = z / temperature
+    u = t / temperature
+    lse_s = logsumexp(s)
+    lse_t = logsumexp(u)
+"""
+_HARD = """\
+    loss = soft + hard_weight * (logsumexp(z) - z[y])
+"""
+DISTILL_KL = loss(
+    _DISTILL + "    soft = sum(exp(u - lse_t) * (u - lse_t - s + lse_s))\n" + _HARD,
+    name="distill_kl",
+    hyper=dict(temperature=1.0, hard_weight=0.0),
+)
+DISTILL_REVERSE_KL = loss(
+    _DISTILL + "    soft = sum(exp(s - lse_s) * (s - lse_s - u + lse_t))\n" + _HARD,
+    name="distill_reverse_kl",
+    hyper=dict(temperature=1.0, hard_weight=0.0),
+)
+# The generalised JSD of GKD (Agarwal et al. 2024) for 0 < beta < 1, as Liger's:
+# beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s;
+# log m about the larger of the two log-probabilities, (ls + lt + |lt - ls|) / 2, so that
+# neither exp overflows and their sum never underflows to log(0).
+# (beta = 0 and 1 are forward and reverse KL in Liger's convention: distill() runs those.)
+DISTILL_JSD = loss(
+    _DISTILL
+    + """\
+    ls = s - lse_s
+    lt = u - lse_t
+    d = lt - ls
+    lm = (ls + lt + abs(d)) / 2 + log((1 - beta) * exp(-(d + abs(d)) / 2) + beta * exp((d - abs(d)) / 2))
+    soft = beta * sum(exp(lt) * (lt - lm)) + (1 - beta) * sum(exp(ls) * (ls - lm))
+"""
+    + _HARD,
+    name="distill_jsd",
+    hyper=dict(beta=0.5, temperature=1.0, hard_weight=0.0),
+)
+
 RULES = (
     CROSS_ENTROPY,
     CROSS_ENTROPY_FULL,
@@ -133,6 +175,9 @@ RULES = (
     TOKEN_LOGPROBS_ENTROPY,
     SOFTCAP_TOKEN_LOGPROBS,
     SOFTCAP_TOKEN_LOGPROBS_ENTROPY,
+    DISTILL_JSD,
+    DISTILL_KL,
+    DISTILL_REVERSE_KL,
 )
 
 
@@ -278,3 +323,78 @@ def token_logprobs(
         hidden, weight, target, ignore_index=ignore_index, process_group=process_group, memory=memory, **hyper
     )
     return out if entropy else out[0]
+
+
+DISTILL_KINDS = ("jsd", "kl", "reverse_kl")
+
+
+def distill(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    kind: str = "jsd",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    hard_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused distillation loss of the student's head ``z = hidden @ weight.T (+ bias)``
+    towards the teacher's ``t = teacher_hidden @ teacher_weight.T (+ teacher_bias)`` (the
+    teacher's hidden size may differ from the student's), per token, with both logits
+    divided by ``temperature``, plus ``hard_weight`` times the cross-entropy of the
+    student's raw logits on ``target``:
+
+    - ``"kl"``: forward KL, teacher to student, ``sum p_t (log p_t - log p_s)``;
+    - ``"reverse_kl"``: ``sum p_s (log p_s - log p_t)``;
+    - ``"jsd"``: Liger's generalised JSD (``LigerFusedLinearJSDLoss``, whose ``beta``
+      conventions it keeps): ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with
+      ``m = beta * p_t + (1 - beta) * p_s`` for ``0 < beta < 1``; ``beta=0`` is the forward
+      KL and ``beta=1`` the reverse KL (not the limits, which are 0).
+
+    Tokens whose ``target`` is ``ignore_index`` contribute nothing (with ``target=None``
+    none is ignored, and ``hard_weight`` must be 0). ``reduction``: ``"mean"`` over the
+    tokens not ignored (0 when all are), ``"sum"``, or ``"none"`` (fp32 per token of
+    ``hidden``'s leading shape, 0 where ignored). Gradients reach the student's ``hidden``,
+    ``weight`` and ``bias`` only; both heads' logits are accumulated and kept in fp32 and
+    never hold ``[T, V]`` at once (chunks of tokens, each rule a fuser loss rule:
+    ``DISTILL_JSD``, ``DISTILL_KL``, ``DISTILL_REVERSE_KL``).
+    """
+    if kind not in DISTILL_KINDS:
+        raise ValueError(f"kind must be one of {DISTILL_KINDS}, not {kind!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], not {beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    if not hard_weight >= 0:
+        raise ValueError(f"hard_weight must be >= 0, not {hard_weight}")
+    if target is None:
+        if hard_weight != 0:
+            raise ValueError(
+                f"hard_weight={hard_weight} weighs the cross-entropy on target: pass target= "
+                "(class indices in hidden's leading shape), or leave hard_weight at 0"
+            )
+        target = torch.zeros(hidden.shape[:-1], dtype=torch.int64, device=hidden.device)
+        ignore_index = -1  # (no token is ignored)
+    hyper = dict(temperature=temperature, hard_weight=hard_weight)
+    if kind == "jsd" and beta in (0.0, 1.0):
+        kind = "kl" if beta == 0.0 else "reverse_kl"
+    elif kind == "jsd":
+        hyper["beta"] = beta
+    return _compiled(f"distill_{kind}")(
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        teacher_hidden=teacher_hidden,
+        teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias,
+        **hyper,
+    )

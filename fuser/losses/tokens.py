@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fuser.rules.loss import reads_teacher
 from fuser.runtime.loss.tokens import TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
@@ -51,6 +52,51 @@ def check_options(rule, schedule: str, memory: str, reduction) -> None:
         )
 
 
+def teacher_tensors(rule, hidden, weight, teacher_hidden, teacher_weight, teacher_bias, group):
+    """The teacher's ``(hidden [T, H_t], weight, bias)`` of a call to a rule that reads ``t``
+    (``None`` for one that does not), after raising ``TypeError`` for a teacher missing or
+    given to a rule that reads none, and ``ValueError`` for shapes, devices or a
+    ``process_group`` the call does not take."""
+    given = [n for n, v in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
+                            ("teacher_bias", teacher_bias)) if v is not None]  # fmt: skip
+    if not reads_teacher(rule):
+        if given:
+            raise TypeError(f"{rule.name}() got {', '.join(given)}, but the rule reads no teacher logit t")
+        return None
+    if teacher_hidden is None or teacher_weight is None:
+        raise TypeError(
+            f"{rule.name} reads the teacher's logits t: pass teacher_hidden= ([T, H_t], hidden's "
+            "leading shape) and teacher_weight= ([V, H_t]), with teacher_bias= optional"
+        )
+    if group is not None:
+        raise ValueError(f"{rule.name} reads the teacher's logits, which process_group= does not take yet")
+    th, tw, tb = teacher_hidden, teacher_weight, teacher_bias
+    lead, vocab = list(hidden.shape[:-1]), weight.shape[0]
+    if th.dim() < 1 or list(th.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_hidden must be [{', '.join(map(str, lead))}, H_t] (hidden's leading shape, then "
+            f"the teacher's hidden size), not {list(th.shape)}"
+        )
+    if tw.dim() != 2 or list(tw.shape) != [vocab, th.shape[-1]]:
+        raise ValueError(
+            f"teacher_weight must be [V, H_t] = [{vocab}, {th.shape[-1]}] (weight's V, teacher_hidden's "
+            f"last size), not {list(tw.shape)}"
+        )
+    if tb is not None and list(tb.shape) != [vocab]:
+        raise ValueError(f"teacher_bias must be [{vocab}] (weight's V), not {list(tb.shape)}")
+    if tw.dtype != th.dtype or (tb is not None and tb.dtype != th.dtype) or not th.dtype.is_floating_point:
+        got = ", ".join(str(t.dtype) for t in (th, tw, tb) if t is not None)
+        raise TypeError(
+            f"teacher_hidden, teacher_weight and teacher_bias must share a float dtype, not {got}"
+        )
+    devices = {str(t.device) for t in (th, tw, tb) if t is not None}
+    if devices != {str(hidden.device)}:
+        raise ValueError(
+            f"the teacher's tensors must be on hidden's device {hidden.device}, not {sorted(devices)}"
+        )
+    return th.reshape(-1, th.shape[-1]), tw, tb
+
+
 def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The per-token inputs as one fp32 ``[m, T]`` tensor (``T``: target's elements), after
     raising for one that is no float tensor of ``target``'s shape on its device."""
@@ -73,15 +119,25 @@ def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -
     return torch.stack(rows)
 
 
-def run_token_rule(rule, x, weight, bias, y, inputs, shape, *, main_grad, want_grad, count_rows, make_run):
+def run_token_rule(
+    rule, x, weight, bias, y, inputs, shape, *, main_grad, want_grad, count_rows, make_run, teacher=None
+):
     """The outputs of a token rule's call, fp32 of ``shape`` each (a tuple, in the rule's
     order), and the count of targets not ignored: rows whose target is ``ignore_index`` are
     left out of the kernels (``count_rows`` finds them, once per call, and checks the other
-    targets) and get 0 in every output. ``make_run(count)``: the run for ``count`` rows."""
+    targets) and get 0 in every output. ``make_run(count)``: the run for ``count`` rows.
+    ``teacher``: the teacher's ``(hidden [T, H_t], weight, bias)`` for a rule that reads
+    ``t`` (detached here: no gradient reaches them)."""
     n = y.shape[0]
     idx, count = count_rows(y)
+    if teacher is not None:
+        teacher = tuple(None if t is None else t.detach() for t in teacher)
     if idx is not None:
         x, y, inputs = x.index_select(0, idx), y.index_select(0, idx), inputs.index_select(1, idx)
+        if teacher is not None:
+            teacher = (teacher[0].index_select(0, idx), *teacher[1:])
+    if teacher is not None:
+        teacher = tuple(None if t is None else t.contiguous() for t in teacher)
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     k = len(rule.outputs)
@@ -89,8 +145,9 @@ def run_token_rule(rule, x, weight, bias, y, inputs, shape, *, main_grad, want_g
         zero = (x.sum() * 0 + weight.sum() * 0).float()
         outs = [zero.expand(0) for _ in range(k)]
     else:
+        run = make_run(count)
         outs = TokenLoss.apply(
-            x, weight, bias, y, inputs.contiguous(), make_run(count), k, main_grad, want_grad
+            x, weight, bias, y, inputs.contiguous(), run, k, main_grad, want_grad, *(teacher or ())
         )
     result = []
     for o in outs:

@@ -7,6 +7,10 @@ hyperparameters, its per-token inputs (``inputs=``) and vocabulary reductions, a
 the transformed value. In the sympy form, the symbol ``z`` always stands for the *raw*
 logit and ``z_y`` for the raw logit at the target, so derivatives with respect to them are
 derivatives with respect to the logits the matmul produced.
+
+A rule may also read ``t``, the teacher's (reference model's) raw logit at the same
+vocabulary index, and ``t[y]`` (``t_y``); ``t`` may be reassigned like ``z``. Such a rule
+takes ``teacher_hidden=`` and ``teacher_weight=`` at the call, and no gradient reaches them.
 """
 
 from __future__ import annotations
@@ -21,21 +25,25 @@ import sympy
 from fuser.errors import RuleError
 from fuser.rules.functions import ELEMENTWISE, LOSS_REDUCTIONS, Reduction
 from fuser.rules.parse import Language, Statement, parse_text, symbol
-from fuser.rules.rule import LOSS_INPUTS, ZY, Rule, check_names, identifier
+from fuser.rules.rule import LOSS_INPUTS, TY, ZY, Rule, check_names, identifier
 
 Z = symbol("z")
 Z_Y = symbol(ZY)
+T = symbol("t")  # the teacher's raw logit
+T_Y = symbol(TY)
 Y = symbol("y")
+# Each per-element symbol and its value at the target.
+AT_TARGET = {Z: Z_Y, T: T_Y}
 
 
 def at_target(expr: sympy.Expr) -> sympy.Expr:
-    """``expr`` (a function of the logit ``z``) evaluated at the target: every ``z``
-    outside a vocabulary reduction becomes ``z_y``; reductions are per-token values and
-    stay as they are."""
+    """``expr`` (a function of the logits ``z`` and ``t``) evaluated at the target: every
+    ``z`` (``t``) outside a vocabulary reduction becomes ``z_y`` (``t_y``); reductions are
+    per-token values and stay as they are."""
     if isinstance(expr, Reduction):
         return expr
-    if expr == Z:
-        return Z_Y
+    if expr in AT_TARGET:
+        return AT_TARGET[expr]
     if not expr.args:
         return expr
     return expr.func(*[at_target(a) for a in expr.args])
@@ -55,10 +63,10 @@ def outer_symbols(expr: sympy.Basic) -> set[sympy.Symbol]:
 
 def loss_language(hyper: dict, inputs: tuple[str, ...] = ()) -> Language:
     return Language(
-        readable=frozenset({"z", "y", *hyper, *inputs}),
+        readable=frozenset({"z", "y", "t", *hyper, *inputs}),
         frozen=frozenset({"y", *hyper, *inputs}),
         reductions=LOSS_REDUCTIONS,
-        subscripts={("z", "y"): at_target},
+        subscripts={("z", "y"): at_target, ("t", "y"): at_target},
         per_token=frozenset(inputs),
     )
 
@@ -82,7 +90,7 @@ def loss(
         return lambda fn: loss(fn, name=name, hyper=hyper, inputs=inputs, outputs=outputs)
     rule_name = name or getattr(source, "__name__", None) or "loss"
     try:
-        check_names("loss", hyper, {}, LOSS_INPUTS)
+        check_names("loss", hyper, {}, (*LOSS_INPUTS, TY))
         inputs, outputs = _check_io(source, hyper, inputs, outputs)
         return build_loss_rule(source, identifier(rule_name), hyper, inputs, outputs)
     except RuleError as e:
@@ -111,11 +119,11 @@ def _check_io(source, hyper: dict, inputs, outputs) -> tuple[tuple[str, ...], tu
     inputs, outputs = _names(inputs, "inputs"), _names(outputs, "outputs")
     if not outputs:
         raise RuleError("outputs must name at least one per-token value the rule assigns")
-    reserved = {*LOSS_INPUTS, ZY, *ELEMENTWISE, *LOSS_REDUCTIONS}
+    reserved = {*LOSS_INPUTS, ZY, TY, *ELEMENTWISE, *LOSS_REDUCTIONS}
     for what, names in (("input", inputs), ("output", outputs)):
         for n in names:
             if n in reserved:
-                raise RuleError(f"{what} name {n!r} is reserved (it names z, y or a function)")
+                raise RuleError(f"{what} name {n!r} is reserved (it names z, y, t or a function)")
     for n in inputs:
         if n in hyper:
             raise _first_use(source, n, f"{n!r} is named as both a per-token input and a hyperparameter")
@@ -148,9 +156,15 @@ def _first_use(source, name: str, message: str) -> RuleError:
 
 
 def is_token_rule(rule: Rule) -> bool:
-    """Whether a loss rule reads per-token inputs or has outputs besides ``("loss",)``: its
-    compiled call takes ``[T]`` inputs by keyword and, for other outputs, returns them."""
-    return bool(rule.inputs) or tuple(n for n, _ in rule.outputs) != ("loss",)
+    """Whether a loss rule reads per-token inputs, a teacher's logits or has outputs besides
+    ``("loss",)``: its compiled call takes ``[T]`` inputs (and the teacher's head) by keyword
+    and, for other outputs, returns them."""
+    return bool(rule.inputs) or tuple(n for n, _ in rule.outputs) != ("loss",) or reads_teacher(rule)
+
+
+def reads_teacher(rule: Rule) -> bool:
+    """Whether a loss rule reads the teacher's logits ``t`` or ``t[y]``."""
+    return rule.kind == "loss" and any(e.has(T, T_Y) for _, e in rule.outputs)
 
 
 def build_loss_rule(
@@ -184,7 +198,7 @@ def _check(
     outputs: tuple[str, ...] = ("loss",),
 ) -> list[sympy.Expr]:
     """Validate the statements; return the final value of each output."""
-    allowed = {Z, Z_Y} | {symbol(h) for h in hyper} | {symbol(n) for n in inputs}
+    allowed = {Z, Z_Y, T, T_Y} | {symbol(h) for h in hyper} | {symbol(n) for n in inputs}
     last: dict[str, Statement] = {}
     for st in statements:
         expr = st.expr
@@ -194,10 +208,10 @@ def _check(
         if unknown:
             raise _error(f"unknown symbols {sorted(unknown)}", st, lines)
         for red in sorted(expr.atoms(Reduction), key=sympy.default_sort_key):
-            if Z not in outer_symbols(red.args[0]):
+            if not outer_symbols(red.args[0]) & {Z, T}:
                 raise _error(
-                    f"{red.op}(...) must reduce an expression of z over the vocabulary, "
-                    f"but its argument {red.args[0]} does not depend on z",
+                    f"{red.op}(...) must reduce an expression of z (or t) over the vocabulary, "
+                    f"but its argument {red.args[0]} does not depend on z or t",
                     st,
                     lines,
                 )
@@ -212,13 +226,14 @@ def _check(
                 line=statements[-1].line if statements else None,
             )
         st = last[out]
-        if Z in outer_symbols(st.expr):
-            raise _error(
-                f"{out} uses z outside a reduction: a per-token output may read z[y] and "
-                "reductions such as logsumexp(z), not z itself",
-                st,
-                lines,
-            )
+        for e in (Z, T):
+            if e in outer_symbols(st.expr):
+                raise _error(
+                    f"{out} uses {e} outside a reduction: a per-token output may read {e}[y] and "
+                    f"reductions such as logsumexp({e}), not {e} itself",
+                    st,
+                    lines,
+                )
         values.append(st.expr)
     return values
 
@@ -384,11 +399,14 @@ def _trace_arguments(fn, hyper: dict, inputs=()) -> tuple[list, dict]:
             kwargs[pname] = symbol(pname)
         elif pname == "z":
             args.append(Logits(Z))
+        elif pname == "t":
+            args.append(Logits(T))
         elif pname == "y":
             args.append(_TARGET)
         else:
             hint = " (make it keyword-only, after *)" if pname in hyper or pname in inputs else ""
-            raise RuleError(f"parameter {pname!r} is neither z nor y{hint}", line=1)
+            raise RuleError(f"parameter {pname!r} is neither z nor y (nor t, the teacher's logit){hint}",
+                            line=1)  # fmt: skip
     return args, kwargs
 
 

@@ -32,9 +32,10 @@ OPTIM_INPUTS = ("p", "g", "step")
 SHAPE_SYMBOLS = ("numel", "rows", "cols")
 # The value a step's closure returned (``opt.step(closure)``), one number per step.
 LOSS_VALUE = "loss"
-LOSS_INPUTS = ("z", "y")
-# The symbol that stands for the logit at the target, z[y].
+LOSS_INPUTS = ("z", "y", "t")
+# The symbols that stand for the logit at the target, z[y], and the teacher's there, t[y].
 ZY = "z_y"
+TY = "t_y"
 
 
 @dataclass(frozen=True, eq=False)

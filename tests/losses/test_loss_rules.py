@@ -54,7 +54,7 @@ def test_hyperparameter_names_are_checked():
     with pytest.raises(fuser.RuleError, match="reserved"):
         fuser.loss("loss = logsumexp(z) - z[y]", hyper=dict(z=1.0))
     with pytest.raises(fuser.RuleError, match="finite"):
-        fuser.loss("loss = logsumexp(z) - z[y]", hyper=dict(t=float("inf")))
+        fuser.loss("loss = logsumexp(z) - z[y]", hyper=dict(tau=float("inf")))
 
 
 def test_traced_function_errors():

@@ -11,6 +11,11 @@ row with ``d (sum_i dout_i * output_i) / d logits`` in fp32, which gives the chu
 for 16-bit inputs: the one rounding of the logit gradient, with the target column's
 residue added back in fp32, as the ``chunks`` schedule's).
 
+A rule that reads the teacher's logits (``t``) takes the teacher's hidden states, weight
+and bias beside the student's: each chunk's teacher logits are taken into a second fp32
+buffer beside the student's (in backward too, recomputed), read by the same kernel; they
+take no gradient.
+
 ``ShardedTokens`` runs the same with ``weight`` a rank's slice of the vocabulary
 (``process_group=``): the staged kernels of the rule's fp32 plan, their per-token partials
 combined across the group between sweeps as ``ShardedChunked`` combines them.
@@ -44,16 +49,18 @@ class TokenRun:
         self.ignore_index = int(ignore_index)
         self.chunk = chunk
 
-    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None) -> None:
+    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None, teacher=None) -> None:
         """Every output into ``out`` (fp32 ``[k, T]``); ``inputs`` (fp32 ``[m, T]``, or
         ``[m + k, T]`` with the upstream gradients after the rule's inputs). With any of
         ``gx`` (rows of the inputs' dtype), ``gw``, ``gb`` (fp32, added into) also the
-        gradients of ``sum_i dout_i * output_i``."""
+        gradients of ``sum_i dout_i * output_i``. ``teacher``: the teacher's ``(hidden,
+        weight, bias)`` for a kernel that reads its logits (``bias`` may be ``None``)."""
         n_tokens, vocab = x.shape[0], weight.shape[0]
         if n_tokens == 0:
             return
         grad = gx is not None or gw is not None or gb is not None
         buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+        tbuf = None if teacher is None else logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)
         ones = torch.ones(1, dtype=torch.float32, device=x.device)
         flat_in = inputs.reshape(-1) if inputs.numel() else ones
         flat_out = out.reshape(-1)
@@ -61,9 +68,15 @@ class TokenRun:
             e = min(s + self.chunk, n_tokens)
             xc, logits = x[s:e], buf[: e - s]
             _fp32_logits(logits, xc, weight, bias)
+            extra = ()
+            if teacher is not None:  # (the same stride as the student's: one buffer shape)
+                tx, tw, tb = teacher
+                _fp32_logits(tbuf[: e - s], tx[s:e], tw, tb)
+                extra = (tbuf[: e - s],)
             self.kernel(
                 (e - s,), logits, logits.stride(0), target[s:e], flat_out[s:], ones, ones, 0, self.hyper,
                 vocab, self.ignore_index, int(grad), flat_in[s:] if inputs.numel() else ones, n_tokens,
+                *extra,
             )  # fmt: skip
             if grad:
                 _chunk_grads(logits, xc, weight, target[s:e], 0, gx[s:e] if gx is not None else None, gw, gb)
@@ -167,24 +180,27 @@ def new_outputs(k: int, n: int, device) -> torch.Tensor:
 
 class TokenLoss(torch.autograd.Function):
     """A token rule's outputs of ``x @ W.T + b`` per token, each differentiable with respect
-    to ``x``, ``W`` and ``b``; ``inputs`` (fp32 ``[m, T]``) take no gradient. Returns the
-    ``k`` outputs, fp32 ``[T]`` each."""
+    to ``x``, ``W`` and ``b``; ``inputs`` (fp32 ``[m, T]``) take no gradient, nor do the
+    teacher's ``tx``, ``tw``, ``tb`` (``None`` for a rule that reads no teacher; given
+    detached). Returns the ``k`` outputs, fp32 ``[T]`` each."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, target, inputs, run: TokenRun, k: int, main_grad: bool, want_grad: bool
-    ):
+        ctx, x, weight, bias, target, inputs, run: TokenRun, k: int, main_grad: bool, want_grad: bool,
+        tx=None, tw=None, tb=None,
+    ):  # fmt: skip
         out = new_outputs(k, x.shape[0], x.device)
-        run.run(x, weight, bias, target, inputs, out)
-        ctx.run, ctx.main_grad, ctx.k = run, main_grad, k
+        teacher = None if tx is None else (tx, tw, tb)
+        run.run(x, weight, bias, target, inputs, out, teacher=teacher)
+        ctx.run, ctx.main_grad, ctx.k, ctx.teacher = run, main_grad, k, tx is not None
         if want_grad:
-            ctx.save_for_backward(x, weight, bias, target, inputs)
+            ctx.save_for_backward(x, weight, bias, target, inputs, tx, tw, tb)
         return tuple(out.unbind(0))
 
     @staticmethod
     def backward(ctx, *grads):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x, weight, bias, target, inputs = ctx.saved_tensors
+        x, weight, bias, target, inputs, tx, tw, tb = ctx.saved_tensors
         n = x.shape[0]
         if all(g is None for g in grads) or not (need_x or need_w or need_b):
             return None, None, None, *_NO_GRADS
@@ -203,7 +219,8 @@ class TokenLoss(torch.autograd.Function):
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
         out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
-        ctx.run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb)
+        teacher = (tx, tw, tb) if ctx.teacher else None
+        ctx.run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb, teacher=teacher)
         if main_grad:
             gw = main_grad_return(weight)
         elif gw is not None and gw.dtype != weight.dtype:
@@ -214,7 +231,7 @@ class TokenLoss(torch.autograd.Function):
 
 
 # The gradients of forward's arguments after x, weight and bias: none.
-_NO_GRADS = (None,) * 6
+_NO_GRADS = (None,) * 9
 
 
 def token_chunk(n_tokens: int, hidden: int, vocab: int, chunk_size: int | None) -> int:
