@@ -328,6 +328,28 @@ def token_logprobs(
 DISTILL_KINDS = ("jsd", "kl", "reverse_kl")
 
 
+def _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index):
+    """``distill``'s keywords checked; (target, ignore_index), a target that ignores no
+    token where none was given."""
+    if kind not in DISTILL_KINDS:
+        raise ValueError(f"kind must be one of {DISTILL_KINDS}, not {kind!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], not {beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    if not hard_weight >= 0:
+        raise ValueError(f"hard_weight must be >= 0, not {hard_weight}")
+    if target is None:
+        if hard_weight != 0:
+            raise ValueError(
+                f"hard_weight={hard_weight} weighs the cross-entropy on target: pass target= "
+                "(class indices in hidden's leading shape), or leave hard_weight at 0"
+            )
+        target = torch.zeros(hidden.shape[:-1], dtype=torch.int64, device=hidden.device)
+        ignore_index = -1  # (no token is ignored)
+    return target, ignore_index
+
+
 def distill(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -365,22 +387,7 @@ def distill(
     never hold ``[T, V]`` at once (chunks of tokens, each rule a fuser loss rule:
     ``DISTILL_JSD``, ``DISTILL_KL``, ``DISTILL_REVERSE_KL``).
     """
-    if kind not in DISTILL_KINDS:
-        raise ValueError(f"kind must be one of {DISTILL_KINDS}, not {kind!r}")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], not {beta}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, not {temperature}")
-    if not hard_weight >= 0:
-        raise ValueError(f"hard_weight must be >= 0, not {hard_weight}")
-    if target is None:
-        if hard_weight != 0:
-            raise ValueError(
-                f"hard_weight={hard_weight} weighs the cross-entropy on target: pass target= "
-                "(class indices in hidden's leading shape), or leave hard_weight at 0"
-            )
-        target = torch.zeros(hidden.shape[:-1], dtype=torch.int64, device=hidden.device)
-        ignore_index = -1  # (no token is ignored)
+    target, ignore_index = _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index)
     hyper = dict(temperature=temperature, hard_weight=hard_weight)
     if kind == "jsd" and beta in (0.0, 1.0):
         kind = "kl" if beta == 0.0 else "reverse_kl"

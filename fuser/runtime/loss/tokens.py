@@ -149,7 +149,9 @@ class ShardedTokens(ShardedChunked):
         )
         self.kernels = [_WithInputs(k) for k in self.kernels]
 
-    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None) -> None:
+    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None, teacher=None) -> None:
+        if teacher is not None:  # (the front end refuses a teacher with process_group first)
+            raise ValueError("a teacher head is not supported with process_group=")
         n_tokens, vocab = x.shape[0], weight.shape[0]
         grad = gx is not None or gw is not None or gb is not None
         buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
