@@ -454,8 +454,8 @@ def main(argv=None):
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     shapes = CPU_SHAPES if args.cpu_smoke else llama1b_shapes()
     cfg = dict(
-        warmup=1 if args.cpu_smoke else 3,
-        rep=2 if args.cpu_smoke else (10 if args.quick else 20),
+        warmup=0 if args.cpu_smoke else 3,
+        rep=1 if args.cpu_smoke else (10 if args.quick else 20),
         check_shapes=CPU_SHAPES if args.cpu_smoke else shapes[1:10],  # one decoder layer
     )
     wanted = set(args.rows or FLOOR_BYTES)

@@ -39,8 +39,8 @@ def compile_for(source, capability):
 # Rules a user writes: a max (its argmax's gradient) and reductions nested two deep. The
 # built-in losses' kernels compile in tests/cache/test_precompile_builtins.py (fp32, bf16 and
 # fp16, both targets, every variant, with the same shared-memory check), once a sweep.
-# (a quarter of the cases a run: tests/README.md, sweeps)
-@pytest.mark.sweep(runs=4)
+# (one of the eight cases a run: tests/README.md, sweeps)
+@pytest.mark.sweep(runs=8)
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", ["max_margin", "nested"])
@@ -50,7 +50,7 @@ def test_loss_kernel_compiles_ahead_of_time(name, dtype, capability):
         assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
 
 
-@pytest.mark.sweep(runs=3)  # two of the six cases a run, all in 3 runs
+@pytest.mark.sweep(runs=6)  # one of the six cases a run, all in 6 runs
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize(
     "name, descriptors",
