@@ -108,6 +108,17 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def peak_and_ms(step, rep=10):
+    """(extra peak GiB of one ``step`` above what is allocated before it, median ms)."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    return peak, event_ms(step, warmup=2, rep=rep)
+
+
 def measure(name, per_token, x, w, y, mask, advantages, old, ref, want, floor_ms, rows, check_grad=False):
     """``per_token(x, w, y) -> (logp, entropy)``, both [B, S]; the GRPO tail on top."""
 
@@ -133,13 +144,7 @@ def measure(name, per_token, x, w, y, mask, advantages, old, ref, want, floor_ms
             step()
             errs["grad_hidden_rel_err"] = rel(x.grad[:, :CHECKED], want[2])
         del logp, entropy
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / GIB
-        ms = event_ms(step, warmup=2, rep=10)
+        peak, ms = peak_and_ms(step)
         row = dict(
             workload="logprobs_rl",
             name=name,
@@ -292,13 +297,7 @@ def main(argv=None):
         x.grad.zero_()
         liger_step()
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        liger_step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / GIB
-        ms = event_ms(liger_step, warmup=1, rep=5)
+        peak, ms = peak_and_ms(liger_step, rep=5)
         liger_name = (
             f"Liger {_version('liger-kernel')} LigerFusedLinearGRPOLoss (no entropy bonus: it takes none)"
         )

@@ -130,14 +130,12 @@ def run_token_rule(
     ``t`` (detached here: no gradient reaches them)."""
     n = y.shape[0]
     idx, count = count_rows(y)
-    if teacher is not None:
-        teacher = tuple(None if t is None else t.detach() for t in teacher)
     if idx is not None:
         x, y, inputs = x.index_select(0, idx), y.index_select(0, idx), inputs.index_select(1, idx)
-        if teacher is not None:
-            teacher = (teacher[0].index_select(0, idx), *teacher[1:])
     if teacher is not None:
-        teacher = tuple(None if t is None else t.contiguous() for t in teacher)
+        th, tw, tb = teacher
+        th = th if idx is None else th.index_select(0, idx)
+        teacher = tuple(None if t is None else t.detach().contiguous() for t in (th, tw, tb))
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     k = len(rule.outputs)
