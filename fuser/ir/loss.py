@@ -34,6 +34,7 @@ both, and only the student's ``z`` is differentiated. A reduction that depends o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy
@@ -325,11 +326,19 @@ def _numbered(prefix: str, counter: list[int]):
 
 
 def lower_loss(rule: Rule, dtype: str = "fp32") -> LossPlan:
-    """Lower a loss rule for logits stored in ``dtype`` (math is fp32 whatever it is)."""
+    """Lower a loss rule for logits stored in ``dtype`` (math is fp32 whatever it is).
+    Plans are frozen, so each (rule, dtype) is lowered once a process: sympy takes seconds
+    on some rules (a softcap's), and the front end, the schedule choice and the renderers
+    all ask for the same plan."""
     if rule.kind != "loss":
         raise TypeError(f"lower_loss takes a loss rule, not a {rule.kind} rule")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    return _lower_loss(rule, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _lower_loss(rule: Rule, dtype: str) -> LossPlan:
     graph, loss, grad, adj, adj_y = derive(rule)
 
     counters = {"c": [0], "t": [0], "e": [0]}
