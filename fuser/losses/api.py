@@ -424,17 +424,13 @@ class CompiledLoss:
             )  # fmt: skip
 
         main_grad = main_grad and weight.requires_grad
-        outs, count = tokens.run_token_rule(
+        single = tuple(n for n, _ in self.rule.outputs) == ("loss",)
+        outs, _ = tokens.run_token_rule(
             self.rule, x, weight, bias, y, rows, target.shape,
             main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
-            teacher=teacher,
+            teacher=teacher, reduction=reduction if single else "none",
         )  # fmt: skip
-        if tuple(n for n, _ in self.rule.outputs) != ("loss",):
-            return outs
-        (loss,) = outs
-        if reduction == "mean":
-            return loss.sum() / max(count, 1)
-        return loss.sum() if reduction == "sum" else loss
+        return outs[0] if single else outs
 
     def _run_call(
         self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group, shape

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fuser.rules.loss import reads_teacher
-from fuser.runtime.loss.tokens import TokenLoss
+from fuser.runtime.loss.tokens import ReducedTokenLoss, TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
 TOKEN_SCHEDULES = ("auto", "chunks")
@@ -120,14 +120,29 @@ def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -
 
 
 def run_token_rule(
-    rule, x, weight, bias, y, inputs, shape, *, main_grad, want_grad, count_rows, make_run, teacher=None
+    rule,
+    x,
+    weight,
+    bias,
+    y,
+    inputs,
+    shape,
+    *,
+    main_grad,
+    want_grad,
+    count_rows,
+    make_run,
+    teacher=None,
+    reduction="none",
 ):
     """The outputs of a token rule's call, fp32 of ``shape`` each (a tuple, in the rule's
     order), and the count of targets not ignored: rows whose target is ``ignore_index`` are
     left out of the kernels (``count_rows`` finds them, once per call, and checks the other
     targets) and get 0 in every output. ``make_run(count)``: the run for ``count`` rows.
     ``teacher``: the teacher's ``(hidden [T, H_t], weight, bias)`` for a rule that reads
-    ``t`` (detached here: no gradient reaches them)."""
+    ``t`` (detached here: no gradient reaches them). ``reduction`` ``"mean"`` or ``"sum"``
+    (a rule whose one output is ``loss``): the one-element tuple holds the reduced loss,
+    its gradients taken in forward (``ReducedTokenLoss``) where any are wanted."""
     n = y.shape[0]
     idx, count = count_rows(y)
     if idx is not None:
@@ -139,6 +154,12 @@ def run_token_rule(
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     k = len(rule.outputs)
+    if count and want_grad and reduction != "none":
+        loss = ReducedTokenLoss.apply(
+            x, weight, bias, y, inputs.contiguous(), make_run(count), reduction, count, main_grad,
+            *(teacher or ()),
+        )  # fmt: skip
+        return (loss,), count
     if count == 0:  # (every target ignored: zeros that still reach the inputs in backward)
         zero = (x.sum() * 0 + weight.sum() * 0).float()
         outs = [zero.expand(0) for _ in range(k)]
@@ -153,4 +174,7 @@ def run_token_rule(
             full = torch.zeros(n, dtype=torch.float32, device=x.device)
             o = full.index_copy(0, idx, o) if idx is not None else full + o.sum()
         result.append(o.reshape(shape))
+    if reduction != "none":
+        (loss,) = result
+        result = [loss.sum() / max(count, 1) if reduction == "mean" else loss.sum()]
     return tuple(result), count

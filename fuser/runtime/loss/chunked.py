@@ -305,15 +305,15 @@ class LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.eager:
             if ctx.grads is None:
-                raise RuntimeError(_ONCE)
+                raise RuntimeError(BACKWARD_ONCE)
             grads, ctx.grads = ctx.grads, None
             resolve = getattr(ctx.run, "resolve", None)  # the scaled schedule's range check
             if resolve is not None and ctx.main_grad:
                 resolve()  # (before anything is added into main_grad)
                 resolve = None
-            out = _eager_grads(ctx, grads, grad_out)
+            out = eager_grads(ctx, grads, grad_out)
             if resolve is not None and resolve():  # (read with the above queued: the GPU works on)
-                out = _eager_grads(ctx, grads, grad_out)  # (the rerun rewrote gx and gw)
+                out = eager_grads(ctx, grads, grad_out)  # (the rerun rewrote gx and gw)
             return *out, *_NO_GRADS
         run = ctx.run
         x, weight, bias, target, *red = ctx.saved_tensors
@@ -325,7 +325,7 @@ class LinearLoss(torch.autograd.Function):
                 gx, gw, gb = run.backward(red[0], x, weight, bias, target, scale, **flags)
             elif ctx.schedule == "whole":
                 if ctx.kept is None:
-                    raise RuntimeError(_ONCE)
+                    raise RuntimeError(BACKWARD_ONCE)
                 (logits, kept_red), ctx.kept = ctx.kept, None
                 gx, gw, gb = run.backward_whole(logits, kept_red, x, weight, target, scale, **flags)
             else:
@@ -350,13 +350,13 @@ class LinearLoss(torch.autograd.Function):
 # The gradients of forward's arguments after x, weight and bias: none.
 _NO_GRADS = (None,) * 7
 
-_ONCE = (
+BACKWARD_ONCE = (
     "the gradients of a fused linear + loss were computed in its forward pass, or its logits "
     "kept for one backward, and already used: backward can run through it once"
 )
 
 
-def _eager_grads(ctx, grads, grad_out) -> tuple:
+def eager_grads(ctx, grads, grad_out) -> tuple:
     """The gradients a forward computed, times ``grad_output``: ``grad_hidden`` in place,
     ``grad_weight`` rounded to the weight's dtype (or added into its ``main_grad``),
     ``grad_bias`` to the bias's."""

@@ -28,8 +28,10 @@ import torch
 from fuser.cache import load_kernel
 from fuser.codegen.source import KernelSource
 from fuser.runtime.loss.chunked import (
+    BACKWARD_ONCE,
     accumulate_weight_grad,
     chunk_rows,
+    eager_grads,
     logits_buffer,
     main_grad_return,
     product_fp32,
@@ -230,6 +232,43 @@ class TokenLoss(torch.autograd.Function):
         if gb is not None and gb.dtype != bias.dtype:
             gb = gb.to(bias.dtype)
         return gx, gw, gb, *_NO_GRADS
+
+
+class ReducedTokenLoss(torch.autograd.Function):
+    """A token rule whose one output is ``loss``, reduced (``"mean"`` over ``count`` rows,
+    or ``"sum"``), with ``TokenLoss``'s arguments: the gradients are taken in forward, in
+    the sweep that computes the loss (one logits product a chunk fewer than forward, then
+    backward, as the cross-entropy's eager schedules), and scaled by ``grad_output`` in
+    backward. Holds ``grad_hidden`` and the fp32 ``grad_weight`` from forward to backward."""
+
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, target, inputs, run: TokenRun, reduction: str, count: int, main_grad: bool,
+        tx=None, tw=None, tb=None,
+    ):  # fmt: skip
+        n = x.shape[0]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        scale = 1.0 / max(count, 1) if reduction == "mean" else 1.0
+        dout = torch.full((1, n), scale, dtype=torch.float32, device=x.device)
+        full = torch.cat([inputs.reshape(-1, n), dout]).contiguous()
+        gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
+        out = new_outputs(1, n, x.device)
+        teacher = None if tx is None else (tx, tw, tb)
+        run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb, teacher=teacher)
+        ctx.grads, ctx.main_grad = (gx, gw, gb), main_grad and need_w
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        if ctx.main_grad:
+            ctx.save_for_backward(weight)
+        return out[0].sum() / max(count, 1) if reduction == "mean" else out[0].sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError(BACKWARD_ONCE)
+        grads, ctx.grads = ctx.grads, None
+        return *eager_grads(ctx, grads, grad_out), *_NO_GRADS
 
 
 # The gradients of forward's arguments after x, weight and bias: none.
