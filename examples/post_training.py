@@ -7,7 +7,9 @@ rest of the objective is a few lines of torch over ``[B, S]`` tensors: the clipp
 (``epsilon_low``/``epsilon_high``, as DAPO decouples them), a KL penalty to a reference
 policy's log-probabilities through the k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
 with weight ``beta``, an entropy bonus, and DAPO's token-level normalisation (the sum over
-every completion token of the batch over their count).
+every completion token of the batch over their count). ``grpo_loss_one_rule`` writes the
+same objective as one loss rule over per-token inputs, whose gradients come out of the
+forward sweep.
 
 The preference losses sum the same per-token log-probabilities over each sequence's
 completion tokens (``-100`` elsewhere), the batch holding the chosen sequences and then the
@@ -53,6 +55,40 @@ def grpo_loss(
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1)  # DAPO: over every token
     # --8<-- [end:grpo]
+
+
+# --8<-- [start:grpo_rule]
+# The same objective as one rule over per-token inputs: its gradients come out of the
+# forward sweep (three products a chunk, as the cross-entropy's, not four).
+GRPO_RULE = fuser.compile(
+    fuser.loss(
+        """
+        z = z / temperature
+        lse = logsumexp(z)
+        d = z[y] - lse
+        logp = where(d < 0, d, 0)
+        entropy = sum(exp(z - lse) * (lse - z))
+        ratio = exp(logp - old)
+        clipped = -minimum(ratio * adv, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+        kl = exp(ref - logp) - (ref - logp) - 1
+        loss = (clipped + beta * kl - entropy_coef * entropy) * w
+        """,
+        name="grpo",
+        hyper=dict(epsilon_low=0.2, epsilon_high=0.28, beta=0.04, entropy_coef=0.01, temperature=1.0),
+        inputs=("old", "ref", "adv", "w"),
+    )
+)
+
+
+def grpo_loss_one_rule(hidden, weight, completion, mask, advantages, old_logp, ref_logp, **hyper):
+    """``grpo_loss`` as one rule; ``hyper``: its keywords (``beta=``, ``temperature=``, ...)."""
+    target = completion.masked_fill(mask == 0, -100)
+    w = mask / mask.sum().clamp(min=1)  # DAPO: over every token of the batch
+    adv = advantages[:, None].expand_as(old_logp)
+    return GRPO_RULE(
+        hidden, weight, target, old=old_logp, ref=ref_logp, adv=adv, w=w, reduction="sum", **hyper
+    )
+    # --8<-- [end:grpo_rule]
 
 
 # --8<-- [start:preference]
@@ -109,10 +145,11 @@ def main():
     opt = torch.optim.SGD([weight], lr=0.5)
     for step in range(3):
         loss = grpo_loss(hidden, weight, completion, mask, advantages, old_logp, ref_logp)
+        one_rule = grpo_loss_one_rule(hidden, weight, completion, mask, advantages, old_logp, ref_logp)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        print(f"step {step}: GRPO loss {loss.item():+.6f}")
+        print(f"step {step}: GRPO loss {loss.item():+.6f} (as one rule {one_rule.item():+.6f})")
 
     # Preference pairs: 2 chosen then 2 rejected completions after a 3-token prompt.
     target = torch.randint(0, V, (4, S), device=device)

@@ -394,11 +394,13 @@ def _example():
     return module
 
 
-def test_example_grpo_loss_matches_float64():
+@pytest.mark.parametrize("which", ["grpo_loss", "grpo_loss_one_rule"])
+def test_example_grpo_loss_matches_float64(which):
     """examples/post_training.py's GRPO loss (clipped ratio with epsilon_low/high, k3 KL to
     reference log-probs, entropy bonus, DAPO's token-level mean) and its gradients against
-    the same objective on float64 logits (TRL's per-token formulas)."""
-    grpo_loss = _example().grpo_loss
+    the same objective on float64 logits (TRL's per-token formulas); also written as one
+    rule (gradients from the forward sweep)."""
+    grpo_loss = getattr(_example(), which)
     B, S = 3, 5
     hidden = torch.randn(B, S, H)
     weight = torch.randn(V, H) / H**0.5 * 1.5
