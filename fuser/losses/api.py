@@ -380,7 +380,7 @@ class CompiledLoss:
         )
         if token:
             keywords = dict(main_grad=main_grad, want_grad=want_grad, group=process_group, teacher=teacher)
-            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, **keywords)
+            return self._token_call(call, x, weight, bias, y, inputs, target, reduction, memory, **keywords)
         out = self._run_call(
             call, x, weight, bias, y, memory, reduction, main_grad, want_grad, process_group, target.shape
         )
@@ -394,8 +394,8 @@ class CompiledLoss:
         return self.kernel_source("fp32")
 
     def _token_call(
-        self, call: _Call, x, weight, bias, y, inputs, target, reduction, *, main_grad, want_grad, group,
-        teacher=None,
+        self, call: _Call, x, weight, bias, y, inputs, target, reduction, memory, *, main_grad, want_grad,
+        group, teacher=None,
     ):  # fmt: skip
         """A token rule's call (``fuser.losses.tokens``): its outputs as a tuple of fp32
         tensors of ``target``'s shape, or, for a rule whose one output is ``loss``, that
@@ -425,10 +425,13 @@ class CompiledLoss:
 
         main_grad = main_grad and weight.requires_grad
         single = tuple(n for n, _ in self.rule.outputs) == ("loss",)
+        # (gradients in forward, but with main_grad only under memory="fast": their fp32 [V, H]
+        # buffer is what main_grad's users keep memory for)
+        eager = single and (not main_grad or memory == "fast")
         outs, _ = tokens.run_token_rule(
             self.rule, x, weight, bias, y, rows, target.shape,
             main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
-            teacher=teacher, reduction=reduction if single else "none",
+            teacher=teacher, reduction=reduction if single else "none", eager=eager,
         )  # fmt: skip
         return outs[0] if single else outs
 

@@ -120,21 +120,9 @@ def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -
 
 
 def run_token_rule(
-    rule,
-    x,
-    weight,
-    bias,
-    y,
-    inputs,
-    shape,
-    *,
-    main_grad,
-    want_grad,
-    count_rows,
-    make_run,
-    teacher=None,
-    reduction="none",
-):
+    rule, x, weight, bias, y, inputs, shape, *, main_grad, want_grad, count_rows, make_run, teacher=None,
+    reduction="none", eager=True,
+):  # fmt: skip
     """The outputs of a token rule's call, fp32 of ``shape`` each (a tuple, in the rule's
     order), and the count of targets not ignored: rows whose target is ``ignore_index`` are
     left out of the kernels (``count_rows`` finds them, once per call, and checks the other
@@ -142,39 +130,44 @@ def run_token_rule(
     ``teacher``: the teacher's ``(hidden [T, H_t], weight, bias)`` for a rule that reads
     ``t`` (detached here: no gradient reaches them). ``reduction`` ``"mean"`` or ``"sum"``
     (a rule whose one output is ``loss``): the one-element tuple holds the reduced loss,
-    its gradients taken in forward (``ReducedTokenLoss``) where any are wanted."""
+    with ``eager`` its gradients taken in forward (``ReducedTokenLoss``) where any are
+    wanted."""
     n = y.shape[0]
     idx, count = count_rows(y)
-    if idx is not None:
-        x, y, inputs = x.index_select(0, idx), y.index_select(0, idx), inputs.index_select(1, idx)
-    if teacher is not None:
-        th, tw, tb = teacher
-        th = th if idx is None else th.index_select(0, idx)
-        teacher = tuple(None if t is None else t.detach().contiguous() for t in (th, tw, tb))
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
+    x, weight, bias, y, inputs, teacher = _live(idx, x, weight, bias, y, inputs, teacher)
     k = len(rule.outputs)
-    if count and want_grad and reduction != "none":
-        loss = ReducedTokenLoss.apply(
-            x, weight, bias, y, inputs.contiguous(), make_run(count), reduction, count, main_grad,
-            *(teacher or ()),
-        )  # fmt: skip
-        return (loss,), count
     if count == 0:  # (every target ignored: zeros that still reach the inputs in backward)
         zero = (x.sum() * 0 + weight.sum() * 0).float()
         outs = [zero.expand(0) for _ in range(k)]
+    elif want_grad and eager and reduction != "none":
+        run = make_run(count)
+        loss = ReducedTokenLoss.apply(
+            x, weight, bias, y, inputs, run, reduction, count, main_grad, *(teacher or ())
+        )
+        return (loss,), count
     else:
         run = make_run(count)
-        outs = TokenLoss.apply(
-            x, weight, bias, y, inputs.contiguous(), run, k, main_grad, want_grad, *(teacher or ())
-        )
+        outs = TokenLoss.apply(x, weight, bias, y, inputs, run, k, main_grad, want_grad, *(teacher or ()))
+    if reduction != "none":  # (the kept rows' sum, as ReducedTokenLoss takes it)
+        (loss,) = outs
+        return (loss.sum() / max(count, 1) if reduction == "mean" else loss.sum(),), count
     result = []
     for o in outs:
         if idx is not None or count == 0:
             full = torch.zeros(n, dtype=torch.float32, device=x.device)
             o = full.index_copy(0, idx, o) if idx is not None else full + o.sum()
         result.append(o.reshape(shape))
-    if reduction != "none":
-        (loss,) = result
-        result = [loss.sum() / max(count, 1) if reduction == "mean" else loss.sum()]
     return tuple(result), count
+
+
+def _live(idx, x, weight, bias, y, inputs, teacher) -> tuple:
+    """The call's tensors at the rows ``idx`` (all for ``None``), contiguous, the teacher's
+    detached."""
+    if idx is not None:
+        x, y, inputs = x.index_select(0, idx), y.index_select(0, idx), inputs.index_select(1, idx)
+    if teacher is not None:
+        th, tw, tb = teacher
+        th = th if idx is None else th.index_select(0, idx)
+        teacher = tuple(None if t is None else t.detach().contiguous() for t in (th, tw, tb))
+    bias = bias.contiguous() if bias is not None else None
+    return x.contiguous(), weight.contiguous(), bias, y, inputs.contiguous(), teacher
