@@ -7,7 +7,12 @@ Workloads (bf16 parameters and gradients):
   other 47 tensors (embeddings, head, norms), one optimizer as muon-optimizer's
   `SingleDeviceMuonWithAuxAdam` runs it;
 - `muon_hidden_llama1b`: the 154 hidden matrices alone, where torch.optim.Muon (2-D only)
-  and `SingleDeviceMuon` run too.
+  and `SingleDeviceMuon` run too;
+- `muon_moe`: an MoE layout, 8 layers each of 8 experts' `[1408, 2048]` and `[2048, 1408]`
+  matrices stored as `[8, 1408, 2048]` and `[8, 2048, 1408]` tensors and four `[2048, 2048]`
+  attention matrices: fuser's Muon with `view="batched"` (each expert's matrix
+  orthogonalised, the experts of every layer in one batched product) beside the references
+  looping over the same matrices as 2-D parameters (torch.optim.Muon eager).
 
 The floor is the Newton–Schulz products' flops, 5 x (4 m^2 n + 2 m^3) per m x n matrix
 (m <= n), at the bf16 GEMM rate measured in this run (8192^3).
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -75,6 +81,15 @@ def _cpu_ms(fn, rep=3):
     for _ in range(rep):
         fn()
     return (time.perf_counter() - t0) / rep * 1e3
+
+
+def moe_shapes(layers=8, experts=8, d=2048, ffn=1408, batched=True):
+    """``muon_moe``'s shapes: per layer the experts' two stacks and four attention matrices
+    (``batched=False``: each expert's matrix its own 2-D tensor, as a per-expert loop takes them)."""
+    stacks = (
+        [(experts, ffn, d), (experts, d, ffn)] if batched else [(ffn, d)] * experts + [(d, ffn)] * experts
+    )
+    return [s for _ in range(layers) for s in stacks + [(d, d)] * 4]
 
 
 def make(shapes, device, seed):
@@ -157,6 +172,7 @@ class Memory:
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         if self.cuda:
+            gc.collect()  # (an earlier row's optimizer in a reference cycle is freed now, not later)
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
 
@@ -278,12 +294,35 @@ def main(argv=None):
     rows = []
     run("muon_llama1b", shapes, full, device, floor_ms, err, rows)
     run("muon_hidden_llama1b", shapes, hidden_builds, device, floor_ms, err, rows)
+    moe(args, device, tf, rows)
     ms = ns_alone([tuple(p.shape) for p in hidden], device)
     rows.append(dict(workload="muon_hidden_llama1b", impl="probe: fuser's Newton-Schulz launches alone",
                      ms=round(ms, 3), wall_ms=round(ms, 3), floor_ms=round(floor_ms, 3),
                      pct_of_floor=round(100 * floor_ms / ms, 1), fuser_launches=None))  # fmt: skip
     print(json.dumps(rows[-1]), flush=True)
     write(args, rows, tf, argv)
+
+
+def moe(args, device, tf, rows):
+    """``muon_moe``: fuser's batched view on the expert stacks beside the references' loop
+    over the same matrices as 2-D parameters (the floor: the same products either way)."""
+    small = dict(layers=2, experts=3, d=16, ffn=24) if args.smoke else {}
+    flat = moe_shapes(batched=False, **small)
+    floor_ms = ns_flops(flat) / (tf * 1e12) * 1e3
+    builds = {"fuser.optim.Muon view=batched": lambda ps: fuser.optim.Muon(ps, lr=0.02, view="batched")}
+    run("muon_moe", moe_shapes(**small), builds, device, floor_ms, None, rows)
+    refs = {}
+    try:
+        import muon
+
+        refs["muon-optimizer SingleDeviceMuon (per expert)"] = lambda ps: muon.SingleDeviceMuon(
+            ps, lr=0.02, momentum=0.95
+        )
+    except ImportError as e:
+        print(f"muon-optimizer skipped: {e}", flush=True)
+    if hasattr(torch.optim, "Muon"):
+        refs["torch.optim.Muon (per expert)"] = lambda ps: torch.optim.Muon(ps, lr=0.02, momentum=0.95)
+    run("muon_moe", flat, refs, device, floor_ms, None, rows)
 
 
 def write(args, rows, tf, argv):

@@ -166,6 +166,10 @@ def test_muon_bench_smoke_runs_on_cpu(tmp_path):
     rows = {(r["workload"], r["impl"]): r for r in recorded["rows"]}
     assert ("muon_llama1b", "fuser.optim.Muon (+AdamW groups)") in rows
     assert ("muon_hidden_llama1b", "fuser.optim.Muon") in rows
+    assert ("muon_moe", "fuser.optim.Muon view=batched") in rows and (
+        "muon_moe",
+        "torch.optim.Muon (per expert)",
+    ) in rows
     for r in recorded["rows"]:
         assert "error" not in r, r
         assert r["ms"] > 0 and r["floor_ms"] > 0
