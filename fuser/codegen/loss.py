@@ -291,9 +291,10 @@ def render_loss(
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, not {block}")
     sharded = stage is not None
-    if sharded and plan.teacher:
+    if sharded and plan.teacher and T_Y in _plan_symbols(plan):
         raise ValueError(
-            f"{plan.name} reads the teacher's logits: no vocabulary-parallel kernels take them yet"
+            f"{plan.name} reads the teacher's logit at the target, t[y]: no vocabulary-parallel "
+            "kernels take it yet (t alone, in reductions and elementwise, they take)"
         )
     if sharded and not 0 <= stage <= len(plan.passes):
         raise ValueError(f"stage must be in [0, {len(plan.passes)}], not {stage}")

@@ -26,7 +26,7 @@ from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.losses import tokens
 from fuser.losses.checks import check_tensors, live_rows
-from fuser.rules.loss import is_token_rule, reads_teacher
+from fuser.rules.loss import T_Y, is_token_rule, reads_teacher
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.choice import (
     SCALED_DTYPES,
@@ -684,7 +684,7 @@ def kernel_sources(
     for fp32 logits, whatever ``dtype``."""
     f = CompiledLoss(rule, **options)
     if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
-        if reads_teacher(rule):  # (one device only: no vocabulary-parallel sequence yet)
+        if reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):  # (t[y]: one device only)
             return [f.token_source()]
         return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
     staged = list(f.sharded_kernel_sources(dtype)[0])

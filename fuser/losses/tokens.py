@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fuser.rules.loss import reads_teacher
+from fuser.rules.loss import T_Y, reads_teacher
 from fuser.runtime.loss.tokens import ReducedTokenLoss, TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
@@ -68,8 +68,11 @@ def teacher_tensors(rule, hidden, weight, teacher_hidden, teacher_weight, teache
             f"{rule.name} reads the teacher's logits t: pass teacher_hidden= ([T, H_t], hidden's "
             "leading shape) and teacher_weight= ([V, H_t]), with teacher_bias= optional"
         )
-    if group is not None:
-        raise ValueError(f"{rule.name} reads the teacher's logits, which process_group= does not take yet")
+    if group is not None and any(e.has(T_Y) for _, e in rule.outputs):
+        raise ValueError(
+            f"{rule.name} reads the teacher's logit at the target, t[y], which process_group= does not "
+            "take yet (t alone it takes: pass this rank's rows of teacher_weight, as of weight)"
+        )
     th, tw, tb = teacher_hidden, teacher_weight, teacher_bias
     lead, vocab = list(hidden.shape[:-1]), weight.shape[0]
     if th.dim() < 1 or list(th.shape[:-1]) != lead:

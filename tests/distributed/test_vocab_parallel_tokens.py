@@ -1,7 +1,8 @@
 """Token rules vocabulary-parallel on CPU (2 gloo processes, uneven vocabulary slices):
 ``token_logprobs(entropy=True)`` and a rule with per-token inputs, a bias and a ``max``
 against the same call on the whole vocabulary in one process: every output, the gradient of
-``hidden`` and each rank's rows of the weight and bias gradients, for fp32 and bf16 inputs."""
+``hidden`` and each rank's rows of the weight and bias gradients, for fp32 and bf16 inputs;
+and a distillation loss reading a teacher head (its rows sliced as the student's)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _call(f, hidden, weight, bias, target, kw, group=None):
     b = bias.clone().requires_grad_() if bias is not None else None
     extra = {} if group is None else dict(process_group=group)
     outs = f(x, w, target, **({} if b is None else dict(bias=b)), **kw, **extra)
+    outs = (outs,) if isinstance(outs, torch.Tensor) else outs  # (a reduced loss)
     upstream = [torch.linspace(0.5, 1.5, T), torch.linspace(-1.0, 0.7, T)]
     sum(o * g for o, g in zip(outs, upstream)).sum().backward()
     return [o.detach() for o in outs], x.grad, w.grad, b.grad if b is not None else None
@@ -70,10 +72,21 @@ def worker(rank, world, split):
         # agree within bf16's rounding, the outputs within fp32's)
         ("bf16 token_logprobs", logprobs, dict(), None, torch.bfloat16),
     ]
+    # A teacher head of another hidden size, its weight and bias sliced as the student's.
+    tx, tw, tb = (
+        torch.randn(T, 6, generator=g),
+        torch.randn(V, 6, generator=g) * 0.5,
+        torch.randn(V, generator=g),
+    )
+    jsd = fuser.compile(fuser.losses.DISTILL_JSD, **small)
+    teacher = dict(teacher_hidden=tx, teacher_weight=tw, teacher_bias=tb, beta=0.3, hard_weight=0.4)
+    cases.append(("distill_jsd", jsd, teacher, None, torch.float32))
     errors = {}
     for name, f, kw, b, dtype in cases:
         h, wt = hidden.to(dtype), weight.to(dtype)
         ref = _call(f, h, wt, b, target, kw)
+        if "teacher_weight" in kw:
+            kw = dict(kw, teacher_weight=tw[lo:hi], teacher_bias=tb[lo:hi])
         got = _call(f, h, wt[lo:hi], b[lo:hi] if b is not None else None, target, kw, dist.group.WORLD)
         for i, (o, r) in enumerate(zip(got[0], ref[0])):
             errors[f"{name}: output {i}"] = _error(o, r)

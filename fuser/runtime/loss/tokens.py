@@ -132,10 +132,11 @@ class _WithInputs:
     per-token inputs and their stride go in after ``compute_grad``."""
 
     def __init__(self, kernel):
-        self.kernel, self.inputs, self.stride = kernel, None, 0
+        self.kernel, self.inputs, self.stride, self.teacher = kernel, None, 0, None
 
     def __call__(self, grid, *args):
-        return self.kernel(grid, *args[:11], self.inputs, self.stride, *args[11:])
+        teacher = () if self.teacher is None else (self.teacher,)
+        return self.kernel(grid, *args[:11], self.inputs, self.stride, *teacher, *args[11:])
 
 
 class ShardedTokens(ShardedChunked):
@@ -152,11 +153,10 @@ class ShardedTokens(ShardedChunked):
         self.kernels = [_WithInputs(k) for k in self.kernels]
 
     def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None, teacher=None) -> None:
-        if teacher is not None:  # (the front end refuses a teacher with process_group first)
-            raise ValueError("a teacher head is not supported with process_group=")
         n_tokens, vocab = x.shape[0], weight.shape[0]
         grad = gx is not None or gw is not None or gb is not None
         buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+        tbuf = None if teacher is None else logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)
         red, parts = self._buffers(min(self.chunk, n_tokens), x.device)
         ones = torch.ones(1, dtype=torch.float32, device=x.device)
         flat_in, flat_out = (inputs.reshape(-1) if inputs.numel() else ones), out.reshape(-1)
@@ -166,6 +166,10 @@ class ShardedTokens(ShardedChunked):
             for k in self.kernels:
                 k.inputs, k.stride = (flat_in[s:] if inputs.numel() else ones), n_tokens
             _fp32_logits(logits, xc, weight, bias)
+            if teacher is not None:  # (this rank's columns of the teacher's logits, the student's stride)
+                _fp32_logits(tbuf[: e - s], teacher[0][s:e], teacher[1], teacher[2])
+                for k in self.kernels:
+                    k.teacher = tbuf[: e - s]
             self._reduce(logits, target[s:e], flat_out[s:], r, parts)
             if grad:
                 total = self._total(vocab)
