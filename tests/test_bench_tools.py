@@ -234,3 +234,22 @@ def test_gluon_probe_compiles_its_kernels_for_sm90_on_cpu():
     for r in rows:
         assert r["wgmma"] > 0 and r["spill_bytes"] == 0, r
         assert r["ws_partitions"] == (2 if r["variant"].startswith("pingpong") else 0), r
+
+
+def test_post_training_bench_smoke_runs_on_cpu(tmp_path):
+    env = child_env()
+    script = os.path.join(ROOT, "benchmarks", "post_training_bench.py")
+    cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    (result,) = tmp_path.glob("post_training_*_smoke.json")
+    recorded = json.loads(result.read_text())
+    rows = {(r["workload"], r["name"]): r for r in recorded["rows"]}
+    assert set(rows) == {("distill_jsd", "fuser distill kind=jsd"), ("dpo", "fuser token_logprobs + DPO")}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert "fwd_bwd_ms" not in r  # no timing claims from the interpreter
+        # fp32 losses against float64; grad_hidden is bf16
+        assert r["loss_rel_err"] < 1e-5 and r["grad_hidden_rel_err"] < 1e-2, r
+    assert recorded["meta"]["smoke"] is True
+    md = (tmp_path / result.name.replace(".json", ".md")).read_text()
+    assert "## `distill_jsd`" in md and "## `dpo`" in md
