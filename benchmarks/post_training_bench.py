@@ -9,6 +9,8 @@ Variants, each in this process on this GPU:
 
 - `fuser cross_entropy`: the reference time (`fuser.losses.cross_entropy`, mean);
 - `fuser token_logprobs + GRPO`: `token_logprobs(..., entropy=True)` and the GRPO tail;
+- `fuser GRPO as one rule`: examples/post_training.py's `grpo_loss_one_rule`, the same
+  objective as one loss rule over per-token inputs (its gradients from the forward sweep);
 - `TRL path`: the logits as TRL's GRPOTrainer takes them (`hidden @ weight.T` in bf16, divided
   by the temperature), `selective_log_softmax` and `entropy_from_logits` from trl (torch's
   same formulas where trl does not import), the same GRPO tail;
@@ -399,16 +401,45 @@ def dpo_reference(x, w, xr, wr, y, checked):
     return float(loss.detach()), xs.grad, span
 
 
-def dpo(rows, smoke):
-    """``dpo``: fuser's per-token log-probs summed per sequence + DPO, beside Liger and torch."""
+def example():
+    """examples/post_training.py as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "post_training", os.path.join(ROOT, "examples", "post_training.py")
     )
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    dpo_loss = example.dpo_loss
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grpo_one_rule(x, w, y, mask, advantages, old, ref, want, floor_ms, rows):
+    """examples/post_training.py's ``grpo_loss_one_rule`` (the objective as one rule, its
+    gradients from the forward sweep): time, extra peak, ``grad_hidden`` against float64."""
+    name = "fuser GRPO as one rule"
+    one_rule = example().grpo_loss_one_rule
+
+    def step():
+        one_rule(x, w, y, mask, advantages, old, ref, **GRPO).backward()
+
+    try:
+        x.grad.zero_()
+        w.grad.zero_()
+        step()
+        err = rel(x.grad[:, :CHECKED], want[2])
+        peak, ms = peak_and_ms(step)
+        row = dict(workload="logprobs_rl", name=name, fwd_bwd_ms=round(ms, 2), extra_peak_GiB=round(peak, 3),
+                   gemm_floor_ms=round(floor_ms, 2), grad_hidden_rel_err=err)  # fmt: skip
+    except Exception as e:  # one failing variant must not hide the others
+        row = dict(workload="logprobs_rl", name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    torch.cuda.empty_cache()
+
+
+def dpo(rows, smoke):
+    """``dpo``: fuser's per-token log-probs summed per sequence + DPO, beside Liger and torch."""
+    dpo_loss = example().dpo_loss
 
     x, w, xr, wr, y, _ = dpo_inputs(smoke)
     checked = 4 if smoke else CHECKED
@@ -547,12 +578,13 @@ def logprobs_rl(args, tflops, rows):
         fuser.losses.cross_entropy(x.view(-1, H), w, target.view(-1)).backward()
 
     try:
-        ms = event_ms(ce_step, warmup=2, rep=10)
+        peak, ms = peak_and_ms(ce_step)
         rows.append(
             dict(
                 workload="logprobs_rl",
                 name="fuser cross_entropy",
                 fwd_bwd_ms=round(ms, 2),
+                extra_peak_GiB=round(peak, 3),
                 gemm_floor_ms=round(floor_ms, 2),
             )
         )
@@ -580,6 +612,7 @@ def logprobs_rl(args, tflops, rows):
         rows,
         check_grad=True,
     )
+    grpo_one_rule(x, w, y, mask, advantages, old, ref, want, floor_ms, rows)
 
     try:
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
