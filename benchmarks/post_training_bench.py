@@ -37,11 +37,13 @@ reference model). Anchors: Liger, torch (bf16 logits, log_softmax, gather). The 
 `grad_hidden` on the first 256 completion tokens of each sequence are checked against
 float64.
 
-The floor of each new row is its products (student or policy: logits, both gradients; the
-teacher's or reference's logits once), bf16 at the whole shape, timed back to back in this
-run after the GPU is warm (the clock it holds under that load). Each row gives its time, its
-extra peak, the floor and its ratio to its goal's reference; an anchor that does not import
-gives a row saying why. Tensors of one workload are freed before the next.
+The floor of each new row is the flops of its products (student or policy: logits, both
+gradients; the teacher's or reference's logits once) over the tokens that count (DPO's
+completion tokens, not its prompts) at the bf16 GEMM rate measured in the run; beside it,
+`products_ms` times those four products as cuBLAS runs them at these shapes. Each row gives
+its time, its extra peak, the floor and its ratio to its goal's reference; an anchor that
+does not import or fails gives a row saying why. Tensors of one workload are freed before
+the next.
 
     python benchmarks/post_training_bench.py [--out DIR] [--tag _v2] [--tokens 8192]
         [--workloads logprobs_rl distill_jsd dpo] [--smoke]
@@ -216,9 +218,15 @@ def _err(e):
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def flops_floor_ms(t, h, v, teacher_h, tflops):
+    """The floor: the flops of three products of the student (logits, dX, dW) over ``t``
+    counted tokens and the teacher's logits over them, at the run's bf16 GEMM rate."""
+    return 2 * t * v * (3 * h + teacher_h) / (tflops * 1e12) * 1e3
+
+
 def products_ms(t, h, v, teacher_h):
-    """The floor: three products of the student (logits, dX, dW) and the teacher's logits,
-    bf16 at the whole shape, back to back on a warm GPU."""
+    """The same four products timed as cuBLAS runs them (bf16, back to back, warm GPU):
+    what cuBLAS reaches at these shapes, beside the floor."""
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -278,7 +286,7 @@ def _time_row(workload, name, step, x, want_loss, want_grad, checked, floor_ms, 
             torch.cuda.empty_cache()
 
 
-def distill_jsd(rows, smoke):
+def distill_jsd(rows, smoke, tflops=None):
     """``distill_jsd``: fuser's JSD beside Liger's chunked JSD and torch.compile on full logits."""
     dev = "cpu" if smoke else "cuda"
     t, h, ht, v, checked = (48, 16, 24, 61, 8) if smoke else (8192, 4096, 4096, V_NEW, CHECKED)
@@ -292,7 +300,8 @@ def distill_jsd(rows, smoke):
     if smoke:
         floor_ms = teacher_ms = ce_ms = None
     else:
-        floor_ms, teacher_ms = products_ms(t, h, v, ht)
+        floor_ms = flops_floor_ms(t, h, v, ht, tflops)
+        four_ms, teacher_ms = products_ms(t, h, v, ht)
         w.grad = torch.zeros_like(w)
         x.grad = torch.zeros_like(x)
         try:
@@ -301,7 +310,7 @@ def distill_jsd(rows, smoke):
             name = "reference: fuser cross_entropy + one teacher logits product"
             ms = dict(fwd_bwd_ms=round(ref_ms, 2), cross_entropy_ms=round(ce_ms, 2))
             rows.append(_row("distill_jsd", name, **ms, teacher_logits_ms=round(teacher_ms, 2),
-                             floor_ms=round(floor_ms, 2)))  # fmt: skip
+                             floor_ms=round(floor_ms, 2), products_ms=round(four_ms, 2)))  # fmt: skip
         except Exception as e:
             rows.append(_row("distill_jsd", "reference: fuser cross_entropy", error=_err(e)))
             ce_ms = None
@@ -437,17 +446,21 @@ def grpo_one_rule(x, w, y, mask, advantages, old, ref, want, floor_ms, rows):
     torch.cuda.empty_cache()
 
 
-def dpo(rows, smoke):
+def dpo(rows, smoke, tflops=None):
     """``dpo``: fuser's per-token log-probs summed per sequence + DPO, beside Liger and torch."""
     dpo_loss = example().dpo_loss
 
     x, w, xr, wr, y, _ = dpo_inputs(smoke)
     checked = 4 if smoke else CHECKED
     want_loss, want_grad, span = dpo_reference(x, w, xr, wr, y, checked)
-    t, h, v = x.shape[0] * x.shape[1], x.shape[-1], w.shape[0]
-    floor_ms = None if smoke else products_ms(t, h, v, xr.shape[-1])[0]
+    h, v = x.shape[-1], w.shape[0]
+    counted = int((y != -100).sum())  # the prompt's tokens need no product
+    floor_ms = None if smoke else flops_floor_ms(counted, h, v, xr.shape[-1], tflops)
     if not smoke:
         w.grad = torch.zeros_like(w)
+        four_ms = products_ms(counted, h, v, xr.shape[-1])[0]
+        rows.append(_row("dpo", "floor: the four products over the completion tokens",
+                         floor_ms=round(floor_ms, 2), products_ms=round(four_ms, 2)))  # fmt: skip
 
     def run(name, step, timed):
         try:
@@ -494,6 +507,7 @@ def dpo(rows, smoke):
         row = _row("dpo", "Liger LigerFusedLinearDPOLoss", error="import: " + _err(e))
     if fuser_ms and row.get("fwd_bwd_ms"):
         row["x_fuser"] = round(row["fwd_bwd_ms"] / fuser_ms, 3)  # goal >= 1.3
+        fuser_row["x_liger"] = round(fuser_ms / row["fwd_bwd_ms"], 3)  # goal <= 1 / 1.3
     rows.append(row)
 
     keep = y != -100
@@ -549,7 +563,7 @@ def main(argv=None):
     for name, fn in (("distill_jsd", distill_jsd), ("dpo", dpo)):
         if name in args.workloads:
             warm_up()
-            fn(rows, smoke=False)
+            fn(rows, smoke=False, tflops=tflops)
             gc.collect()
             torch.cuda.empty_cache()
     write(args, meta, rows)
@@ -742,6 +756,8 @@ def write(args, meta, rows):
                 ratio = f"{r['x_reference']} x reference"
             elif "x_fuser" in r:
                 ratio = f"{r['x_fuser']} x fuser"
+            elif "x_liger" in r:
+                ratio = f"{r['x_liger']} x Liger"
             elif ce and "fwd_bwd_ms" in r:
                 ratio = f"{r['fwd_bwd_ms'] / ce:.3f} x fuser CE"
             else:
