@@ -43,12 +43,6 @@ EXTRA = 2e-4  # what the kernels may add to the rounding of the exact gradients 
 LOGIT_BUFFERS = ["chunks", "whole", "vocab"]  # the schedules that keep logits in memory
 
 
-def rounded(schedule, dtype):
-    """The dtype a schedule's logits pass through: the inputs' (as torch's matmul rounds
-    them), except in ``fused``, whose logits stay in fp32 registers."""
-    return None if schedule == "fused" or dtype == torch.float32 else dtype
-
-
 @pytest.fixture
 def short_slices(monkeypatch):
     monkeypatch.setattr(choice, "vocab_cols", lambda *a, **k: 64)
@@ -85,8 +79,7 @@ def test_bf16_every_schedule(schedule, short_slices):
     hidden, weight, b, target = make_inputs(torch.bfloat16)
     f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
     got = run(f, hidden, weight, b, target, grad_out=torch.tensor(0.3))
-    ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3),
-                    round_logits_to=rounded(schedule, torch.bfloat16))  # fmt: skip
+    ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3))
     check(got, ref, 2e-2, torch.bfloat16)
 
 
@@ -150,8 +143,7 @@ def test_main_grad_every_schedule(schedule, reduction, short_slices):
     out = f(x, w, target, reduction=reduction, accumulate_into="main_grad")
     (out * grad_out.to(out.dtype)).sum().backward()
     ref = reference(cross_entropy, hidden, weight, None, target, reduction=reduction,
-                    grad_out=grad_out.to(torch.bfloat16).float(),
-                    round_logits_to=rounded(schedule, torch.bfloat16))  # fmt: skip
+                    grad_out=grad_out.to(torch.bfloat16).float())  # fmt: skip
     assert w.grad is None
     assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad increment")
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
@@ -176,8 +168,8 @@ def test_main_grad_buffered_from_forward(schedule, memory, flag, monkeypatch):
     assert torch.equal(w.main_grad, start), "main_grad changed before backward"
     (out * grad_out.to(out.dtype)).backward()
     assert scaled_runs == [True], "backward ran the schedule again"
-    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=grad_out.to(torch.bfloat16).float(),
-                    round_logits_to=None if schedule == "scaled" else torch.bfloat16)  # fmt: skip
+    go = grad_out.to(torch.bfloat16).float()
+    ref = reference(cross_entropy, hidden, weight, None, target, grad_out=go)
     assert_close(w.main_grad - start, ref[2], 1e-2, "main_grad increment")
     assert_close(x.grad, ref[1], 2e-2, "grad hidden")
     check_weight_grad_left_to_main_grad(w, flag)
@@ -576,6 +568,5 @@ def test_row_padding_holds_no_garbage(schedule, short_slices, monkeypatch):
         hidden, weight, b, target = make_inputs(dtype)
         f = fuser.compile(fuser.losses.CROSS_ENTROPY, chunk_size=16, schedule=schedule)
         got = run(f, hidden, weight, b, target, grad_out=torch.tensor(0.3))
-        ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3),
-                        round_logits_to=rounded(schedule, dtype))  # fmt: skip
+        ref = reference(cross_entropy, hidden, weight, b, target, grad_out=torch.tensor(0.3))
         check(got, ref, tol, dtype)
