@@ -117,8 +117,9 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         sources = [
             *loss.tile_sums_sources(dtype, sum_tiles),
             loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
-            loss.kernel_source(dtype),
-            *loss.sharded_kernel_sources(dtype)[0],
+            loss.row_source(),  # (fp32 logits for every dtype)
+            *loss.sharded_kernel_sources("fp32")[0],
+            loss.sharded_kernel_sources(dtype)[0][-1],  # (fused and scaled, on the reductions)
             *sweeps,
             grad,
             grad_tma,
@@ -140,7 +141,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one
             # and the lean forward takes the two per-token ones)
             assert len(_missing(scaled)) == 5
-    assert _missing([loss.kernel_source("fp32")])
+    assert _missing([loss.matmul_kernel_sources("fp32")[1]])  # (fp32 inputs were not asked for)
 
     before = files_state(cache_root)
     assert cli.main(["precompile", str(path), *ARGS]) == 0

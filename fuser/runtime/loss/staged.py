@@ -9,7 +9,7 @@ slice of vocabulary columns from ``red`` alone. That allows three schedules besi
 row kernel's:
 
 - ``ShardedChunked``: a vocabulary-parallel loss, the partials combined across ranks.
-- *whole* (``Staged.forward_whole`` / ``backward_whole``): all ``[T, V]`` logits in one
+- *whole* (``Staged.forward_whole`` / ``backward_whole``): all ``[T, V]`` fp32 logits in one
   buffer from forward to backward, which then scales them into the gradient in place and
   takes the two gradient matmuls over every token at once: ``grad_weight`` comes out of
   one matmul with fp32 accumulation, rounded once, with no fp32 ``[V, H]`` buffer (16-bit
