@@ -139,8 +139,9 @@ class CompiledLoss:
         self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
 
     def kernel_source(self, dtype: str = "bf16") -> KernelSource:
-        """The row kernel launched for inputs of ``dtype`` (``fp32``, ``bf16``, ``fp16``); a
-        token rule's takes fp32 logits whatever the inputs' dtype (``token_source``)."""
+        """The row kernel for logits of ``dtype`` (``fp32``, ``bf16``, ``fp16``). Calls of every
+        dtype launch fp32's (``row_source``: their logits are accumulated and kept in fp32);
+        a token rule's is fp32's whatever ``dtype``."""
         if is_token_rule(self.rule):
             dtype = "fp32"
         if dtype not in self._sources:
@@ -150,8 +151,10 @@ class CompiledLoss:
         return self._sources[dtype]
 
     def sharded_kernel_sources(self, dtype: str = "bf16") -> tuple:
-        """(sources, layout, zy_first) of the vocabulary-parallel launch sequence for ``dtype``:
-        one kernel per reduction pass, then the loss and gradient kernel."""
+        """(sources, layout, zy_first) of the staged launch sequence for logits of ``dtype``:
+        one kernel per reduction pass, then the loss and gradient kernel. The schedules that
+        keep logits in memory launch fp32's for every dtype; ``fused`` and ``scaled`` launch
+        the last kernel of their inputs' dtype on the reductions alone."""
         if dtype not in self._sharded:
             plan = lower_loss(self.rule, dtype)
             sources = tuple(
@@ -300,8 +303,9 @@ class CompiledLoss:
 
     @property
     def source(self) -> str:
-        """The generated Triton source for bf16 inputs, as text."""
-        return self.kernel_source("bf16").text
+        """The generated Triton source of the row kernel (fp32 logits, which calls of every
+        dtype launch), as text."""
+        return self.row_source().text
 
     def _hyper_row(self, overrides: dict, device: torch.device) -> torch.Tensor:
         unknown = set(overrides) - set(self.hyper_defaults)
@@ -387,6 +391,10 @@ class CompiledLoss:
         if reduction == "none":
             out = out.reshape(hidden.shape[:-1])
         return out
+
+    def row_source(self) -> KernelSource:
+        """The row kernel every call launches (``chunks``): fp32 logits for every dtype."""
+        return self.kernel_source("fp32")
 
     def token_source(self) -> KernelSource:
         """A token rule's row kernel: fp32 logits whatever the inputs' dtype (the logits of
@@ -505,7 +513,7 @@ class CompiledLoss:
         tokens, or a staged schedule."""
         if plan.schedule == "chunks":
             return self._row_run(call, plan)
-        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+        sources, layout, zy_first = self.sharded_kernel_sources("fp32")  # (fp32 logits)
         run = Staged(sources, layout, zy_first, call.device, call.hyper, call.ignore_index, plan.chunk)
         run.schedule, run.cols = plan.schedule, plan.cols
         run.residue = self._residue(call, plan)
@@ -513,7 +521,7 @@ class CompiledLoss:
 
     def _row_run(self, call: _Call, plan: SchedulePlan) -> Chunked:
         """The row kernel over chunks of ``plan.chunk`` tokens."""
-        run = Chunked(self.kernel_source(call.dtype), call.device, call.hyper, call.ignore_index, plan.chunk)
+        run = Chunked(self.row_source(), call.device, call.hyper, call.ignore_index, plan.chunk)
         run.residue = self._residue(call, plan)
         return run
 
@@ -522,8 +530,8 @@ class CompiledLoss:
         needs it)."""
         sources = self.sharded_kernel_sources(call.dtype)[0]
 
-        def fallback() -> Chunked:
-            return self._row_run(call, plan)
+        def fallback() -> Chunked:  # (fp32 logits: in E's bytes, fewer tokens a chunk)
+            return self._row_run(call, replace(plan, chunk=max(1, plan.chunk * call.es // 4)))
 
         kernels = (self.scaled_kernel_source(call.dtype, plan.tiles), *self.scaled_token_sources(call.dtype))
         return ScaledExp(
@@ -586,7 +594,7 @@ class CompiledLoss:
         of tokens that every rank runs alike (``shard_chunk``); ``shards`` is
         ``_vocab_slices``'s (sizes, rank)."""
         sizes, rank = shards
-        sources, layout, zy_first = self.sharded_kernel_sources(call.dtype)
+        sources, layout, zy_first = self.sharded_kernel_sources("fp32")  # (fp32 logits)
         run = ShardedChunked(
             sources,
             layout,
@@ -656,12 +664,19 @@ def grad_scale_sources(dtype: str) -> list[KernelSource]:
     return [render_grad_scale("fp32", dtype), render_grad_scale(dtype, dtype)] if dtype == "bf16" else []
 
 
+def _staged_sources(f: CompiledLoss, dtype: str) -> list[KernelSource]:
+    """The staged sequence for fp32 logits (every dtype's), and for 16-bit ``dtype`` the last
+    kernel of its own, which ``fused`` and ``scaled`` launch on the reductions."""
+    staged = list(f.sharded_kernel_sources("fp32")[0])
+    return staged if dtype == "fp32" else [*staged, f.sharded_kernel_sources(dtype)[0][-1]]
+
+
 def kernel_sources(
     rule: Rule, dtype: str = "bf16", *, vocab_parallel: bool = False, **options
 ) -> list[KernelSource]:
-    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel, the
-    staged sequence (which calls with ``process_group=`` and the ``whole``, ``vocab``,
-    ``fused`` and ``scaled`` schedules launch), the lean schedule's matmul kernels (with, for
+    """Every kernel a compiled ``rule`` launches for inputs of ``dtype``: the row kernel and
+    the staged sequences (``_staged_sources``: ``process_group=``, ``whole``, ``vocab``, and
+    ``fused`` and ``scaled`` on the reductions), the lean schedule's matmul kernels (with, for
     a rule whose gradient has the scaled form and whose pass calls no function but ``exp``
     and ``approx_tanh`` (``tile_sums_pay``), its forward's tile-sums kernel: in ``tiles``,
     or through descriptors and warp-specialised where those allow it, for 16-bit inputs; and
@@ -687,7 +702,7 @@ def kernel_sources(
         if reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):  # (t[y]: one device only)
             return [f.token_source()]
         return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
-    staged = list(f.sharded_kernel_sources(dtype)[0])
+    staged = _staged_sources(f, dtype)
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]
     if f.tiles is None:  # (sm_90 takes the gradient kernel with descriptors: descriptors_pay)
@@ -715,4 +730,4 @@ def kernel_sources(
             tma = f.scaled_kernel_source(dtype, t)
             scaled += [tma] if tma.digest != scaled[0].digest else []
     scaled += list(f.scaled_token_sources(dtype)) if scaled else []
-    return [f.kernel_source(dtype), *staged, *lean, *scaled, *residue]
+    return [f.row_source(), *staged, *lean, *scaled, *residue]

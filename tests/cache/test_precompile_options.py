@@ -78,20 +78,22 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
     path.write_text(RULES)
     assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
     rows = _rows(capsys.readouterr().out)
-    # 2 plans x 2 state dtypes for the optimizer; per dtype, the row kernel, 2 staged loss
-    # kernels, the lean schedule's 6 matmul kernels (one sweep, the gradient without and
+    # 2 plans x 2 state dtypes for the optimizer; for both dtypes, the row kernel and 2
+    # staged loss kernels of fp32 logits (3; every dtype's calls launch them); per dtype,
+    # the last staged kernel of its own (``fused`` and ``scaled`` run it), the lean
+    # schedule's 6 matmul kernels (one sweep, the gradient without and
     # with tensor descriptors, and warp-specialised, the forward's tile sums through
     # descriptors, and warp-specialised), the scaled schedule's kernel (three ways: its
     # tiles, through descriptors, warp-specialised) and its 5 kernels around it (per token,
     # per chunk, the gradient's terms), the target column's residue's 2 more (its row sums'
     # second phase is the scaled schedule's), the 3 that write a 16-bit grad_weight with
     # the residue's rows in it and the 2 that scale a forward's gradients by grad_output:
-    # 24 for bf16; 17 for fp16, which the scaled schedule refuses (its 3 + 3 gradient-term
+    # 22 for bf16 besides those 3; 15 for fp16, which the scaled schedule refuses (its 3 + 3 gradient-term
     # kernels, less the residue's second phase, then its own; the lean forward's tile sums
     # take the per-token kernels) and whose gradients are all taken in backward
-    assert len(rows) == 4 + 24 + 17 and {r[5] for r in rows} == {"compiled"}
+    assert len(rows) == 4 + 3 + 22 + 15 and {r[5] for r in rows} == {"compiled"}
     assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 41
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 40
     assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
         "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
     }  # fmt: skip
@@ -117,8 +119,9 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         sources = [
             *loss.tile_sums_sources(dtype, sum_tiles),
             loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
-            loss.kernel_source(dtype),
-            *loss.sharded_kernel_sources(dtype)[0],
+            loss.row_source(),  # (fp32 logits for every dtype)
+            *loss.sharded_kernel_sources("fp32")[0],
+            loss.sharded_kernel_sources(dtype)[0][-1],  # (fused and scaled, on the reductions)
             *sweeps,
             grad,
             grad_tma,
@@ -140,7 +143,7 @@ def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, mon
         else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one
             # and the lean forward takes the two per-token ones)
             assert len(_missing(scaled)) == 5
-    assert _missing([loss.kernel_source("fp32")])
+    assert _missing([loss.matmul_kernel_sources("fp32")[1]])  # (fp32 inputs were not asked for)
 
     before = files_state(cache_root)
     assert cli.main(["precompile", str(path), *ARGS]) == 0

@@ -55,13 +55,16 @@ def _draw(dtype, bias, ignore, seed, shape, h, v, scale):
 
 class Reference(NamedTuple):
     """Loss and gradients in float64, and fp32's error bound of each (None where the inputs
-    are not fp32): ``ref[0]`` .. ``ref[3]`` as before."""
+    are not fp32): ``ref[0]`` .. ``ref[3]`` as before. ``loss_bound``: fp32's bound of the
+    loss for inputs of every dtype (a 16-bit call's logits are accumulated and kept in
+    fp32), None where the reference rounded its logits (``round_logits_to``)."""
 
     loss: torch.Tensor
     grad_hidden: torch.Tensor
     grad_weight: torch.Tensor
     grad_bias: torch.Tensor | None
     bounds: tuple | None
+    loss_bound: torch.Tensor | None = None
 
 
 def reference(
@@ -72,8 +75,8 @@ def reference(
     ``per_token`` maps logits [N, V] and safe targets [N] to per-token losses [N].
     ``round_logits_to`` rounds the logits to the dtype the fused loss computes them in, so a
     comparison measures the epilogue rather than the matmul's rounding. Returns
-    (loss, grad_hidden, grad_weight, grad_bias) in float64, and for fp32 inputs the bounds
-    of ``fp32_bounds``.
+    (loss, grad_hidden, grad_weight, grad_bias) in float64, for fp32 inputs the bounds of
+    ``fp32_bounds``, and for inputs of every dtype the loss's (``fp32_loss_bound``).
     """
     x = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
@@ -96,7 +99,10 @@ def reference(
     (out * go).sum().backward()
     fp32 = hidden.dtype == weight.dtype == torch.float32 and round_logits_to is None
     bounds = fp32_bounds(per_token, hidden, weight, bias, target, reduction, grad_out) if fp32 else None
-    return Reference(out.detach(), x.grad, w.grad, (b.grad if b is not None else None), bounds)
+    loss_bound = bounds[0] if bounds is not None else None
+    if loss_bound is None and round_logits_to is None:
+        loss_bound = fp32_loss_bound(per_token, hidden, weight, bias, target, reduction)
+    return Reference(out.detach(), x.grad, w.grad, (b.grad if b is not None else None), bounds, loss_bound)
 
 
 # --- what fp32 can err --------------------------------------------------------------------------
@@ -160,7 +166,7 @@ def fp32_bounds(per_token, hidden, weight, bias, target, reduction="mean", grad_
     losses = per_token(z, ys).detach()
     own = epilogue_depth(v) * U
     rounding_l, rounding_d = own_rounding(per_token, z, ys)
-    err_l = (grads.abs() * dz).sum(1) + own * (losses.abs() + z.abs().amax(1) + 1) + rounding_l
+    err_loss = _loss_error(losses, grads, z, dz, rounding_l, valid, target, reduction)
     err_d = (
         (hess.abs() @ dz[..., None])[..., 0]
         + own * (grads.abs() + grads.abs().amax(1, keepdim=True))
@@ -175,14 +181,34 @@ def fp32_bounds(per_token, hidden, weight, bias, target, reduction="mean", grad_
     err_gx = err_big_d @ w.abs() + (v + 2) * U * (big_d.abs() @ w.abs())
     err_gw = err_big_d.T @ x.abs() + (n + 2) * U * (big_d.abs().T @ x.abs())
     err_gb = err_big_d.sum(0) + (n + 2) * U * big_d.abs().sum(0)
-    err_l = err_l * valid
-    if reduction == "none":
-        err_loss = err_l.reshape(target.shape)
-    else:
-        err_loss = err_l.sum() + (n + 2) * U * (losses * valid).abs().sum()
-        if reduction == "mean":
-            err_loss = err_loss / valid.sum().clamp(min=1)
     return err_loss, err_gx.reshape(hidden.shape), err_gw, (err_gb if bias is not None else None)
+
+
+def fp32_loss_bound(per_token, hidden, weight, bias, target, reduction="mean"):
+    """``fp32_bounds``' bound of the loss alone, without the second derivatives that the
+    gradients' bounds take (so it stays cheap at any size). For 16-bit inputs too: their
+    products are exact in fp32, so logits accumulated in fp32 carry fp32's error only."""
+    _, _, z, dz = _logits(hidden, weight, bias)
+    y = target.reshape(-1)
+    valid = y != IGNORE
+    ys = torch.where(valid, y, 0)
+    zg = z.clone().requires_grad_()
+    losses = per_token(zg, ys)
+    (grads,) = torch.autograd.grad(losses.sum(), zg)  # (rows are independent)
+    rounding_l, _ = own_rounding(per_token, z, ys)
+    return _loss_error(losses.detach(), grads, z, dz, rounding_l, valid, target, reduction)
+
+
+def _loss_error(losses, grads, z, dz, rounding_l, valid, target, reduction):
+    """The loss's bound from the per-token losses, their gradients, the logits' bound ``dz``
+    and the epilogue's own rounding (item 2 above), reduced as ``reduction`` (item 3)."""
+    n, v = z.shape
+    own = epilogue_depth(v) * U
+    err_l = ((grads.abs() * dz).sum(1) + own * (losses.abs() + z.abs().amax(1) + 1) + rounding_l) * valid
+    if reduction == "none":
+        return err_l.reshape(target.shape)
+    err_loss = err_l.sum() + (n + 2) * U * (losses * valid).abs().sum()
+    return err_loss / valid.sum().clamp(min=1) if reduction == "mean" else err_loss
 
 
 def decidable(per_token, hidden, weight, bias, target) -> bool:

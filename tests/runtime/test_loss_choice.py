@@ -64,7 +64,7 @@ SCHEDULE_ROWS = [
     # ... not where it was not measured, nor at H = 4096 (whole or chunks stay), nor fp32
     (call(**SM80), "chunks"),
     (call(**CPU), "chunks"),
-    (call(LLAMA8B), "whole"),
+    (call(LLAMA8B), "chunks"),  # (whole's fp32 logits, 4 GiB, outweigh a chunk and the buffer)
     (call(dtype="fp32", form=CE_FP32), "chunks"),
     # ... nor for calls it cannot run: no form, reduction='none', a bias
     (call(form=NO_FORM), "chunks"),
@@ -79,7 +79,7 @@ SCHEDULE_ROWS = [
     (call(main_grad=True, **CPU), "vocab"),
     # main_grad with memory='fast': the schedules of a call without it
     (call(main_grad=True, memory="fast"), "scaled"),
-    (call(LLAMA8B, main_grad=True, memory="fast"), "whole"),
+    (call(LLAMA8B, main_grad=True, memory="fast"), "chunks"),
     # fp16 (gradients in backward): lean in place of chunks on sm_90 with H up to 1024
     (call(dtype="fp16"), "fused"),
     (call(dtype="fp16", memory="fast"), "fused"),
@@ -136,7 +136,7 @@ FORWARD_ROWS = [
     (call(main_grad=True, memory="fast"), True, True),
     (call(main_grad=True, schedule="chunks"), False, False),
     (call(main_grad=True, schedule="scaled"), True, True),
-    (call(LLAMA8B, main_grad=True, memory="fast"), False, True),  # (whole: in backward)
+    (call(LLAMA8B, main_grad=True, memory="fast"), True, True),
     (call(main_grad=True), False, False),  # (fused)
     (call(want_grad=False), False, False),
 ]
@@ -226,21 +226,21 @@ def test_sizes_of_the_pieces():
     # chunks of logits: 2304 tokens at gist, 4096 at llama8b (chunk_rows' docstring); the
     # compile option chunk_size wins
     assert choose(call()).chunk == 2304 and choose(call(chunk_size=100)).chunk == 100
-    whole = choose(call(LLAMA8B))
-    assert whole.chunk == 4096
-    # whole's backward slices: the logits and the fp32 grad_hidden within 240 MiB, in blocks
-    # of 2048 columns: (240 MiB - 4 * 8192 * 4096) // (8192 * 2) = 7168 -> 6144
-    assert whole.cols == 6144
-    # vocab: forward chunks of logits within 240 MiB (a multiple of 64: 491 -> 448), slices of
-    # at least 256 columns when grad_hidden alone fills the budget
+    whole = choose(call(LLAMA8B, schedule="whole"))
+    assert whole.chunk == 2048  # (fp32 logits: 1 GiB // (128256 * 4) = 2093 -> 2048)
+    # whole's backward slices: the fp32 logits and grad_hidden within 240 MiB, in blocks
+    # of 2048 columns: (240 MiB - 4 * 8192 * 4096) // (8192 * 4) = 3584 -> 2048
+    assert whole.cols == 2048
+    # vocab: forward chunks of fp32 logits within 240 MiB (a multiple of 64: 245 -> 192),
+    # slices of at least 256 columns when grad_hidden alone fills the budget
     vocab = choose(call(H8192, main_grad=True))
-    assert (vocab.chunk, vocab.cols) == (448, 256)
+    assert (vocab.chunk, vocab.cols) == (192, 256)
     # the lean slices: (240 MiB - 4 * 32768 * 768) // (32768 * 2) = 2304, a multiple of 256
     assert choose(call(main_grad=True)).cols == 2304 and choose(call(memory="lean")).chunk is None
     # over ranks, chunks sized by the largest slice: (1 GiB - 4 * 64256 * 768 - 32768 * 768 * 2)
-    # // (64256 * 2) = 6427 -> 6400
+    # // (64256 * 4) = 3213 -> 3072 (fp32 logits)
     ranks = call(dict(GIST, vocab=64000), vocab_parallel=True)
-    assert choose(ranks).chunk is None and shard_chunk(ranks, (64256, 64000)) == 6400
+    assert choose(ranks).chunk is None and shard_chunk(ranks, (64256, 64000)) == 3072
     assert shard_chunk(replace(ranks, chunk_size=512), (64256, 64000)) == 512
 
 

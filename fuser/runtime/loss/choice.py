@@ -21,7 +21,7 @@ from fuser.codegen.loss_matmul import (
     warp_specialized,
 )
 from fuser.ir.loss import LossPlan
-from fuser.runtime.loss.chunked import chunk_rows
+from fuser.runtime.loss.chunked import LOGIT_SIZE, chunk_rows
 from fuser.runtime.loss.fused import slice_cols
 from fuser.runtime.loss.staged import MAIN_GRAD_BUDGET, forward_rows, vocab_cols
 
@@ -177,15 +177,16 @@ def choose(call: LossCall) -> SchedulePlan:
     if name == "fused":
         return _fused(call, replace(plan, residue=call.form.residue))
     if name == "scaled":
-        return _scaled(call, replace(plan, chunk=_chunk(call), residue=call.form.residue))
+        chunk = _chunk(call, call.element_size)  # (its E is stored in the inputs' dtype)
+        return _scaled(call, replace(plan, chunk=chunk, residue=call.form.residue))
     if call.vocab_parallel:
         return replace(plan, residue=call.form.residue, weight_grad=_weight_grad(call))
     chunk = _chunk(call)
     if name == "chunks":
         return replace(plan, chunk=chunk, weight_grad=_weight_grad(call))
     if name == "vocab":
-        chunk = min(chunk, forward_rows(call.vocab, call.element_size))
-    cols = vocab_cols(call.n_tokens, call.hidden, call.element_size, call.block)
+        chunk = min(chunk, forward_rows(call.vocab, LOGIT_SIZE))
+    cols = vocab_cols(call.n_tokens, call.hidden, LOGIT_SIZE, call.block)
     return replace(plan, chunk=chunk, cols=cols, weight_grad=_weight_grad(call))
 
 
@@ -216,7 +217,7 @@ def _schedule(call: LossCall) -> str:
         call.n_tokens,
         call.hidden,
         call.vocab,
-        call.element_size,
+        LOGIT_SIZE,
         chunk=_chunk(call),
         main_grad=call.main_grad and call.memory == "auto",
         weight_fp32=call.dtype == "fp32",
@@ -236,19 +237,19 @@ def choose_schedule(
     n_tokens: int,
     hidden: int,
     vocab: int,
-    element_size: int,
+    logit_size: int,
     *,
     chunk: int,
     main_grad: bool,
     weight_fp32: bool,
 ) -> str:
     """``"whole"``, ``"vocab"`` or ``"chunks"`` (the row kernel's) for a call that needs
-    gradients: whole when every token's logits take no more memory than the other schedule
-    would (``main_grad``: ``MAIN_GRAD_BUDGET``; otherwise a chunk of logits plus, for a
-    low-precision weight, the fp32 ``[V, H]`` accumulator). When every token fits in one
-    chunk, the row kernel does in one launch what whole does in two, with the same matmuls
-    and memory, so chunks is chosen."""
-    whole = n_tokens * vocab * element_size
+    gradients: whole when every token's logits (``logit_size`` bytes each) take no more
+    memory than the other schedule would (``main_grad``: ``MAIN_GRAD_BUDGET``; otherwise a
+    chunk of logits plus, for a low-precision weight, the fp32 ``[V, H]`` accumulator).
+    When every token fits in one chunk, the row kernel does in one launch what whole does
+    in two, with the same matmuls and memory, so chunks is chosen."""
+    whole = n_tokens * vocab * logit_size
     one_chunk = n_tokens <= chunk
     if main_grad:
         if whole > MAIN_GRAD_BUDGET:
@@ -256,7 +257,7 @@ def choose_schedule(
         return "chunks" if one_chunk else "whole"
     if one_chunk:
         return "chunks"
-    chunked = min(chunk, n_tokens) * vocab * element_size + (0 if weight_fp32 else 4 * vocab * hidden)
+    chunked = min(chunk, n_tokens) * vocab * logit_size + (0 if weight_fp32 else 4 * vocab * hidden)
     return "whole" if whole <= chunked else "chunks"
 
 
@@ -336,8 +337,11 @@ def scaled_tiles(dtype: str, tma: bool, narrow: bool = False) -> Tiles:
     return (SCALED_TILES_NARROW if narrow else SCALED_TILES).for_dtype(dtype)
 
 
-def _chunk(call: LossCall) -> int:
-    return call.chunk_size or chunk_rows(call.n_tokens, call.hidden, call.vocab, call.element_size)
+def _chunk(call: LossCall, logit_size: int = LOGIT_SIZE) -> int:
+    """Tokens per chunk: ``chunk_rows`` at ``logit_size`` bytes a logit (fp32 logits; the
+    scaled schedule's ``E`` in the inputs' dtype), or the compile option ``chunk_size``."""
+    es = call.element_size
+    return call.chunk_size or chunk_rows(call.n_tokens, call.hidden, call.vocab, es, logit_size)
 
 
 def _option_tiles(call: LossCall, tma_ok: bool) -> Tiles:

@@ -2,11 +2,14 @@
 (which also runs the staged schedules of ``fuser.runtime.loss.staged``).
 
 For each chunk of tokens, the logits ``x_chunk @ W.T (+ b)`` are computed by torch (cuBLAS
-on a GPU) in the input dtype into one reused buffer; the rule's generated row kernel then
-reduces each row in fp32, writes the per-token loss and overwrites the row with
-``scale * d loss / d logits``; two more matmuls give the chunk's ``grad_hidden`` rows and add
-its share of ``grad_weight`` into an fp32 buffer. No ``[tokens, vocab]`` or ``[vocab,
-hidden]`` temporary exists besides the chunk's logits and the fp32 weight gradient itself.
+on a GPU) into one reused fp32 buffer, from products of the inputs' dtype accumulated in
+fp32 and never rounded (``fp32_logits``); the rule's generated row kernel, lowered for fp32
+logits, then reduces each row, writes the per-token loss and overwrites the row with
+``scale * d loss / d logits`` in fp32. For 16-bit inputs that gradient is rounded once, in
+place, to the inputs' dtype (``rounded_gradient``, which keeps the target column's residue
+aside); two more matmuls give the chunk's ``grad_hidden`` rows and add its share of
+``grad_weight`` into an fp32 buffer. No ``[tokens, vocab]`` or ``[vocab, hidden]``
+temporary exists besides the chunk's logits and the fp32 weight gradient itself.
 
 Two schedules:
 
@@ -17,7 +20,7 @@ Two schedules:
   inputs: ``d loss / d logits`` is rounded to the inputs' dtype, and in fp16 a softmax
   term taken in forward, scaled by ``1 / T`` but not yet by a loss scale such as
   ``torch.amp.GradScaler``'s, rounds to 0 under 6e-8): the
-  forward pass computes only the loss; backward recomputes each chunk's logits and runs
+  forward pass computes only the loss; backward recomputes each chunk's (fp32) logits and runs
   the kernel with the per-token ``grad_output`` as the row scale. ``grad_weight`` is
   ``sum_t g_t * dlogits_t (x) x_t``, which no scaling after the fact can produce, and
   ``main_grad`` must receive the gradient already scaled, with no ``[V, H]`` buffer on the
@@ -42,6 +45,8 @@ from fuser.codegen.loss_matmul import GRAD_SCALE_BLOCK, render_grad_scale
 from fuser.codegen.source import KernelSource
 
 MIB = 1 << 20
+# Bytes of a logit in every schedule's buffers: fp32, whatever the inputs' dtype.
+LOGIT_SIZE = 4
 # The fp32 block a 16-bit gradient passes through to take the target residue before its one
 # rounding (cuBLAS may add C after rounding: benchmarks/results/cublas_c_probe_2026-11-27.txt).
 BLOCK_BUDGET = 64 * MIB
@@ -57,19 +62,23 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
-def chunk_rows(n_tokens: int, hidden: int, vocab: int, element_size: int) -> int:
-    """Tokens per chunk: the chunk's logits get what 1 GiB leaves after the fp32 ``[V, H]``
-    weight-gradient accumulator and ``grad_hidden``, but at least twice the weight's bytes,
-    within [256 MiB, 1 GiB].
+def chunk_rows(
+    n_tokens: int, hidden: int, vocab: int, element_size: int, logit_size: int = LOGIT_SIZE
+) -> int:
+    """Tokens per chunk: the chunk's logits (``logit_size`` bytes each: fp32, as every schedule
+    keeps them, or the inputs' for the scaled schedule's ``E``) get what 1 GiB leaves after
+    the fp32 ``[V, H]`` weight-gradient accumulator and ``grad_hidden``, but at least twice
+    the weight's bytes, within [256 MiB, 1 GiB].
 
     The weight-gradient matmul ``dlogits.T @ x`` reads and writes the fp32 accumulator once
     per chunk, so a chunk must be long (its K dimension) for that traffic to hide behind the
     multiply; but the chunk's logits are the one large temporary. For V = 128256 in bf16:
-    H = 768 and 32768 tokens give 2304 tokens (591 MB), H = 4096 gives 4096 (1 GiB).
+    H = 768 and 32768 tokens give 1024 tokens of fp32 logits (525 MB), H = 4096 gives 2048
+    (1.05 GB, under 1 GiB).
     """
     rest = 1024 * MIB - 4 * vocab * hidden - n_tokens * hidden * element_size
     budget = min(max(2 * vocab * hidden * element_size, rest, 256 * MIB), 1024 * MIB)
-    rows = budget // max(vocab * element_size, 1)
+    rows = budget // max(vocab * logit_size, 1)
     if rows >= 256:
         rows = rows // 256 * 256
     return int(max(1, min(n_tokens, max(rows, 16))))
@@ -104,14 +113,14 @@ class HostValue:
         return self.value.item()
 
 
-def logits_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised ``[rows, cols]`` buffer in ``like``'s dtype and device whose rows are
-    a multiple of 8 elements apart, so that every row is 16-byte aligned (the loss kernels
-    load and store full blocks 16 bytes at a time, and assume it). The padding is zeroed:
-    a matmul may read a row's padding along with it (CPU bf16 GEMMs do), and uninitialised
-    memory can hold NaN, which zeros elsewhere would not cancel."""
+def logits_buffer(rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised ``[rows, cols]`` buffer of ``dtype`` (else ``like``'s) on ``like``'s
+    device whose rows are a multiple of 8 elements apart, so that every row is 16-byte
+    aligned (the loss kernels load and store full blocks 16 bytes at a time, and assume it).
+    The padding is zeroed: a matmul may read a row's padding along with it (CPU bf16 GEMMs
+    do), and uninitialised memory can hold NaN, which zeros elsewhere would not cancel."""
     width = -(-cols // 8) * 8
-    buf = torch.empty(rows, width, dtype=like.dtype, device=like.device)
+    buf = torch.empty(rows, width, dtype=dtype or like.dtype, device=like.device)
     if width != cols:
         buf[:, cols:].zero_()
     return buf[:, :cols]
@@ -159,6 +168,58 @@ def product_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     accumulate_mm(out, a, b)
 
 
+def fp32_logits(logits, x, weight, bias) -> None:
+    """``logits = x @ weight.T (+ bias)`` into the fp32 ``logits``, from products of the
+    inputs' dtype accumulated in fp32 (``product_fp32``)."""
+    product_fp32(logits, x, weight.t())
+    if bias is not None:
+        logits.add_(bias)
+
+
+# Columns of a row that ``round_in_place`` copies aside before writing over them.
+HEAD_COLS = 256
+
+
+def round_in_place(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` (fp32 ``[n, v]``, each row contiguous) rounded to the 16-bit ``dtype`` in its own
+    memory: a ``[n, v]`` view of ``dtype`` whose rows start where ``z``'s do (so still 16-byte
+    aligned), with no buffer of ``z``'s size besides. Columns ``[c, 2c)`` are written over the
+    fp32 columns ``[c / 2, c)``, which the slices before read; the first ``HEAD_COLS`` pass
+    through a copy of ``[n, HEAD_COLS]``."""
+    n, v = z.shape
+    if n == 0 or v == 0:
+        return z.to(dtype)
+    out = z.view(dtype)[:, :v]
+    c = min(v, HEAD_COLS)
+    head = z[:, :c].to(dtype)
+    while c < v:
+        e = min(2 * c, v)
+        out[:, c:e].copy_(z[:, c:e])
+        c = e
+    out[:, : head.shape[1]].copy_(head)
+    return out
+
+
+def rounded_gradient(dz, dtype, resid=None, target=None, col_offset: int = 0) -> torch.Tensor:
+    """``dz`` (fp32 ``scale * d loss / d logits`` of columns ``[col_offset, ...)`` of the
+    vocabulary) for the gradient matmuls in the inputs' ``dtype``: ``dz`` itself for fp32,
+    else rounded once, in place (``round_in_place``). With ``resid`` (fp32 ``[n]``) the target
+    column's residue, ``dz[t, y_t]`` less its rounding, goes there for the tokens whose
+    target these columns hold (``fuser.runtime.loss.residue`` adds it back in fp32)."""
+    if dtype == torch.float32:
+        return dz
+    n, v = dz.shape
+    if resid is None or n == 0 or v == 0:
+        return round_in_place(dz, dtype)
+    y = target - col_offset
+    mine = (y >= 0) & (y < v)
+    col = y.clamp(0, v - 1)[:, None]
+    exact = dz.gather(1, col)[:, 0]
+    low = round_in_place(dz, dtype)
+    torch.where(mine, exact - low.gather(1, col)[:, 0].float(), resid, out=resid)
+    return low
+
+
 def accumulate_weight_grad(gw: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
     """``gw += dlogits.T @ x`` with ``gw`` fp32 (``accumulate_mm``)."""
     accumulate_mm(gw, dlogits.t(), x)
@@ -186,32 +247,37 @@ class Chunked:
         if n_tokens == 0:
             return
         grad = scale is not None
-        buf = logits_buffer(min(self.chunk, n_tokens), vocab, x)
+        buf = logits_buffer(min(self.chunk, n_tokens), vocab, x, torch.float32)
         scale_stride = 0 if not grad or scale.numel() == 1 else 1
         residue = self.residue if grad else None
         resid = residue.buffer(n_tokens, x.device) if residue else loss_tok
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
             xc, logits = x[s:e], buf[: e - s]
-            if bias is not None:
-                torch.addmm(bias, xc, weight.t(), out=logits)
-            else:
-                torch.mm(xc, weight.t(), out=logits)
+            fp32_logits(logits, xc, weight, bias)
             row_scale = (scale[s:e] if scale_stride else scale) if grad else loss_tok
             self.kernel(
                 (e - s,), logits, logits.stride(0), target[s:e], loss_tok[s:e], resid[s:e], row_scale,
                 scale_stride, self.hyper, vocab, self.ignore_index, int(grad),
             )  # fmt: skip
-            if not grad:
-                continue
-            if gx is not None:
-                hidden_grad(gx[s:e], logits, weight, residue, resid[s:e], target[s:e], 0)
-            if gw is not None:
-                accumulate_weight_grad(gw, logits, xc)
-            if gb is not None:
-                gb.add_(logits.sum(0, dtype=torch.float32))
-        if residue and (gw is not None or gb is not None):
-            residue_rows(residue, x, target, resid, 0, vocab, gw, gb)
+            if grad:
+                chunk_grads(logits, xc, weight, target[s:e], 0, residue, resid[s:e], gx, gw, gb, s)
+        if residue and gw is not None:
+            residue_rows(residue, x, target, resid, 0, vocab, gw, None)
+
+
+def chunk_grads(dz, xc, weight, target, col_offset: int, residue, resid, gx, gw, gb, start: int) -> None:
+    """A chunk's shares of the gradients from its fp32 logit gradient ``dz`` (columns
+    ``[col_offset, ...)``; overwritten): ``grad_bias`` summed from it in fp32, then the
+    matmuls from it rounded to the inputs' dtype (``rounded_gradient``, the target column's
+    residue into ``resid`` where ``residue`` adds it), ``gx``'s rows ``start`` on."""
+    if gb is not None:
+        gb.add_(dz.sum(0))
+    dl = rounded_gradient(dz, xc.dtype, resid if residue else None, target, col_offset)
+    if gx is not None:
+        hidden_grad(gx[start : start + dz.shape[0]], dl, weight, residue, resid, target, col_offset)
+    if gw is not None:
+        accumulate_weight_grad(gw, dl, xc)
 
 
 def hidden_grad(gx, dlogits, weight, residue, resid, target, col_offset: int) -> None:

@@ -9,7 +9,7 @@ slice of vocabulary columns from ``red`` alone. That allows three schedules besi
 row kernel's:
 
 - ``ShardedChunked``: a vocabulary-parallel loss, the partials combined across ranks.
-- *whole* (``Staged.forward_whole`` / ``backward_whole``): all ``[T, V]`` logits in one
+- *whole* (``Staged.forward_whole`` / ``backward_whole``): all ``[T, V]`` fp32 logits in one
   buffer from forward to backward, which then scales them into the gradient in place and
   takes the two gradient matmuls over every token at once: ``grad_weight`` comes out of
   one matmul with fp32 accumulation, rounded once, with no fp32 ``[V, H]`` buffer (16-bit
@@ -33,9 +33,12 @@ from fuser.runtime.loss.chunked import (
     Chunked,
     accumulate_mm,
     accumulate_weight_grad,
+    chunk_grads,
+    fp32_logits,
     hidden_grad,
     logits_buffer,
     residue_rows,
+    rounded_gradient,
 )
 from fuser.runtime.loss.residue import SliceTerms
 
@@ -90,10 +93,7 @@ class Staged(Chunked):
 
     # -- one block of rows ----------------------------------------------------------------
     def _logits(self, xc, weight, bias, out) -> None:
-        if bias is not None:
-            torch.addmm(bias, xc, weight.t(), out=out)
-        else:
-            torch.mm(xc, weight.t(), out=out)
+        fp32_logits(out, xc, weight, bias)
 
     def _reduce(self, logits, target, loss, r, parts) -> None:
         """Every sweep over ``logits`` (this rank's columns of ``target``'s rows) into ``r``,
@@ -186,7 +186,7 @@ class Staged(Chunked):
             return
         grad = scale is not None
         rows = min(self.chunk, n_tokens)
-        buf = logits_buffer(rows, vocab, x)
+        buf = logits_buffer(rows, vocab, x, torch.float32)
         red, parts = self._buffers(rows, x.device)
         per_token = grad and scale.numel() > 1
         residue = self.residue if grad else None
@@ -209,14 +209,9 @@ class Staged(Chunked):
                 total,
                 resid[s:e],
             )
-            if gx is not None:
-                hidden_grad(gx[s:e], logits, weight, residue, resid[s:e], target[s:e], self.col_offset)
-            if gw is not None:
-                accumulate_weight_grad(gw, logits, xc)
-            if gb is not None:
-                gb.add_(logits.sum(0, dtype=torch.float32))
-        if residue and (gw is not None or gb is not None):
-            residue_rows(residue, x, target, resid, self.col_offset, vocab, gw, gb)
+            chunk_grads(logits, xc, weight, target[s:e], self.col_offset, residue, resid[s:e], gx, gw, gb, s)
+        if residue and gw is not None:
+            residue_rows(residue, x, target, resid, self.col_offset, vocab, gw, None)
         if grad and gx is not None:
             self._all_reduce(gx)
 
@@ -224,7 +219,7 @@ class Staged(Chunked):
     def forward_whole(self, x, weight, bias, target, loss_tok):
         """The loss into ``loss_tok``; returns ``(logits, red)`` for ``backward_whole``."""
         n_tokens, vocab = x.shape[0], weight.shape[0]
-        logits = logits_buffer(n_tokens, vocab, x)
+        logits = logits_buffer(n_tokens, vocab, x, torch.float32)
         red, parts = self._buffers(n_tokens, x.device)
         if n_tokens:
             self._logits(x, weight, bias, logits)
@@ -243,21 +238,22 @@ class Staged(Chunked):
         if n:
             resid = terms.resid if terms else None
             self._differentiate(logits, target, loss, red, scale, self.col_offset, self._total(vocab), resid)
+        if need_b:
+            gb = logits.sum(0)
+        dl = rounded_gradient(logits, x.dtype, terms and terms.resid, target, self.col_offset)
         if need_x:
             gx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            hidden_grad(gx, logits, weight, residue, terms and terms.resid, target, self.col_offset)
+            hidden_grad(gx, dl, weight, residue, terms and terms.resid, target, self.col_offset)
             self._all_reduce(gx)
         if need_w and main_grad:
-            accumulate_weight_grad(weight.main_grad, logits, x)
+            accumulate_weight_grad(weight.main_grad, dl, x)
         elif need_w and terms:
             gw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
-            terms.weight_slice(gw, 0, vocab, logits, x)
+            terms.weight_slice(gw, 0, vocab, dl, x)
         elif need_w:
-            gw = torch.mm(logits.t(), x)
-        if need_b:
-            gb = logits.sum(0, dtype=torch.float32)
+            gw = torch.mm(dl.t(), x)
         if terms:
-            terms.finish(x, weight, None, weight.main_grad if need_w and main_grad else None, gb)
+            terms.finish(x, weight, None, weight.main_grad if need_w and main_grad else None, None)
         return gx, gw, gb
 
     # -- vocabulary chunks: forward keeps the reductions, backward recomputes by slices ---
@@ -268,7 +264,7 @@ class Staged(Chunked):
         if n_tokens == 0:
             return red
         rows = min(self.chunk, n_tokens)
-        buf = logits_buffer(rows, vocab, x)
+        buf = logits_buffer(rows, vocab, x, torch.float32)
         _, parts = self._buffers(rows, x.device)
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
@@ -294,7 +290,7 @@ class Staged(Chunked):
         if n_tokens == 0 or vocab == 0:
             return self._finish_x(gx, x), gw, gb.zero_() if gb is not None else None
         terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, cols)
-        buf = logits_buffer(n_tokens, min(cols, vocab), x)
+        buf = logits_buffer(n_tokens, min(cols, vocab), x, torch.float32)
         loss = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
         layout = self.layout
         argmax_cols = [layout.red_cols[i] + 1 for p in layout.part_cols for i, op, _ in p if op == "max"]
@@ -309,19 +305,20 @@ class Staged(Chunked):
                 r[:, c] = torch.where((am >= v0) & (am < v1), am - v0, -1.0)
             resid = terms.resid if terms else None
             self._differentiate(logits, target, loss, r, scale, self.col_offset + v0, total, resid)
-            if need_x:
-                accumulate_mm(gx, logits, weight[v0:v1])
-            if need_w and main_grad:
-                accumulate_weight_grad(weight.main_grad[v0:v1], logits, x)
-            elif need_w and terms:
-                terms.weight_slice(gw, v0, v1, logits, x)
-            elif need_w:
-                torch.mm(logits.t(), x, out=gw[v0:v1])
             if need_b:
-                torch.sum(logits, 0, dtype=torch.float32, out=gb[v0:v1])
-        del buf, logits  # before grad_hidden takes the input dtype
+                torch.sum(logits, 0, out=gb[v0:v1])
+            dl = rounded_gradient(logits, x.dtype, resid, target, self.col_offset + v0)
+            if need_x:
+                accumulate_mm(gx, dl, weight[v0:v1])
+            if need_w and main_grad:
+                accumulate_weight_grad(weight.main_grad[v0:v1], dl, x)
+            elif need_w and terms:
+                terms.weight_slice(gw, v0, v1, dl, x)
+            elif need_w:
+                torch.mm(dl.t(), x, out=gw[v0:v1])
+        del buf, logits, dl  # before grad_hidden takes the input dtype
         if terms:
-            terms.finish(x, weight, gx, weight.main_grad if need_w and main_grad else None, gb)
+            terms.finish(x, weight, gx, weight.main_grad if need_w and main_grad else None, None)
         if gx is not None:
             self._all_reduce(gx)
         return self._finish_x(gx, x), gw, gb

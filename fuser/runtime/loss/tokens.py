@@ -32,6 +32,7 @@ from fuser.runtime.loss.chunked import (
     accumulate_weight_grad,
     chunk_rows,
     eager_grads,
+    fp32_logits,
     logits_buffer,
     main_grad_return,
     product_fp32,
@@ -69,11 +70,11 @@ class TokenRun:
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
             xc, logits = x[s:e], buf[: e - s]
-            _fp32_logits(logits, xc, weight, bias)
+            fp32_logits(logits, xc, weight, bias)
             extra = ()
             if teacher is not None:  # (the same stride as the student's: one buffer shape)
                 tx, tw, tb = teacher
-                _fp32_logits(tbuf[: e - s], tx[s:e], tw, tb)
+                fp32_logits(tbuf[: e - s], tx[s:e], tw, tb)
                 extra = (tbuf[: e - s],)
             self.kernel(
                 (e - s,), logits, logits.stride(0), target[s:e], flat_out[s:], ones, ones, 0, self.hyper,
@@ -82,13 +83,6 @@ class TokenRun:
             )  # fmt: skip
             if grad:
                 _chunk_grads(logits, xc, weight, target[s:e], 0, gx[s:e] if gx is not None else None, gw, gb)
-
-
-def _fp32_logits(logits, xc, weight, bias) -> None:
-    """``logits = xc @ weight.T (+ bias)`` in fp32, from products accumulated in fp32."""
-    product_fp32(logits, xc, weight.t())
-    if bias is not None:
-        logits.add_(bias.float())
 
 
 def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> None:
@@ -165,9 +159,9 @@ class ShardedTokens(ShardedChunked):
             xc, logits, r = x[s:e], buf[: e - s], red[: e - s]
             for k in self.kernels:
                 k.inputs, k.stride = (flat_in[s:] if inputs.numel() else ones), n_tokens
-            _fp32_logits(logits, xc, weight, bias)
+            fp32_logits(logits, xc, weight, bias)
             if teacher is not None:  # (this rank's columns of the teacher's logits, the student's stride)
-                _fp32_logits(tbuf[: e - s], teacher[0][s:e], teacher[1], teacher[2])
+                fp32_logits(tbuf[: e - s], teacher[0][s:e], teacher[1], teacher[2])
                 for k in self.kernels:
                     k.teacher = tbuf[: e - s]
             self._reduce(logits, target[s:e], flat_out[s:], r, parts)
