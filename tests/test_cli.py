@@ -260,8 +260,9 @@ def test_precompile_losses_include_the_staged_kernels(cache_root, tmp_path, caps
     entries = [s.entry for s in fuser.losses.kernel_sources(ce, "bf16")]
     assert entries == [
         "ce_loss_rows",
-        "ce_loss_rows_vp0",
+        "ce_loss_rows_vp0",  # (the staged sequence on fp32 logits: process_group=, whole, vocab)
         "ce_loss_rows_vp1",
+        "ce_loss_rows_vp1",  # (its last kernel on bf16 logits: fused and scaled, on the reductions)
         "ce_loss_rows_mm0",
         "ce_loss_rows_mm_grad",
         "ce_loss_rows_mm_grad_tma",
