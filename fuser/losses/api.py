@@ -43,8 +43,8 @@ from fuser.runtime.loss.chunked import Chunked, LinearLoss
 from fuser.runtime.loss.fused import Fused, TileSums
 from fuser.runtime.loss.residue import Residue
 from fuser.runtime.loss.scaled import ScaledExp, TokenValues
-from fuser.runtime.loss.staged import ShardedChunked, Staged
-from fuser.runtime.loss.tokens import ShardedTokens, TokenRun, token_chunk
+from fuser.runtime.loss.staged import ShardedChunked, Staged, forward_rows, vocab_cols
+from fuser.runtime.loss.tokens import ShardedTokens, TokenRun, VocabTokens, token_chunk
 
 REDUCTIONS = ("mean", "sum", "none")
 MEMORY = ("auto", "lean", "fast")
@@ -352,7 +352,7 @@ class CompiledLoss:
         teacher = (teacher_hidden, teacher_weight, teacher_bias)
         if token:
             inputs, hyper_overrides = tokens.split_keywords(self.rule, hyper_overrides)
-            tokens.check_options(self.rule, self.schedule, memory, reduction)
+            tokens.check_options(self.rule, self.schedule, memory, reduction, process_group)
         elif any(t is not None for t in teacher):
             tokens.teacher_tensors(self.rule, hidden, weight, *teacher, process_group)  # (raises)
         reduction = "mean" if reduction is None else reduction
@@ -401,6 +401,13 @@ class CompiledLoss:
         its calls accumulate and stay in fp32)."""
         return self.kernel_source("fp32")
 
+    def token_residue_sources(self, dtype: str) -> tuple[KernelSource, ...]:
+        """The kernels a token rule's ``memory="lean"`` backward adds the target column's
+        residue with, for 16-bit ``dtype`` (``residue_sources``' three); none for fp32."""
+        if dtype == "fp32":
+            return ()
+        return (*render_target_rows(dtype), render_target_gather(dtype))
+
     def _token_call(
         self, call: _Call, x, weight, bias, y, inputs, target, reduction, memory, *, main_grad, want_grad,
         group, teacher=None,
@@ -422,6 +429,8 @@ class CompiledLoss:
             chunk = token_chunk(
                 count, call.hid, call.vocab if slices is None else sum(slices), self.chunk_size
             )
+            if shards is None and memory == "lean":
+                return self._vocab_tokens_run(call, count, teacher is not None)
             if shards is None:
                 return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk)
             sizes, rank = shards
@@ -435,13 +444,30 @@ class CompiledLoss:
         single = tuple(n for n, _ in self.rule.outputs) == ("loss",)
         # (gradients in forward, but with main_grad only under memory="fast": their fp32 [V, H]
         # buffer is what main_grad's users keep memory for)
-        eager = single and (not main_grad or memory == "fast")
+        eager = single and memory != "lean" and (not main_grad or memory == "fast")
         outs, _ = tokens.run_token_rule(
             self.rule, x, weight, bias, y, rows, target.shape,
             main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
             teacher=teacher, reduction=reduction if single else "none", eager=eager,
         )  # fmt: skip
         return outs[0] if single else outs
+
+    def _vocab_tokens_run(self, call: _Call, count: int, teacher: bool) -> VocabTokens:
+        """A token rule's run under ``memory="lean"``: forward chunks and backward slices
+        sized as the ``vocab`` schedule's (the teacher's logits beside the student's count
+        twice)."""
+        size = 8 if teacher else 4  # (bytes of fp32 logits a column, the teacher's included)
+        chunk = token_chunk(count, call.hid, call.vocab, None)
+        chunk = self.chunk_size or min(chunk, forward_rows(call.vocab, size))
+        cols = vocab_cols(count, call.hid, size, self.block)
+        sources, layout, zy_first = self.sharded_kernel_sources("fp32")
+        k = len(self.rule.outputs)
+        run = VocabTokens(
+            sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk, k, cols
+        )  # fmt: skip
+        residue = self.token_residue_sources(call.dtype)
+        run.residue = Residue(residue, call.device, call.ignore_index) if residue else None
+        return run
 
     def _run_call(
         self, call: _Call, x, weight, bias, y, memory, reduction, main_grad, want_grad, group, shape
@@ -695,13 +721,14 @@ def kernel_sources(
     ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
     call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
     the residue's and the gradients' scaling. A token rule (per-token inputs, several
-    outputs) launches the row kernel and the staged sequence (``process_group=``) of its plan
-    for fp32 logits, whatever ``dtype``."""
+    outputs) launches the row kernel and the staged sequence (``process_group=``,
+    ``memory="lean"``) of its plan for fp32 logits, whatever ``dtype``, and for 16-bit
+    ``dtype`` the residue's kernels (``token_residue_sources``: ``memory="lean"``)."""
     f = CompiledLoss(rule, **options)
     if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
         if reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):  # (t[y]: one device only)
             return [f.token_source()]
-        return [f.token_source(), *f.sharded_kernel_sources("fp32")[0]]
+        return [f.token_source(), *f.sharded_kernel_sources("fp32")[0], *f.token_residue_sources(dtype)]
     staged = _staged_sources(f, dtype)
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]

@@ -309,7 +309,10 @@ def token_logprobs(
     logits accumulated and kept in fp32 whatever the inputs' dtype: ``logp <= 0`` and
     ``entropy >= 0`` hold in fp32. With ``process_group``, ``weight`` is this rank's slice of
     the vocabulary (as ``cross_entropy`` takes it) and every rank gets every token's values;
-    targets are checked as ``cross_entropy``'s are.
+    targets are checked as ``cross_entropy``'s are. ``memory="lean"`` (one device) keeps each
+    token's reductions from forward and recomputes the logits in backward one slice of
+    vocabulary rows at a time: no fp32 ``[V, H]`` buffer and no chunk of every column's
+    logits, one more logits product.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, not {temperature}")

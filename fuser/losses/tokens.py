@@ -3,8 +3,10 @@ its argument checks, then ``fuser.runtime.loss.tokens.TokenLoss``.
 
 Such a rule runs in the ``chunks`` schedule with fp32 logits (``runtime.loss.tokens``);
 ``memory="auto"`` and ``"fast"`` pick it, as does the compile option ``schedule="auto"`` or
-``"chunks"``, with or without ``process_group=`` (``ShardedTokens``). The other schedules
-and ``memory="lean"`` do not take such rules yet and say so before anything runs.
+``"chunks"``, with or without ``process_group=`` (``ShardedTokens``). ``memory="lean"`` runs
+it in vocabulary chunks on one device (``VocabTokens``: no fp32 ``[V, H]`` buffer, no chunk
+of every column's logits). The other schedules, ``memory="lean"`` with ``process_group=``
+and ``t[y]`` under ``memory="lean"`` say they do not run yet before anything runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fuser.runtime.loss.tokens import ReducedTokenLoss, TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
 TOKEN_SCHEDULES = ("auto", "chunks")
-TOKEN_MEMORY = ("auto", "fast")
+TOKEN_MEMORY = ("auto", "fast", "lean")
 
 
 def split_keywords(rule, keywords: dict) -> tuple[dict, dict]:
@@ -32,7 +34,7 @@ def split_keywords(rule, keywords: dict) -> tuple[dict, dict]:
     return inputs, keywords
 
 
-def check_options(rule, schedule: str, memory: str, reduction) -> None:
+def check_options(rule, schedule: str, memory: str, reduction, group=None) -> None:
     """Raise for an option a token rule's call does not take (nothing has run)."""
     if schedule not in TOKEN_SCHEDULES:
         raise ValueError(
@@ -40,9 +42,16 @@ def check_options(rule, schedule: str, memory: str, reduction) -> None:
             f"{schedule!r} schedule does not run yet: compile it with schedule='auto' or 'chunks'"
         )
     if memory not in TOKEN_MEMORY:
+        raise ValueError(f"memory must be one of {TOKEN_MEMORY}, not {memory!r}")
+    if memory == "lean" and group is not None:
         raise ValueError(
-            f"{rule.name} reads per-token inputs or returns several outputs, which memory={memory!r} "
-            "does not run yet: memory='auto' or 'fast' run it in the chunks schedule (fp32 logits)"
+            f"{rule.name} reads per-token inputs or returns several outputs, which memory='lean' with "
+            "process_group= does not run yet: leave memory out (the chunks schedule) with process_group="
+        )
+    if memory == "lean" and reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):
+        raise ValueError(
+            f"{rule.name} reads the teacher's logit at the target, t[y], which memory='lean' does not "
+            "take yet: leave memory out (the chunks schedule)"
         )
     outputs = tuple(n for n, _ in rule.outputs)
     if outputs != ("loss",) and reduction not in (None, "none"):

@@ -145,13 +145,13 @@ def test_per_token_inputs_in_a_clipped_ratio_rule(reduction):
     assert old_in.grad is None
 
 
-@pytest.mark.parametrize("memory", ["auto", "fast"])
+@pytest.mark.parametrize("memory", ["auto", "fast", "lean"])
 def test_a_reduced_rule_into_main_grad(memory):
     """A rule whose one output is ``loss``, reduced by ``"sum"``, into a ``main_grad`` that
     held values: ``auto`` recomputes the logits in backward and adds there, ``fast`` takes
     the gradients in the forward sweep into an fp32 buffer and scales them by
-    ``grad_output`` (a second backward through the same graph refused). Both against
-    float64."""
+    ``grad_output`` (a second backward through the same graph refused), ``lean`` adds each
+    vocabulary slice's rows. All against float64."""
     rule = fuser.loss(
         GRPO, name="grpo_sum", hyper=dict(eps=0.2, temperature=0.9), inputs=("old", "adv", "mask")
     )
@@ -262,7 +262,8 @@ def test_bf16_inputs_keep_fp32_logits():
     assert rel(x.grad, rx.grad) < 2e-2 and rel(w.grad, rw.grad) < 2e-2
 
 
-def test_bf16_target_rows_take_the_logit_gradients_residue():
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_bf16_target_rows_take_the_logit_gradients_residue(memory):
     """bf16 inputs whose targets are all one class, the weight gradient into an fp32
     main_grad: that class's row sums every token's target-column gradient, which the
     rounding of the logit gradient to bf16 would offset by ~1e-3; with its residue added
@@ -272,7 +273,7 @@ def test_bf16_target_rows_take_the_logit_gradients_residue():
     x, w = leaves_of(hidden, weight)
     w.main_grad = torch.zeros(w.shape)
     logp, ent = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY)(
-        x, w, target, accumulate_into="main_grad", memory="fast"
+        x, w, target, accumulate_into="main_grad", memory=memory
     )
     g1 = torch.rand(23) + 0.5
     (logp * g1 - 0.1 * ent).sum().backward()
@@ -280,6 +281,30 @@ def test_bf16_target_rows_take_the_logit_gradients_residue():
     (rlogp * g1.double() - 0.1 * rent).sum().backward()
     assert rel(w.main_grad[5], rw.grad[5]) < 1e-5
     assert rel(w.main_grad, rw.grad) < 1e-2 and rel(x.grad, rx.grad) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypatch):
+    """``memory="lean"``: forward in chunks of 3 tokens keeps each token's reductions, and
+    backward recomputes the logits 16 vocabulary rows at a time (three slices of 37, the
+    last one short), with a bias: both outputs and every gradient against float64, fp32's
+    error for fp32 inputs, bf16's for bf16 (whose gradients come in bf16)."""
+    monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 16)
+    hidden, weight, target = draw(dtype, scale=2.0)
+    bias = (torch.randn(V) * 0.5).to(dtype)
+    x, w, b = leaves_of(hidden, weight, bias)
+    f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, block=16, chunk_size=3)
+    logp, ent = f(x, w, target, b, memory="lean", temperature=0.8)
+    check_signs(logp, ent)
+    g1, g2 = torch.randn(T), torch.rand(T) + 0.5
+    (logp * g1 + ent * g2).sum().backward()
+    (rx, rw, rb), rlogp, rent = reference(hidden, weight, target, bias=bias, temperature=0.8)
+    (rlogp * g1.double() + rent * g2.double()).sum().backward()
+    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    grad = FP32 if dtype == torch.float32 else 2e-2
+    for got, want in ((x, rx), (w, rw), (b, rb)):
+        assert got.grad.dtype == dtype and rel(got.grad, want.grad) < grad
+    assert (x.grad[target == IGNORE] == 0).all()
 
 
 def test_logp_alone_and_its_shape():
@@ -351,8 +376,10 @@ def test_call_errors_name_what_to_fix():
         f(hidden, weight, target, adv=torch.rand(T + 1))
     with pytest.raises(TypeError, match="must be a float tensor"):
         f(hidden, weight, target, adv=torch.ones(T, dtype=torch.int64))
-    with pytest.raises(ValueError, match="memory='auto' or 'fast'"):
-        f(hidden, weight, target, adv=adv, memory="lean")
+    with pytest.raises(ValueError, match="memory must be one of"):
+        f(hidden, weight, target, adv=adv, memory="small")
+    with pytest.raises(ValueError, match="memory='lean' with process_group= does not run yet"):
+        f(hidden, weight, target, adv=adv, memory="lean", process_group=object())
     with pytest.raises(ValueError, match="schedule='auto' or 'chunks'"):
         fuser.compile(rule, schedule="fused")(hidden, weight, target, adv=adv)
     two = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
@@ -443,18 +470,21 @@ def test_example_runs(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["auto", "lean"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_token_logprobs_on_the_gpu(dtype):
+def test_token_logprobs_on_the_gpu(dtype, memory, monkeypatch):
     """On CUDA (cuBLAS products with fp32 outputs, several chunks of tokens, an odd vocabulary
-    whose rows are no multiple of 16 bytes): both outputs and both gradients against float64
-    on the same inputs. fp32 inputs may take TF32 products (10 mantissa bits), hence 1e-3."""
+    whose rows are no multiple of 16 bytes; ``lean``: four vocabulary slices in backward):
+    both outputs and both gradients against float64 on the same inputs. fp32 inputs may take
+    TF32 products (10 mantissa bits), hence 1e-3."""
+    monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 1280)
     t, h, v = 1031, 257, 5003
     hidden = (torch.randn(t, h, dtype=torch.float64) * 2).to(dtype)
     weight = (torch.randn(v, h, dtype=torch.float64) / h**0.5 * 1.5).to(dtype)
     target = torch.randint(0, v, (t,))
     target[torch.randperm(t)[: t // 7]] = IGNORE
     x, w = (u.detach().cuda().requires_grad_() for u in (hidden, weight))
-    logp, ent = fuser.losses.token_logprobs(x, w, target.cuda(), temperature=0.9, entropy=True)
+    logp, ent = fuser.losses.token_logprobs(x, w, target.cuda(), temperature=0.9, entropy=True, memory=memory)
     check_signs(logp, ent)
     g1, g2 = torch.randn(t), torch.rand(t) + 0.5
     (logp * g1.cuda() + ent * g2.cuda()).sum().backward()

@@ -291,7 +291,7 @@ class Staged(Chunked):
             return self._finish_x(gx, x), gw, gb.zero_() if gb is not None else None
         terms = residue and SliceTerms(residue, x, target, self.col_offset, vocab, cols)
         buf = logits_buffer(n_tokens, min(cols, vocab), x, torch.float32)
-        loss = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
+        loss = self._outputs_buffer(n_tokens, x.device)
         layout = self.layout
         argmax_cols = [layout.red_cols[i] + 1 for p in layout.part_cols for i, op, _ in p if op == "max"]
         r = red.clone() if argmax_cols else red
@@ -299,7 +299,7 @@ class Staged(Chunked):
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
             logits = buf[:, : v1 - v0]
-            self._logits(x, weight[v0:v1], bias[v0:v1] if bias is not None else None, logits)
+            self._slice_logits(x, weight, bias, v0, v1, logits)
             for c in argmax_cols:  # argmax columns are local to the columns swept
                 am = red[:, c]
                 r[:, c] = torch.where((am >= v0) & (am < v1), am - v0, -1.0)
@@ -322,6 +322,15 @@ class Staged(Chunked):
         if gx is not None:
             self._all_reduce(gx)
         return self._finish_x(gx, x), gw, gb
+
+    def _slice_logits(self, x, weight, bias, v0: int, v1: int, out) -> None:
+        """The logits of vocabulary rows ``[v0, v1)`` over every token, for ``backward_vocab``."""
+        self._logits(x, weight[v0:v1], bias[v0:v1] if bias is not None else None, out)
+
+    @staticmethod
+    def _outputs_buffer(n_tokens: int, device) -> torch.Tensor:
+        """Where ``backward_vocab``'s gradient launches write the per-token loss (unread)."""
+        return torch.empty(n_tokens, dtype=torch.float32, device=device)
 
     @staticmethod
     def _finish_x(gx, x):

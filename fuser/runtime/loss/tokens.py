@@ -19,6 +19,11 @@ take no gradient.
 ``ShardedTokens`` runs the same with ``weight`` a rank's slice of the vocabulary
 (``process_group=``): the staged kernels of the rule's fp32 plan, their per-token partials
 combined across the group between sweeps as ``ShardedChunked`` combines them.
+
+``VocabTokens`` (``memory="lean"``) runs the same staged kernels as ``Staged``'s vocabulary
+chunks: forward keeps each token's reductions and outputs, no logits; backward recomputes
+the logits one slice of vocabulary rows at a time over every token, so no fp32 ``[V, H]``
+buffer and no chunk of every column's logits is held (four products in all).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from fuser.runtime.loss.chunked import (
     main_grad_return,
     product_fp32,
 )
-from fuser.runtime.loss.staged import ShardedChunked
+from fuser.runtime.loss.staged import ShardedChunked, Staged
 
 
 class TokenRun:
@@ -174,6 +179,77 @@ class ShardedTokens(ShardedChunked):
             self._all_reduce(gx)
 
 
+class VocabTokens(Staged):
+    """A token rule in vocabulary chunks on one device (``Staged``'s arguments; ``sources``:
+    the staged kernels of the rule's fp32 plan; ``k``: its outputs; ``cols``: vocabulary rows
+    per backward slice). ``residue``: a ``Residue`` for 16-bit inputs (the target column's
+    term in fp32, as the cross-entropy's ``vocab`` schedule adds it)."""
+
+    schedule = "vocab"
+
+    def __init__(self, sources, layout, zy_first, device, hyper, ignore_index, chunk, k: int, cols: int):
+        super().__init__(sources, layout, zy_first, device, hyper, ignore_index, chunk)
+        self.kernels = [_WithInputs(kernel) for kernel in self.kernels]
+        self.k, self.cols = k, cols
+        self._teacher = self._tbuf = None
+
+    def _point(self, inputs: torch.Tensor, n_tokens: int, teacher_logits=None) -> None:
+        for kernel in self.kernels:
+            kernel.inputs, kernel.stride, kernel.teacher = inputs, n_tokens, teacher_logits
+
+    def forward(self, x, weight, bias, target, inputs, out, teacher=None) -> torch.Tensor:
+        """Every output into ``out`` (fp32 ``[k, T]``); returns the reductions ``red`` for
+        ``backward``."""
+        n_tokens, vocab = x.shape[0], weight.shape[0]
+        red = torch.empty(n_tokens, self.layout.red_width, dtype=torch.float32, device=x.device)
+        if n_tokens == 0:
+            return red
+        rows = min(self.chunk, n_tokens)
+        buf = logits_buffer(rows, vocab, self.hyper)
+        tbuf = None if teacher is None else logits_buffer(rows, vocab, self.hyper)
+        _, parts = self._buffers(rows, x.device)
+        ones = torch.ones(1, dtype=torch.float32, device=x.device)
+        flat_in, flat_out = (inputs.reshape(-1) if inputs.numel() else ones), out.reshape(-1)
+        for s in range(0, n_tokens, self.chunk):
+            e = min(s + self.chunk, n_tokens)
+            logits = buf[: e - s]
+            fp32_logits(logits, x[s:e], weight, bias)
+            t = None
+            if teacher is not None:
+                t = tbuf[: e - s]
+                fp32_logits(t, teacher[0][s:e], teacher[1], teacher[2])
+            self._point(flat_in[s:] if inputs.numel() else ones, n_tokens, t)
+            self._reduce(logits, target[s:e], flat_out[s:], red[s:e], parts)
+        return red
+
+    def backward(self, red, x, weight, bias, target, inputs, teacher=None, **flags) -> tuple:
+        """``(grad_hidden, grad_weight, grad_bias)`` of ``sum_i dout_i * output_i``, the
+        upstream gradients after the rule's inputs in ``inputs`` (fp32 ``[m + k, T]``), as
+        ``Staged.backward_vocab`` returns them (``flags``: its keywords)."""
+        n_tokens = x.shape[0]
+        ones = torch.ones(1, dtype=torch.float32, device=x.device)
+        self._point(inputs.reshape(-1), n_tokens)
+        self._teacher = teacher
+        try:
+            return self.backward_vocab(red, x, weight, bias, target, ones, self.cols, **flags)
+        finally:
+            self._teacher = self._tbuf = None
+
+    def _slice_logits(self, x, weight, bias, v0: int, v1: int, out) -> None:
+        super()._slice_logits(x, weight, bias, v0, v1, out)
+        if self._teacher is not None:  # (the teacher's same columns, at the student's stride)
+            tx, tw, tb = self._teacher
+            if self._tbuf is None:  # (the first slice is the widest: backward_vocab's buffer's shape)
+                self._tbuf = logits_buffer(out.shape[0], out.shape[1], out)
+            t = self._tbuf[:, : v1 - v0]
+            fp32_logits(t, tx, tw[v0:v1], tb[v0:v1] if tb is not None else None)
+            for kernel in self.kernels:
+                kernel.teacher = t
+
+    def _outputs_buffer(self, n_tokens: int, device) -> torch.Tensor:
+        return torch.empty(self.k * n_tokens, dtype=torch.float32, device=device)
+
+
 def new_outputs(k: int, n: int, device) -> torch.Tensor:
     """The fp32 ``[k, n]`` buffer a forward's kernels write every output of every row into
     (uninitialised: tests fill it with NaN to see that each element is written)."""
@@ -193,16 +269,20 @@ class TokenLoss(torch.autograd.Function):
     ):  # fmt: skip
         out = new_outputs(k, x.shape[0], x.device)
         teacher = None if tx is None else (tx, tw, tb)
-        run.run(x, weight, bias, target, inputs, out, teacher=teacher)
+        red = None
+        if isinstance(run, VocabTokens):
+            red = run.forward(x, weight, bias, target, inputs, out, teacher)
+        else:
+            run.run(x, weight, bias, target, inputs, out, teacher=teacher)
         ctx.run, ctx.main_grad, ctx.k, ctx.teacher = run, main_grad, k, tx is not None
         if want_grad:
-            ctx.save_for_backward(x, weight, bias, target, inputs, tx, tw, tb)
+            ctx.save_for_backward(x, weight, bias, target, inputs, tx, tw, tb, red)
         return tuple(out.unbind(0))
 
     @staticmethod
     def backward(ctx, *grads):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x, weight, bias, target, inputs, tx, tw, tb = ctx.saved_tensors
+        x, weight, bias, target, inputs, tx, tw, tb, red = ctx.saved_tensors
         n = x.shape[0]
         if all(g is None for g in grads) or not (need_x or need_w or need_b):
             return None, None, None, *_NO_GRADS
@@ -214,6 +294,13 @@ class TokenLoss(torch.autograd.Function):
         )
         full = torch.cat([inputs.reshape(-1, n), dout]).contiguous()
         main_grad = ctx.main_grad and need_w
+        teacher = (tx, tw, tb) if ctx.teacher else None
+        if red is not None:  # (vocabulary chunks: grad_weight comes slice by slice, in its dtype)
+            flags = dict(need_x=need_x, need_w=need_w, need_b=need_b, main_grad=main_grad)
+            gx, gw, gb = ctx.run.backward(red, x, weight, bias, target, full, teacher, **flags)
+            gw = main_grad_return(weight) if main_grad else gw
+            gb = gb.to(bias.dtype) if gb is not None and gb.dtype != bias.dtype else gb
+            return gx, gw, gb, *_NO_GRADS
         gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
         if main_grad:
             gw = weight.main_grad
@@ -221,7 +308,6 @@ class TokenLoss(torch.autograd.Function):
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
         out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
-        teacher = (tx, tw, tb) if ctx.teacher else None
         ctx.run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb, teacher=teacher)
         if main_grad:
             gw = main_grad_return(weight)
