@@ -9,6 +9,7 @@ Variants, each in this process on this GPU:
 
 - `fuser cross_entropy`: the reference time (`fuser.losses.cross_entropy`, mean);
 - `fuser token_logprobs + GRPO`: `token_logprobs(..., entropy=True)` and the GRPO tail;
+  again with `memory="lean"` (the logits recomputed by vocabulary slices in backward);
 - `fuser GRPO as one rule`: examples/post_training.py's `grpo_loss_one_rule`, the same
   objective as one loss rule over per-token inputs (its gradients from the forward sweep);
 - `TRL path`: the logits as TRL's GRPOTrainer takes them (`hidden @ weight.T` in bf16, divided
@@ -614,6 +615,25 @@ def logprobs_rl(args, tflops, rows):
     measure(
         "fuser token_logprobs + GRPO",
         fuser_tokens,
+        x,
+        w,
+        y,
+        mask,
+        advantages,
+        old,
+        ref,
+        want,
+        floor_ms,
+        rows,
+        check_grad=True,
+    )
+
+    def fuser_tokens_lean(x, w, y):
+        return fuser.losses.token_logprobs(x, w, y.masked_fill(mask == 0, -100), entropy=True, memory="lean")
+
+    measure(
+        "fuser token_logprobs + GRPO, memory=lean",
+        fuser_tokens_lean,
         x,
         w,
         y,
