@@ -28,7 +28,8 @@ kind="jsd", beta=0.5)` (mean over tokens, no hard loss); goal <= 1.1 x (fuser's 
 at the student's shape + one teacher logits product) and >= 1.3 x Liger's chunked JSD, <= 1 GiB
 of extra peak. Anchors: Liger `LigerFusedLinearJSDLoss(weight_hard_loss=0, weight_soft_loss=1)`
 (the same loss) and torch.compile of the JSD on the full logits. The loss over every token
-and `grad_hidden` on the first 256 are checked against float64.
+and `grad_hidden` on the first 256 are checked against float64; fuser's again with
+`memory="lean"`.
 
 Workload `dpo`: 2 x 4 sequences (4 chosen, then 4 rejected) x 1024 tokens, the first 128 of
 each a prompt (-100), H=4096, V=128256, a reference head: fuser = `token_logprobs` of the
@@ -329,6 +330,14 @@ def distill_jsd(rows, smoke, tflops=None):
     fuser_ms = fuser_row.get("fwd_bwd_ms")
     if fuser_ms and ce_ms:
         fuser_row["x_reference"] = round(fuser_ms / (ce_ms + teacher_ms), 3)  # goal <= 1.1
+
+    def lean_step():
+        loss = fuser.losses.distill(x, w, xt, wt, y, kind="jsd", beta=JSD_BETA, memory="lean")
+        loss.backward()
+        return loss.detach()
+
+    name = "fuser distill kind=jsd, memory=lean"
+    rows.append(_time_row("distill_jsd", name, lean_step, x, want_loss, want_grad, checked, floor_ms, True))
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 

@@ -368,6 +368,7 @@ def distill(
     reduction: str = "mean",
     bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
+    memory: str = "auto",
 ) -> torch.Tensor:
     """Fused distillation loss of the student's head ``z = hidden @ weight.T (+ bias)``
     towards the teacher's ``t = teacher_hidden @ teacher_weight.T (+ teacher_bias)`` (the
@@ -388,7 +389,9 @@ def distill(
     ``hidden``'s leading shape, 0 where ignored). Gradients reach the student's ``hidden``,
     ``weight`` and ``bias`` only; both heads' logits are accumulated and kept in fp32 and
     never hold ``[T, V]`` at once (chunks of tokens, each rule a fuser loss rule:
-    ``DISTILL_JSD``, ``DISTILL_KL``, ``DISTILL_REVERSE_KL``).
+    ``DISTILL_JSD``, ``DISTILL_KL``, ``DISTILL_REVERSE_KL``). ``memory="lean"`` keeps each
+    token's reductions from forward and recomputes both heads' logits in backward one slice
+    of vocabulary rows at a time (no fp32 ``[V, H]`` buffer, one more product of each head).
     """
     target, ignore_index = _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index)
     hyper = dict(temperature=temperature, hard_weight=hard_weight)
@@ -406,5 +409,6 @@ def distill(
         teacher_hidden=teacher_hidden,
         teacher_weight=teacher_weight,
         teacher_bias=teacher_bias,
+        memory=memory,
         **hyper,
     )
