@@ -1,13 +1,16 @@
 """``benchmarks/results/latest.json`` from the JSON files of one benchmark run.
 
     python benchmarks/latest.py RESULT.json... [--out benchmarks/results/latest.json]
+        [--onto benchmarks/results/latest.json]
 
 Where two files hold the same (workload, impl), the later file's row is kept.
 
-Reads what ``optim_bench.py`` (and ``state_bench.py``, in its format), ``loss_bench.py`` and
-``first_step.py`` wrote and emits one list of rows with ``workload``, ``impl`` (fuser's start
-with ``fuser``), ``ms`` (median), ``peak_mib`` where memory matters (optimizer state:
-``state_bytes_per_param``), ``device``, and the source file. ``ms`` of
+Reads what ``optim_bench.py`` (and ``state_bench.py``, in its format), ``loss_bench.py``,
+``post_training_bench.py`` and ``first_step.py`` wrote and emits one list of rows with
+``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median), ``peak_mib`` where
+memory matters (optimizer state: ``state_bytes_per_param``), ``device``, and the source
+file. ``--onto`` starts from an earlier ``latest.json``, whose rows the files' replace or
+join. ``ms`` of
 ``adamw_fp32_small1000`` is the wall time per step, Python included (the event median is
 kept as ``event_ms``); elsewhere it is the median of device events, and for the first step
 the seconds to the first completed step, in milliseconds.
@@ -76,6 +79,31 @@ def loss_rows(doc: dict, source: str) -> list[dict]:
     return out
 
 
+POST_TRAINING = ("logprobs_rl", "distill_jsd", "dpo")
+
+
+def post_training_rows(doc: dict, source: str) -> list[dict]:
+    """post_training_bench's timed rows; its reference rows (fuser's own cross-entropy, the
+    products' floor) keep a ``reference:`` or ``floor:`` name, which no summary takes as
+    fuser's call or an anchor."""
+    device = doc["meta"]["gpu"]
+    out = []
+    for r in doc["rows"]:
+        if "error" in r or "fwd_bwd_ms" not in r:
+            continue
+        impl = r["name"]
+        if r["workload"] == "logprobs_rl" and impl == "fuser cross_entropy":
+            impl = "reference: fuser cross_entropy"
+        row = dict(workload=r["workload"], impl=impl, ms=r["fwd_bwd_ms"], device=device, source=source)
+        if "extra_peak_GiB" in r:
+            row["peak_mib"] = round(r["extra_peak_GiB"] * 1024, 1)
+        floor = r.get("floor_ms", r.get("gemm_floor_ms"))
+        if floor is not None:
+            row["floor_ms"] = floor
+        out.append(row)
+    return out
+
+
 def first_step_rows(doc: dict, source: str) -> list[dict]:
     device = doc["environment"]["gpu"]
     out = []
@@ -100,6 +128,9 @@ def rows_of(path: str) -> list[dict]:
     source = os.path.basename(path)
     if doc.get("benchmark") == "first_step":
         return first_step_rows(doc, source)
+    rows = doc.get("rows") or [{}]
+    if "meta" in doc and "gpu" in doc["meta"] and rows[0].get("workload") in POST_TRAINING:
+        return post_training_rows(doc, source)
     if "meta" in doc and "gpu" in doc["meta"]:
         return loss_rows(doc, source)
     if "meta" in doc and doc.get("rows") and "workload" in doc["rows"][0]:
@@ -112,9 +143,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default=os.path.join(here, "results", "latest.json"))
+    ap.add_argument("--onto", help="a latest.json whose rows the files' rows replace or join")
     args = ap.parse_args(argv)
+    latest = {}
+    if args.onto:
+        with open(args.onto) as f:
+            latest = {(row["workload"], row["impl"]): row for row in json.load(f)}
     # A later file's row replaces an earlier one of the same workload and implementation.
-    latest = {(row["workload"], row["impl"]): row for path in args.files for row in rows_of(path)}
+    latest |= {(row["workload"], row["impl"]): row for path in args.files for row in rows_of(path)}
     rows = list(latest.values())
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

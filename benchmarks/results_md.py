@@ -21,15 +21,20 @@ import os
 import re
 
 SCRIPTS = dict(loss="loss_bench", optim="optim_bench", state="state_bench", shaped="shaped_bench",
-               muon="muon_bench", first_step="first_step")  # fmt: skip
+               muon="muon_bench", first_step="first_step", post="post_training_bench")  # fmt: skip
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOT_DEFAULT = ("static", "schedule=", "probe")
 ORDER = ("adamw_fp32", "adamw_bf16_", "lamb", "muon", "adafactor", "came", "adamw_q8", "adamw_bf16p", "lion",
-         "lce_gist", "lce_llama8b", "first_step")  # fmt: skip
+         "lce_gist", "lce_llama8b", "logprobs_rl", "distill_jsd", "dpo", "first_step")  # fmt: skip
 
 
 def is_fuser(impl: str) -> bool:
     return impl.startswith("fuser")
+
+
+def is_reference(impl: str) -> bool:
+    """A benchmark's own yardstick (post_training_bench's), neither fuser's call nor an anchor."""
+    return impl.startswith(("reference:", "floor:", "probe"))
 
 
 def is_default(impl: str) -> bool:
@@ -84,7 +89,7 @@ def summary(rows: list[dict], folder: str) -> list[dict]:
         )
         if fuser is None:
             continue
-        anchors = [r for r in group if not is_fuser(r["impl"]) and not r["impl"].startswith("probe")]
+        anchors = [r for r in group if not is_fuser(r["impl"]) and not is_reference(r["impl"])]
         # a ratio within one run where that run timed an anchor: runs on other hosts differ
         anchors = [r for r in anchors if r["source"] == fuser["source"]] or anchors
         anchor = min(anchors, key=lambda r: r["ms"]) if anchors else None

@@ -59,6 +59,34 @@ def test_latest_json_keeps_the_option_rows_and_skips_failed_anchors(tmp_path):
     assert len(by) == len([r for r in recorded if "error" not in r])
 
 
+def test_post_training_rows_join_an_earlier_latest_json(tmp_path):
+    # post_training_bench's rows under its workloads' names, joined onto an earlier latest.json;
+    # its own cross-entropy is a reference, neither fuser's call nor an anchor in RESULTS.md
+    src = os.path.join(RESULTS, "post_training_2026-12-03_v3.json")
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps([dict(workload="adamw_fp32_llama1b", impl="fuser.optim.AdamW", ms=10.0,
+                                     device="d", source="optim_2026-11-25_v7.json")]))  # fmt: skip
+    out = tmp_path / "latest.json"
+    script = os.path.join(ROOT, "benchmarks", "latest.py")
+    subprocess.run([sys.executable, script, src, "--onto", str(base), "--out", str(out)],
+                   check=True, capture_output=True, env=child_env())  # fmt: skip
+    rows = json.loads(out.read_text())
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    with open(src) as f:
+        recorded = [r for r in json.load(f)["rows"] if "fwd_bwd_ms" in r]
+    assert len(rows) == len(recorded) + 1 and ("adamw_fp32_llama1b", "fuser.optim.AdamW") in by
+    assert {"logprobs_rl", "distill_jsd", "dpo"} <= {r["workload"] for r in rows}
+    ce = by[("logprobs_rl", "reference: fuser cross_entropy")]
+    assert ce["ms"] == 51.03 and ce["peak_mib"] > 0 and ce["floor_ms"] > 0
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import results_md
+
+    entries = {e["workload"]: e for e in results_md.summary(rows, RESULTS)}
+    rl = entries["logprobs_rl"]
+    assert rl["fuser"]["impl"] == "fuser token_logprobs + GRPO"
+    assert not rl["anchor"]["impl"].startswith(("fuser", "reference"))
+
+
 def test_scaling_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [
