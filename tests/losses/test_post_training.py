@@ -394,7 +394,7 @@ def test_explain_shows_inputs_outputs_and_fp32_logits():
         GRPO, name="grpo_test", hyper=dict(eps=0.2, temperature=1.0), inputs=("old", "adv", "mask")
     )
     text = explanation(rule, "bf16")
-    assert "bf16 hidden states, weight and fp32 logits" in text
+    assert "bf16 hidden states and weight, fp32 logits" in text
     assert "per-token inputs: old, adv, mask" in text and "each chunk's logits: fp32" in text
     two = explanation(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
     assert "the per-token outputs, in the order a call returns them" in two
