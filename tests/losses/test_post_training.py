@@ -247,19 +247,22 @@ def test_every_token_ignored():
 
 
 def test_bf16_inputs_keep_fp32_logits():
-    """bf16 hidden and weight: the log-probs are within fp32's error of float64 on the same
-    bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within bf16's."""
+    """bf16 hidden, weight and bias: the log-probs are within fp32's error of float64 on the
+    same bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within
+    bf16's."""
     hidden, weight, target = draw(torch.bfloat16, scale=3.0)
-    x, w = leaves_of(hidden, weight)
-    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True, temperature=0.8)
+    bias = (torch.randn(V) * 0.5).to(torch.bfloat16)
+    x, w, b = leaves_of(hidden, weight, bias)
+    f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, chunk_size=3)
+    logp, ent = f(x, w, target, b, temperature=0.8)
     check_signs(logp, ent)
     (logp.sum() + ent.sum()).backward()
-    (rx, rw), rlogp, rent = reference(hidden, weight, target, temperature=0.8)
+    (rx, rw, rb), rlogp, rent = reference(hidden, weight, target, temperature=0.8, bias=bias)
     (rlogp.sum() + rent.sum()).backward()
     assert logp.dtype == torch.float32
     assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
-    assert rel(x.grad, rx.grad) < 2e-2 and rel(w.grad, rw.grad) < 2e-2
+    for got, want in ((x, rx), (w, rw), (b, rb)):
+        assert got.grad.dtype == torch.bfloat16 and rel(got.grad, want.grad) < 2e-2
 
 
 @pytest.mark.parametrize("memory", ["fast", "lean"])
