@@ -292,8 +292,16 @@ def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypat
     backward recomputes the logits 16 vocabulary rows at a time (three slices of 37, the
     last one short), with a bias: both outputs and every gradient against float64, fp32's
     error for fp32 inputs, bf16's for bf16 (whose gradients come in bf16)."""
+    import fuser.runtime.loss.residue as residue_module
+    import fuser.runtime.loss.staged as staged_module
+
     monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 16)
-    hidden, weight, target = draw(dtype, scale=2.0)
+    loaded = []  # (every kernel the call loads is one `fuser precompile` compiles)
+    for module in (staged_module, residue_module):
+        load = module.load_kernel
+        record = lambda s, d, load=load: loaded.append(s.digest) or load(s, d)  # noqa: E731
+        monkeypatch.setattr(module, "load_kernel", record)
+    hidden, weight, target = draw(dtype)
     bias = (torch.randn(V) * 0.5).to(dtype)
     x, w, b = leaves_of(hidden, weight, bias)
     f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, block=16, chunk_size=3)
@@ -308,6 +316,10 @@ def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypat
     for got, want in ((x, rx), (w, rw), (b, rb)):
         assert got.grad.dtype == dtype and rel(got.grad, want.grad) < grad
     assert (x.grad[target == IGNORE] == 0).all()
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    listed = fuser.losses.kernel_sources(fuser.losses.TOKEN_LOGPROBS_ENTROPY, name, block=16)
+    listed = {s.digest for s in listed}
+    assert loaded and set(loaded) <= listed
 
 
 def test_logp_alone_and_its_shape():
