@@ -93,6 +93,7 @@ from fuser.optim.builtins.orthogonal import (
     normuon_match_rms,
 )
 from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
+from fuser.optim.builtins.soap import SOAP
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
 from fuser.optim.builtins.sign import Lion, lion
 
@@ -103,6 +104,7 @@ __all__ = [
     "LAMB",
     "LARS",
     "SGD",
+    "SOAP",
     "Adafactor",
     "Adagrad",
     "Adam",
