@@ -5,6 +5,8 @@ bases from eigh once and then a QR power iteration every precondition_frequency 
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import pytest
 import torch
@@ -117,8 +119,10 @@ COMMON = dict(lr=0.1, betas=(0.9, 0.95), precondition_frequency=2)
 def _problem(seed):
     gen = torch.Generator().manual_seed(seed)
     params = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in g["shapes"]] for g in GROUPS]
-    grads = [[[torch.randn(s, generator=gen, dtype=torch.float64) for s in g["shapes"]] for g in GROUPS]
-             for _ in range(7)]
+    grads = [
+        [[torch.randn(s, generator=gen, dtype=torch.float64) for s in g["shapes"]] for g in GROUPS]
+        for _ in range(7)
+    ]
     return params, grads
 
 
@@ -135,6 +139,7 @@ def test_soap_matches_float64_reference():
     ours = [[p.float().requires_grad_() for p in ps] for ps in params]
     opt = fuser.optim.SOAP(_fuser_groups(ours), data_format="channels_last", **COMMON)
     refs = [[Reference(p, {**COMMON, **g}, True) for p in ps] for g, ps in zip(GROUPS, params)]
+    launches = fuser.stats()["launches"]
     for k, step_grads in enumerate(grads):  # 7 steps: bases refreshed after steps 3, 5 and 7
         for ps, rs, gs in zip(ours, refs, step_grads):
             for p, r, g in zip(ps, rs, gs):
@@ -151,6 +156,8 @@ def test_soap_matches_float64_reference():
     assert sorted(st) == ["GG", "Q", "exp_avg", "exp_avg_sq"]
     assert st["GG"][0] == [] and st["Q"][0] == [] and st["GG"][1].shape == (5, 5)
     assert opt.param_groups[0]["step"] == 7
+    # per step: soap_precondition, soap, and soap_normalized's two phases (its mean first)
+    assert fuser.stats()["launches"] - launches == 6 * 4
     assert [len(q) for q in opt.state[ours[0][1]]["Q"]] == [0]  # a 1-D param, no precondition_1d
 
 
@@ -199,7 +206,7 @@ def test_soap_bf16_param_keeps_fp32_states():
 
 
 def test_soap_failed_decomposition_keeps_its_basis(monkeypatch):
-    from fuser.optim.builtins import soap
+    soap = sys.modules["fuser.optim.builtins.soap"]  # the module (its name in builtins is the rule)
 
     p = torch.randn(5, 3, requires_grad=True)
     opt = fuser.optim.SOAP([p], precondition_frequency=1)
@@ -208,12 +215,37 @@ def test_soap_failed_decomposition_keeps_its_basis(monkeypatch):
         opt.step()
     before = [q.clone() for q in opt.state[p]["Q"]]
     v = opt.state[p]["exp_avg_sq"].clone()
+    qr = soap._qr_basis
+    # fails in fp32 only: the fp64 retry gives the new basis, with no warning
+    monkeypatch.setattr(soap, "_qr_basis", lambda m: qr(m) if m.dtype == torch.float64 else m * float("nan"))
+    p.grad = torch.randn(5, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert not any(torch.equal(q, b) for q, b in zip(opt.state[p]["Q"], before))
+    before = [q.clone() for q in opt.state[p]["Q"]]
     monkeypatch.setattr(soap, "_qr_basis", lambda m: torch.full_like(m, float("nan")))
     p.grad = torch.randn(5, 3)
     with pytest.warns(RuntimeWarning, match="keeps its previous basis"):
         opt.step()
     assert all(torch.equal(q, b) for q, b in zip(opt.state[p]["Q"], before))
     assert torch.isfinite(p).all() and not torch.equal(opt.state[p]["exp_avg_sq"], v)
+
+
+def test_soap_reads_grad_attr():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 3, generator=gen, requires_grad=True)
+    b = a.detach().clone().requires_grad_()
+    opts = (
+        fuser.optim.SOAP([a], precondition_frequency=1),
+        fuser.optim.SOAP([b], precondition_frequency=1, grad_attr="main_grad"),
+    )
+    for _ in range(3):
+        a.grad = torch.randn(4, 3, generator=gen)
+        b.main_grad = a.grad.clone()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(a, b) and b.grad is None
 
 
 @pytest.mark.parametrize(

@@ -10,21 +10,55 @@ the first moment is kept in the parameter's basis, the second on the projected g
 the second moment's entries carried along with the re-sorted columns.
 
 The matrix work runs in torch, in fp32, batched over every factor of one shape across the
-step's tensors (``torch.bmm``, batched ``eigh`` and ``qr``). The elementwise Adam phase
-runs in torch too, per tensor: it sits between two projections, so it is not one fused
-rule launch.
+step's tensors (``torch.bmm``, batched ``eigh`` and ``qr``). The elementwise work is two
+fuser rules, each one launch over every tensor: ``soap_precondition`` on the projected
+tensors (the second moment and the direction ``m / (√v + ε)`` in the eigenbasis) and
+``soap`` (``soap_normalized``) on the parameters (the first moment, the step and decoupled
+weight decay). The first moment is projected before that kernel updates it, through
+``Q_Lᵀ (β₁ m + (1-β₁) G) Q_R = β₁ Q_Lᵀ m Q_R + (1-β₁) Q_Lᵀ G Q_R``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections import defaultdict
 
 import torch
 
-from fuser.optim.builtins._base import check_lr
+import fuser
+from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
+from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
+from fuser.runtime.state import validate
+
+# The projected tensors' kernel: ``g`` the projected gradient, ``m`` the projected first
+# moment before this step, ``p`` a buffer that takes the direction in the eigenbasis.
+soap_precondition = fuser.rule(
+    """
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+    p = (beta1 * m + (1 - beta1) * g) / (sqrt(exp_avg_sq) + eps)
+""",
+    name="soap_precondition",
+    hyper=dict(beta1=0.95, beta2=0.95, eps=1e-8),
+    state=dict(exp_avg_sq=0.0, m=0.0),
+)
+
+# The parameters' kernel: ``u`` the direction projected back; ``step_size`` is lr with
+# the bias corrections of the step, worked out per param group.
+_SOAP = """
+    exp_avg = beta1 * exp_avg + (1 - beta1) * (g - 2 * maximize * g)
+    p = (p - step_size * {u}) * (1 - lr * weight_decay)
+"""
+_HYPER = dict(lr=3e-3, beta1=0.95, step_size=3e-3, weight_decay=0.01, maximize=0.0)
+soap = fuser.rule(_SOAP.format(u="u"), name="soap", hyper=_HYPER, state=dict(exp_avg=0.0, u=0.0))
+soap_normalized = fuser.rule(
+    _SOAP.format(u="u / (sqrt(mean(u**2)) + eps)"),
+    name="soap_normalized",
+    hyper=dict(_HYPER, eps=1e-8),
+    state=dict(exp_avg=0.0, u=0.0),
+)
 
 _DATA_FORMATS = ("channels_first", "channels_last")
 
@@ -107,7 +141,54 @@ def _qr_basis(mats: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(mats)[0]
 
 
-class SOAP(torch.optim.Optimizer):
+class _Kernel:
+    """One of SOAP's elementwise rules as a step engine reads an optimizer: the rule, the
+    tensors it updates in param groups of their hyperparameters, their states, SOAP's
+    options. Groups and states stay the same objects while nothing changes, so the
+    engine's quick check keeps its tables."""
+
+    def __init__(self, rule, options):
+        self.rule, self.options = rule, options
+        self.param_groups: list = []
+        self.state: dict = defaultdict(dict)
+        self.engine = StepEngine()
+
+    @property
+    def _state_keys(self) -> dict:
+        return {s: s for s, _ in self.rule.state}
+
+    def _state_keys_of(self, rule) -> dict:
+        return {s: s for s, _ in rule.state}
+
+    def _view_of(self, group: dict) -> str:
+        return "flatten"
+
+    def _group_hyper(self, group: dict) -> dict:
+        return group["hyper"]
+
+    def run(self, groups: list, states: dict) -> None:
+        """One launch over ``groups`` (``(tensors, hyperparameters)``), whose tensors' states
+        are ``states`` (name -> tensor, per tensor)."""
+        same = [[id(t) for t in g["params"]] for g in self.param_groups]
+        if [[id(t) for t in ts] for ts, _ in groups] != same:
+            self.param_groups = [dict(params=list(ts), hyper=h) for ts, h in groups]
+            self.engine.forget()
+        for group, (_, hyper) in zip(self.param_groups, groups):
+            group["hyper"] = hyper
+        for t, named in states.items():
+            st = self.state[t]
+            for key, value in named.items():
+                if st.get(key) is not value:
+                    st[key] = value
+        self.engine.step(self)
+
+    def forget(self) -> None:
+        self.state = defaultdict(dict)
+        self.param_groups = []
+        self.engine.forget()
+
+
+class SOAP(BuiltinOptimizer):
     """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors, as
     pytorch-optimizer 4.1.0's ``SOAP`` (its keywords in its order, its defaults, its
     checks, state keys ``exp_avg``, ``exp_avg_sq``, ``GG``, ``Q``, the step count as the
@@ -118,7 +199,9 @@ class SOAP(torch.optim.Optimizer):
     there: the identity); 1-D parameters have one only with ``precondition_1d``.
     ``merge_dims`` merges neighbouring dimensions while their product fits in
     ``max_precondition_dim`` (4-D tensors with ``data_format="channels_last"`` seen as
-    NCHW first). States are fp32 whatever the parameter's dtype.
+    NCHW first). States are fp32 whatever the parameter's dtype; between steps SOAP also
+    holds three fp32 buffers per parameter for its kernels (the projected gradient and
+    first moment, the direction).
 
     Differences from the reference: ``maximize`` leaves ``p.grad`` as it is (the reference
     negates it in place); with ``merge_dims`` a tensor that fits in one dimension is
@@ -126,10 +209,20 @@ class SOAP(torch.optim.Optimizer):
     ``precondition_frequency`` and ``shampoo_beta`` are read from the param group every
     step (the reference keeps each parameter's first values).
 
-    fuser's keywords: ``grad_attr`` (``"main_grad"``); ``state_dtype`` only fp32,
-    ``stochastic_rounding`` and ``master_weights`` only off (``seed`` and ``static`` are
-    accepted and change nothing), since the step runs in torch.
+    fuser's keywords: ``grad_attr`` (``"main_grad"``), ``seed`` and ``static``;
+    ``state_dtype`` only fp32, ``stochastic_rounding`` and ``master_weights`` only off
+    (not supported yet: the matrix work reads and writes the states in torch).
     """
+
+    rule = soap
+    variants = Variants(
+        "normalize_gradient",
+        lambda group: (bool(group["normalize_gradient"]),),
+        {(False,): soap, (True,): soap_normalized},
+        per_group=True,
+    )
+    # GradScaler unscales the gradients first: the matrix work reads them in torch.
+    _step_supports_amp_scaling = False
 
     def __init__(
         self,
@@ -172,12 +265,7 @@ class SOAP(torch.optim.Optimizer):
         if data_format not in _DATA_FORMATS:
             raise ValueError(f"data_format must be one of {_DATA_FORMATS}, not {data_format!r}")
         options = parse_options(
-            state_dtype=state_dtype,
-            grad_attr=grad_attr,
-            stochastic_rounding=stochastic_rounding,
-            seed=seed,
-            static=static,
-            master_weights=master_weights,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, master_weights=master_weights
         )
         if options.state_dtype not in (None, "fp32"):
             raise ValueError(
@@ -186,13 +274,14 @@ class SOAP(torch.optim.Optimizer):
             )
         if options.stochastic_rounding or options.master_weights:
             raise ValueError(
-                "SOAP's step runs in torch and rounds to nearest: stochastic_rounding and "
+                "SOAP's matrix work reads and writes its states in torch: stochastic_rounding and "
                 "master_weights are not supported yet; leave them off"
             )
         self.data_format = data_format
         self.maximize = bool(maximize)
-        self.grad_attr = options.grad_attr
-        super().__init__(params, defaults)
+        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._kernels = {}
+        self._work = {}  # p -> its kernels' buffers
 
     def __str__(self) -> str:
         return "SOAP"
@@ -202,12 +291,31 @@ class SOAP(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self.param_groups[-1].setdefault("step", 0)
 
+    def state_dict(self) -> dict:
+        return torch.optim.Optimizer.state_dict(self)
+
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
         # torch casts loaded states to each parameter's dtype; SOAP keeps them in fp32.
         for state in self.state.values():
             for key, value in state.items():
                 state[key] = _to_fp32(value)
+        self._use_variant(self._key(self.param_groups[0]))
+        self.refresh()
+
+    def refresh(self) -> None:
+        for kernel in self._kernels.values():
+            kernel.forget()
+        self._work = {}
+
+    def _kernel(self, key) -> _Kernel:
+        if key not in self._kernels:
+            rule = soap_precondition if key == "precondition" else self._rule_for(key)
+            options = self.options
+            if key == "precondition":  # its tensors are SOAP's buffers, their gradients .grad
+                options = dataclasses.replace(options, grad_attr="grad")
+            self._kernels[key] = _Kernel(rule, options)
+        return self._kernels[key]
 
     # --- the layout the preconditioner sees -------------------------------------------------
 
@@ -233,7 +341,7 @@ class SOAP(torch.optim.Optimizer):
         if g.dim() == 1 and not group["precondition_1d"]:
             limit = 0
         gg = [torch.zeros(d, d, device=g.device) if d <= limit else [] for d in shape]
-        zeros = torch.zeros_like(g, dtype=torch.float32, memory_format=torch.preserve_format)
+        zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         return dict(exp_avg=zeros, exp_avg_sq=zeros.clone(), GG=gg, Q=None)
 
     # --- the step ----------------------------------------------------------------------------
@@ -244,18 +352,17 @@ class SOAP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = []  # (group, p, fp32 gradient)
-        for group in self.param_groups:
+        found = []  # (p, its gradient, group index), checked before anything changes
+        for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                g = getattr(p, self.grad_attr, None)
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError("SOAP does not support sparse gradients")
-                if torch.is_complex(p):
-                    raise RuntimeError("SOAP does not support complex parameters")
-                items.append((group, p, g))
-        items = [(group, p, -g.float() if self.maximize else g.float()) for group, p, g in items]
+                g = getattr(p, self.options.grad_attr, None)
+                if g is not None:
+                    found.append((p, g, gi))
+        validate(self, found)
+        items = []  # (group, p, fp32 gradient: the one to descend)
+        for p, g, gi in found:
+            g = g.float()
+            items.append((self.param_groups[gi], p, -g if self.maximize else g))
 
         # Parameters seen for the first time: their factors from this gradient, then eigh.
         new = [(group, p, g) for group, p, g in items if len(self.state[p]) == 0]
@@ -263,51 +370,76 @@ class SOAP(torch.optim.Optimizer):
             self.state[p].update(self._new_state(p, g, group))
         self._precondition(new, [group["step"] for group, _, _ in new])
 
-        update = []
         for group in self.param_groups:
             group["step"] += 1
-        for group, p, g in items:
-            if group["step"] > 1:
-                update.append((group, p, g))
+        update = [(group, p, g) for group, p, g in items if group["step"] > 1]
         self._adam(update)
         self._precondition(update, [group["step"] - 1 for group, _, _ in update])
         return loss
 
+    def _buffers(self, p: torch.Tensor) -> dict:
+        work = self._work.get(p)
+        if work is None:
+            like = self.state[p]["exp_avg_sq"]
+            work = {k: torch.zeros_like(like) for k in ("direction", "grad", "m", "u")}
+            work["direction"].grad = work["grad"]
+            self._work[p] = work
+        return work
+
     def _adam(self, items: list) -> None:
-        """Adam on the projected gradient, the update projected back, decoupled weight decay."""
+        """The projections (batched), then the two kernels: Adam on the projected gradient,
+        and on the parameters the step along the direction projected back."""
         if not items:
             return
         states = [self.state[p] for _, p, _ in items]
-        for (group, _, g), st in zip(items, states):
-            st["exp_avg"].lerp_(g, 1 - group["betas"][0])
+        bases = [_bases(st) for st in states]
         views = [self._view(g, group) for group, _, g in items]
         views += [self._view(st["exp_avg"], group) for (group, _, _), st in zip(items, states)]
-        bases = [_bases(st) for st in states]
         projected = _mode_products(views, bases + bases)
-        n = len(items)
-        directions = []
-        for k, ((group, _, g), st) in enumerate(zip(items, states)):
-            v = st["exp_avg_sq"]
-            g_proj = self._unview(projected[k], g, group)
-            v.lerp_(g_proj.square(), 1 - group["betas"][1])
-            m_proj = self._unview(projected[n + k], g, group)
-            directions.append(self._view(m_proj / (v.sqrt() + group["eps"]), group))
+        works = [self._buffers(p) for _, p, _ in items]
+        for k, ((group, _, g), work) in enumerate(zip(items, works)):
+            work["grad"].copy_(self._unview(projected[k], g, group))
+            work["m"].copy_(self._unview(projected[len(items) + k], g, group))
+
+        by_group = defaultdict(list)  # param group -> its (p, buffers), in group order
+        for (group, p, _), work in zip(items, works):
+            by_group[id(group)].append((group, p, work))
+        members = list(by_group.values())
+        self._kernel("precondition").run(
+            [([w["direction"] for _, _, w in ms], _pre_hyper(ms[0][0])) for ms in members],
+            {
+                w["direction"]: dict(exp_avg_sq=self.state[p]["exp_avg_sq"], m=w["m"])
+                for _, p, w in _items_of(members)
+            },
+        )
+
+        directions = [self._view(w["direction"], group) for (group, _, _), w in zip(items, works)]
         directions = _mode_products(directions, bases, back=True)
-        for (group, p, g), u in zip(items, directions):
-            u = self._unview(u, g, group)
-            if group["normalize_gradient"]:
-                u = u / (u.square().mean().sqrt() + group["eps"])
-            beta1, beta2 = group["betas"]
-            t = group["step"] - 1
-            step_size = group["lr"]
-            if group["correct_bias"]:
-                step_size *= math.sqrt(1 - beta2**t) / (1 - beta1**t)
-            p32 = p if p.dtype == torch.float32 else p.float()
-            p32.add_(u, alpha=-step_size)
-            if group["weight_decay"] != 0:
-                p32.mul_(1 - group["lr"] * group["weight_decay"])
-            if p32 is not p:
-                p.copy_(p32)
+        for (group, _, g), work, u in zip(items, works, directions):
+            work["u"].copy_(self._unview(u, g, group))
+        for key in dict.fromkeys(self._key(ms[0][0]) for ms in members):
+            mine = [ms for ms in members if self._key(ms[0][0]) == key]
+            self._kernel(key).run(
+                [([p for _, p, _ in ms], self._hyper(ms[0][0])) for ms in mine],
+                {p: dict(exp_avg=self.state[p]["exp_avg"], u=w["u"]) for _, p, w in _items_of(mine)},
+            )
+
+    def _hyper(self, group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        t = group["step"] - 1
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size *= math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        hyper = dict(
+            lr=group["lr"],
+            beta1=beta1,
+            step_size=step_size,
+            weight_decay=group["weight_decay"],
+            maximize=float(self.maximize),
+        )
+        if group["normalize_gradient"]:
+            hyper["eps"] = group["eps"]
+        return hyper
 
     def _precondition(self, items: list, steps: list) -> None:
         """Accumulate each factor's ``G Gᵀ`` (batched per shape), then its basis: ``eigh`` the
@@ -344,25 +476,33 @@ class SOAP(torch.optim.Optimizer):
         for (group, p, _), step in zip(items, steps):
             if step > 0 and step % group["precondition_frequency"] == 0:
                 st = self.state[p]
-                refresh += [(st, i, group, p) for i, gg in enumerate(st["GG"]) if len(gg)]
+                refresh += [(st, i, group) for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(refresh).values():
             self._refresh(jobs)
 
     def _refresh(self, jobs: list) -> None:
         """One power iteration ``QR(GG Q)`` for factors of one size, columns sorted by the
         estimated eigenvalues ``diag(Qᵀ GG Q)``, ``exp_avg_sq`` permuted with them."""
-        gg = torch.stack([st["GG"][i] for st, i, _, _ in jobs])
-        old = torch.stack([st["Q"][i] for st, i, _, _ in jobs])
+        gg = torch.stack([st["GG"][i] for st, i, _ in jobs])
+        old = torch.stack([st["Q"][i] for st, i, _ in jobs])
         power = torch.bmm(gg, old)
         order = (old * power).sum(1).argsort(dim=-1, descending=True)
         power = power.gather(2, order[:, None, :].expand_as(power))
         qs, ok = _decompose(_qr_basis, power, old, "QR decomposition")
-        for (st, i, group, p), q, idx, good in zip(jobs, qs, order, ok.tolist()):
+        for (st, i, group), q, idx, good in zip(jobs, qs, order, ok.tolist()):
             if not good:
                 continue
             st["Q"][i] = q
             v = st["exp_avg_sq"]
             v.copy_(self._unview(self._view(v, group).index_select(i, idx), v, group))
+
+
+def _items_of(members: list) -> list:
+    return [item for ms in members for item in ms]
+
+
+def _pre_hyper(group: dict) -> dict:
+    return dict(beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
 
 
 def _bases(st: dict) -> list:
@@ -405,4 +545,4 @@ def _check_group(group: dict) -> None:
             raise ValueError(f"{name} must be a positive whole number, not {value!r}")
 
 
-__all__ = ["SOAP", "merged_shape"]
+__all__ = ["SOAP", "merged_shape", "soap", "soap_normalized", "soap_precondition"]
