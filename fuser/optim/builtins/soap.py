@@ -29,6 +29,7 @@ import torch
 
 import fuser
 from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
+from fuser.runtime.distributed import local
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
 from fuser.runtime.state import validate
@@ -359,6 +360,11 @@ class SOAP(BuiltinOptimizer):
                 if g is not None:
                     found.append((p, g, gi))
         validate(self, found)
+        if any(local(p) is not p for p, _, _ in found):
+            raise ValueError(
+                "SOAP does not support DTensor (FSDP2) parameters yet: its factors need each whole "
+                "matrix on one device"
+            )
         items = []  # (group, p, fp32 gradient: the one to descend)
         for p, g, gi in found:
             g = g.float()
@@ -381,8 +387,9 @@ class SOAP(BuiltinOptimizer):
         work = self._work.get(p)
         if work is None:
             like = self.state[p]["exp_avg_sq"]
-            work = {k: torch.zeros_like(like) for k in ("direction", "grad", "m", "u")}
+            work = {k: torch.zeros_like(like) for k in ("direction", "grad", "m")}
             work["direction"].grad = work["grad"]
+            work["u"] = work["m"]  # free once the first kernel has read m
             self._work[p] = work
         return work
 
@@ -526,7 +533,8 @@ def _to_fp32(value):
 
 
 def _check_group(group: dict) -> None:
-    """The reference's checks (its messages), before anything changes."""
+    """pytorch-optimizer's checks, and that the betas and frequencies are what SOAP can
+    use, before anything changes."""
     check_lr(group["lr"])
     betas = tuple(group["betas"])
     if len(betas) != 2:
