@@ -153,7 +153,7 @@ def test_soap_matches_float64_reference():
             err = (p.detach().double() - r.p).abs().max() / (r.p - p0).abs().max()
             assert err <= 1e-5, (tuple(p.shape), err.item())
     st = opt.state[ours[0][0]]
-    assert sorted(st) == ["GG", "Q", "exp_avg", "exp_avg_sq"]
+    assert sorted(st) == ["GG", "Q", "exp_avg", "exp_avg_sq", "precondition_frequency", "shampoo_beta"]
     assert st["GG"][0] == [] and st["Q"][0] == [] and st["GG"][1].shape == (5, 5)
     assert opt.param_groups[0]["step"] == 7
     # per step: soap_precondition, soap, and soap_normalized's two phases (its mean first)

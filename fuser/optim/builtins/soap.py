@@ -204,11 +204,11 @@ class SOAP(BuiltinOptimizer):
     holds three fp32 buffers per parameter for its kernels (the projected gradient and
     first moment, the direction).
 
-    Differences from the reference: ``maximize`` leaves ``p.grad`` as it is (the reference
-    negates it in place); with ``merge_dims`` a tensor that fits in one dimension is
-    preconditioned as that one dimension (the reference's reshape fails there);
-    ``precondition_frequency`` and ``shampoo_beta`` are read from the param group every
-    step (the reference keeps each parameter's first values).
+    As in the reference, each parameter keeps the ``precondition_frequency`` and
+    ``shampoo_beta`` of its first step in its state. Differences from the reference:
+    ``maximize`` leaves ``p.grad`` as it is (the reference negates it in place); with
+    ``merge_dims`` a tensor that fits in one dimension is preconditioned as that one
+    dimension (the reference's reshape fails there).
 
     fuser's keywords: ``grad_attr`` (``"main_grad"``), ``seed`` and ``static``;
     ``state_dtype`` only fp32, ``stochastic_rounding`` and ``master_weights`` only off
@@ -343,7 +343,17 @@ class SOAP(BuiltinOptimizer):
             limit = 0
         gg = [torch.zeros(d, d, device=g.device) if d <= limit else [] for d in shape]
         zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        return dict(exp_avg=zeros, exp_avg_sq=zeros.clone(), GG=gg, Q=None)
+        # The reference keeps each parameter's first frequency and shampoo_beta, and reads them
+        # from its state: kept so, checkpoints load both ways.
+        beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else group["betas"][1]
+        return dict(
+            exp_avg=zeros,
+            exp_avg_sq=zeros.clone(),
+            GG=gg,
+            Q=None,
+            precondition_frequency=group["precondition_frequency"],
+            shampoo_beta=beta,
+        )
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -458,7 +468,7 @@ class SOAP(BuiltinOptimizer):
         for group, p, g in items:
             st = self.state[p]
             view = g if g.dim() == 1 else self._view(g, group)
-            beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else group["betas"][1]
+            beta = st["shampoo_beta"]
             for i, gg in enumerate(st["GG"]):
                 if len(gg):
                     x = _unfold(view, i)
@@ -481,8 +491,8 @@ class SOAP(BuiltinOptimizer):
 
         refresh = []
         for (group, p, _), step in zip(items, steps):
-            if step > 0 and step % group["precondition_frequency"] == 0:
-                st = self.state[p]
+            st = self.state[p]
+            if step > 0 and step % st["precondition_frequency"] == 0:
                 refresh += [(st, i, group) for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(refresh).values():
             self._refresh(jobs)
