@@ -152,6 +152,9 @@ def test_soap_matches_float64_reference():
         for p, r, p0 in zip(ps, rs, p0s):
             err = (p.detach().double() - r.p).abs().max() / (r.p - p0).abs().max()
             assert err <= 1e-5, (tuple(p.shape), err.item())
+            for key, want in (("exp_avg", r.m), ("exp_avg_sq", r.v)):
+                err = (opt.state[p][key].double() - want).abs().max() / want.abs().max()
+                assert err <= 1e-5, (tuple(p.shape), key, err.item())
     st = opt.state[ours[0][0]]
     assert sorted(st) == ["GG", "Q", "exp_avg", "exp_avg_sq", "precondition_frequency", "shampoo_beta"]
     assert st["GG"][0] == [] and st["Q"][0] == [] and st["GG"][1].shape == (5, 5)
