@@ -95,6 +95,7 @@ from fuser.optim.builtins.orthogonal import (
 from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
 from fuser.optim.builtins.sign import Lion, lion
+from fuser.optim.builtins.soap import SOAP, soap, soap_normalized, soap_precondition
 
 _Builtin = BuiltinOptimizer  # the base's name before the split into modules
 
@@ -103,6 +104,7 @@ __all__ = [
     "LAMB",
     "LARS",
     "SGD",
+    "SOAP",
     "Adafactor",
     "Adagrad",
     "Adam",
@@ -148,4 +150,7 @@ __all__ = [
     "sgd",
     "sgd_momentum",
     "sgd_nesterov",
+    "soap",
+    "soap_normalized",
+    "soap_precondition",
 ]
