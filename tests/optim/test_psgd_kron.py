@@ -34,13 +34,15 @@ def top_eigenvalue(s: torch.Tensor, iterations: int) -> torch.Tensor:
 
 class Reference:
     """One parameter's PSGD Kron in float64. Every factor is a matrix (a diagonal one is
-    ``diag(q)``, of which only the diagonal is fitted); a vector is one diagonal factor."""
+    ``diag(q)``, of which only the diagonal is fitted); a vector is one diagonal factor.
+    The starting scale comes from ``first``: the first gradients of the group's tensors of
+    this shape (heavyball's bucket)."""
 
-    def __init__(self, p, g, triangular, hp):
+    def __init__(self, p, first, triangular, hp):
         self.p, self.hp, self.tri = p.double().clone(), hp, triangular
         dims = list(p.shape)
-        scale = (g.double().abs() ** 4).mean() ** (-1 / 8) * 1.0
-        scale = scale**0.5
+        g = torch.cat([x.double().reshape(-1) for x in first])
+        scale = ((g.abs() ** 4).mean() ** (-1 / 8)) ** 0.5
         s = scale ** (1 / len(dims))
         self.q = [s * torch.eye(d, dtype=torch.float64) for d in dims]
         self.lb = [0.0] * len(dims)
@@ -139,7 +141,8 @@ def test_psgd_kron_follows_float64_formulas(device):
         if t == 1:
             tri = [(True, True), (True, True), (False,), (False, True)]
             his = [HYPER, HYPER, HYPER, {**HYPER, "precond_lr": 0.2}]
-            refs = [Reference(p.detach().cpu(), g.cpu(), k, h) for p, g, k, h in zip(params, grads, tri, his)]
+            first = [grads[:2], grads[:2], grads[2:3], grads[3:]]  # one scale for the two 7×5
+            refs = [Reference(p.detach().cpu(), f, k, h) for p, f, k, h in zip(params, first, tri, his)]
         opt.step()
         for i, (p, g, ref) in enumerate(zip(params, grads, refs)):
             v = kron.probe(11, t, i, shapes[i], device)
@@ -161,7 +164,7 @@ def test_psgd_kron_delayed_without_clipping(device):
     for t in range(1, 4):
         p.grad = torch.randn(5, 3, device=device)
         if t == 1:
-            ref = Reference(p.detach().cpu(), p.grad.cpu(), (True, True), HYPER)
+            ref = Reference(p.detach().cpu(), [p.grad.cpu()], (True, True), HYPER)
         opt.step()
         ref.step(p.grad.cpu(), t, kron.probe(5, t, 0, (5, 3), device).cpu(), True, delayed=True, clip=False)
         worst = max(worst, rel(p, ref.p), *(rel(q, w) for q, w in zip(opt.state[p]["Q"], ref.q)))

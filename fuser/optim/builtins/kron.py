@@ -106,7 +106,7 @@ def factor_kinds(shape, max_size: int, min_ndim: int, memory_save_mode) -> tuple
 def init_scale(group: dict, g: torch.Tensor) -> float:
     """The factors' starting scale (their product's): ``precond_init_scale`` as given, or
     heavyball's heuristic ``(mean(g**4) ** (-1/8) * precond_init_scale_scale) **
-    precond_init_scale_power`` (power 0.5 unless given) from the first gradient."""
+    precond_init_scale_power`` (power 0.5 unless given) from the first gradients ``g``."""
     scale = group["precond_init_scale"]
     if scale is None:
         x = g.detach().double().abs().clamp(min=1e-12)
@@ -456,10 +456,7 @@ class PSGDKron(BuiltinOptimizer):
         """Everything before the kernel: each group's step, the momentum, the fit of the
         factors and ``P m`` into each parameter's ``update``."""
         items = self._items()
-        news = {}
-        for _, p, g, group in items:  # may raise: nothing has changed yet
-            if "Q" not in self.state[p]:
-                news[p] = initial_factors(p.shape, self._kinds(group, p), init_scale(group, g), p.device)
+        news = self._initial(items)  # may raise: nothing has changed yet
         fit = self._should_fit()
         for group in self.param_groups:
             group["step_count"] = group.get("step_count", 0) + 1
@@ -480,6 +477,22 @@ class PSGDKron(BuiltinOptimizer):
             batches.setdefault(key, []).append(Member(index, p, group, m, target))
         for (shape, device, _, iterations), batch in batches.items():
             self._batch_step(shape, device, iterations, batch, fit)
+
+    def _initial(self, items) -> dict:
+        """parameter -> its first factors, for those without: as heavyball's buckets, a
+        group's new tensors of one shape, dtype and device take one scale from all their
+        gradients."""
+        fresh: dict = {}
+        for _, p, g, group in items:
+            if "Q" not in self.state[p]:
+                fresh.setdefault((id(group), p.shape, p.dtype, p.device), []).append((p, g, group))
+        news = {}
+        for members in fresh.values():
+            group = members[0][2]
+            scale = init_scale(group, torch.cat([g.detach().reshape(-1) for _, g, _ in members]))
+            for p, _, _ in members:
+                news[p] = initial_factors(p.shape, self._kinds(group, p), scale, p.device)
+        return news
 
     def _new_state(self, p: torch.Tensor, qs: list) -> None:
         st = self.state[p]
