@@ -235,3 +235,22 @@ def test_psgd_kron_state_dict_round_trip():
     assert torch.equal(a, b)
     assert all(torch.equal(x, y) for x, y in zip(opt.state[a]["Q"], other.state[b]["Q"]))
     assert math.isclose(other.state_dict()["psgd"]["cumulative_prob"], 3.0)
+
+
+def test_psgd_kron_under_grad_scaler():
+    """GradScaler unscales the gradients before the step and skips a step with an inf."""
+    start, g = torch.randn(7, 5), torch.randn(7, 5)
+    a, b = (torch.nn.Parameter(start.clone()) for _ in range(2))
+    mine, plain = fuser.optim.PSGDKron([a], lr=0.01), fuser.optim.PSGDKron([b], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale((a * g).sum()).backward()
+    b.grad = g.clone()
+    scaler.step(mine)
+    scaler.update()
+    plain.step()
+    assert torch.equal(a, b)
+    a.grad = None
+    scaler.scale((a * torch.full_like(g, float("inf"))).sum()).backward()
+    before = a.detach().clone()
+    scaler.step(mine)
+    assert torch.equal(a, before)

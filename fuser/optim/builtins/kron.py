@@ -374,6 +374,9 @@ class PSGDKron(BuiltinOptimizer):
     """
 
     rule = psgd_kron
+    # GradScaler unscales the gradients itself (and skips the step on an inf): the torch
+    # phases read them before the kernel, which alone would know grad_scale.
+    _step_supports_amp_scaling = False
     hyper_from = dict(
         lr=_warm_lr,
         trust_region=lambda group: float(group["update_clipping"] == "trust_region"),
@@ -475,8 +478,17 @@ class PSGDKron(BuiltinOptimizer):
             shape = tuple(p.shape) or (1,)
             key = (shape, p.device, self._kinds(group, p), group["precond_update_power_iterations"])
             batches.setdefault(key, []).append(Member(index, p, group, m, target))
+        kept = []  # (batch, which fits were finite): one host sync for the warning, after all
         for (shape, device, _, iterations), batch in batches.items():
-            self._batch_step(shape, device, iterations, batch, fit)
+            kept.append((batch, self._batch_step(shape, device, iterations, batch, fit)))
+        if fit and not bool(torch.stack([ok.all().cpu() for _, ok in kept]).all()):
+            bad = [tuple(x.p.shape) for batch, ok in kept for x, fine in zip(batch, ok.tolist()) if not fine]
+            warnings.warn(
+                f"PSGDKron: the preconditioner's fit was not finite for parameters of shape {bad}; "
+                "they keep their factors from before this step",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _initial(self, items) -> dict:
         """parameter -> its first factors, for those without: as heavyball's buckets, a
@@ -503,15 +515,16 @@ class PSGDKron(BuiltinOptimizer):
             st["exp_avg"] = torch.zeros_like(p, dtype=self._exp_avg_dtype, memory_format=fmt)
         st["update"] = torch.zeros_like(p, dtype=torch.float32, memory_format=fmt)
 
-    def _batch_step(self, shape, device, iterations: int, batch: list, fit: bool) -> None:
+    def _batch_step(self, shape, device, iterations: int, batch: list, fit: bool):
         """The factors' fit and ``P m`` of the tensors of one shape (and factor kinds),
-        stacked."""
+        stacked; whether each tensor's fit was finite (a device tensor, None without a fit)."""
         states = [self.state[x.p] for x in batch]
         qs = [torch.stack(q) for q in zip(*(st["Q"] for st in states))]
         m = torch.stack([x.m.reshape(shape) for x in batch])
         u = precondition(qs, m) if self._delayed or not fit else None
+        finite = None
         if fit:
-            qs, lbs = self._fit(shape, device, iterations, batch, states, qs)
+            qs, lbs, finite = self._fit(shape, device, iterations, batch, states, qs)
             for j, st in enumerate(states):
                 st["Q"] = [q[j].clone() for q in qs]
                 st["running_lower_bound"] = [lb[j].clone() for lb in lbs]
@@ -519,9 +532,11 @@ class PSGDKron(BuiltinOptimizer):
             u = precondition(qs, m)
         for j, st in enumerate(states):
             st["update"].copy_(u[j].reshape(st["update"].shape))
+        return finite
 
     def _fit(self, shape, device, iterations: int, batch: list, states: list, qs: list) -> tuple:
-        """The fitted factors and bounds of a batch, where finite; the old ones elsewhere."""
+        """The fitted factors and bounds of a batch where finite, the old ones elsewhere, and
+        where they were finite."""
         lbs = [torch.stack(lb) for lb in zip(*(st["running_lower_bound"] for st in states))]
         target = torch.stack([x.target.reshape(shape) for x in batch])
         v = torch.stack([probe(self._seed, x.group["step_count"], x.index, shape, device) for x in batch])
@@ -534,16 +549,12 @@ class PSGDKron(BuiltinOptimizer):
         finite = torch.stack(
             [torch.isfinite(q.reshape(len(batch), -1)).all(1) for q in new_qs + new_lbs]
         ).all(0)
-        if not bool(finite.all()):
-            bad = [tuple(x.p.shape) for x, ok in zip(batch, finite.tolist()) if not ok]
-            warnings.warn(
-                f"PSGDKron: the preconditioner's fit was not finite for parameters of shape {bad}; "
-                "they keep their factors from before this step",
-                RuntimeWarning,
-                stacklevel=5,
-            )
         keep = lambda new, old: torch.where(finite.view([-1] + [1] * (new.dim() - 1)), new, old)
-        return [keep(q, old) for q, old in zip(new_qs, qs)], [keep(lb, old) for lb, old in zip(new_lbs, lbs)]
+        return (
+            [keep(q, old) for q, old in zip(new_qs, qs)],
+            [keep(lb, old) for lb, old in zip(new_lbs, lbs)],
+            finite,
+        )
 
     # --- state ---------------------------------------------------------------------------
 
