@@ -195,6 +195,11 @@ def test_psgd_kron_refuses_bad_input_and_changes_nothing():
         fuser.optim.PSGDKron([p], hessian_approx=True)
     with pytest.raises(TypeError, match="unknown"):
         fuser.optim.PSGDKron([p], foo=1)
+    fresh = fuser.optim.PSGDKron([p])
+    p.grad = torch.zeros(7, 5)
+    with pytest.raises(ValueError, match="all zeros"):
+        fresh.step()  # precond_init_scale=None has no scale to take from it
+    assert not fresh.state and "step_count" not in fresh.param_groups[0]
     opt = fuser.optim.PSGDKron([p], lr=0.01, grad_attr="main_grad")
     p.main_grad = torch.randn(7, 5)
     opt.step()

@@ -496,7 +496,7 @@ class PSGDKron(BuiltinOptimizer):
         gradients."""
         fresh: dict = {}
         for _, p, g, group in items:
-            if "Q" not in self.state[p]:
+            if "Q" not in self.state.get(p, {}):
                 fresh.setdefault((id(group), p.shape, p.dtype, p.device), []).append((p, g, group))
         news = {}
         for members in fresh.values():
