@@ -113,13 +113,13 @@ def init_scale(group: dict, g: torch.Tensor) -> float:
         root = math.exp(-(torch.logsumexp(4 * x.log().flatten(), 0).item() - math.log(x.numel())) / 8)
         power = group["precond_init_scale_power"]
         scale = (root * group["precond_init_scale_scale"]) ** (0.5 if power is None else power)
-        if not math.isfinite(scale) or not bool(g.detach().any()):
+        if not (math.isfinite(scale) and scale > 0 and bool(torch.isfinite(g).all()) and bool(g.any())):
             raise ValueError(
                 "PSGDKron: the first gradient of a parameter is all zeros or not finite, so "
                 "precond_init_scale=None cannot set the preconditioner's scale; pass precond_init_scale=0.1"
             )
-    elif not math.isfinite(scale):
-        raise ValueError(f"PSGDKron: precond_init_scale={scale} is not finite")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"PSGDKron: precond_init_scale={scale} must be positive and finite")
     return float(scale)
 
 
@@ -183,7 +183,7 @@ def fit_factors(qs, lbs, g, v, hp) -> tuple[list, list]:
     ``dampening``, ``precond_lr``, ``lower_bound_beta`` and the number ``power_iterations``.
     Returns the new factors and bounds (heavyball's ``psgd_update_precond``)."""
     n = g.shape[0]
-    row = lambda t, like: t.view([n] + [1] * (like.dim() - 1))  # noqa: E731
+    row = lambda t, like: t.view([n] + [1] * (like.dim() - 1))
     g = g + (row(hp["dampening"], g) + _EPS32 * g.abs()) * v
     # balance: the factors' largest entries to their geometric mean (the product unchanged)
     logs = [q.abs().flatten(1).amax(1).log() for q in qs]
