@@ -4,9 +4,10 @@ tensor's momentum, preconditioned by a Kronecker product of one factor per dimen
 dimension is large), fitted now and then from a random probe ``V`` by the Lie-group step
 of PSGD. heavyball 3.2.1's ``PSGDKron`` keywords, defaults and math.
 
-The matrix work of a step runs in torch, batched over the tensors of one shape: the
-probes, the fit of the factors (products, batched triangular solves, the power iteration
-that bounds each step) and ``P m``. The last phase, heavyball's trust-region clip of the
+The momentum (one ``foreach`` lerp per param group) and the matrix work of a step run in
+torch, the matrix work batched over the tensors of one shape: the probes, the fit of the
+factors (products, batched triangular solves, the power iteration that bounds each step)
+and ``P m``. The last phase, heavyball's trust-region clip of the
 update and decoupled weight decay, is the fuser rule ``psgd_kron`` (one launch for every
 tensor), which reads the preconditioned update from the state ``update``.
 """
@@ -465,15 +466,12 @@ class PSGDKron(BuiltinOptimizer):
             group["step_count"] = group.get("step_count", 0) + 1
         for p, qs in news.items():
             self._new_state(p, qs)
+        grads = [g.detach().float() for _, _, g, _ in items]
+        if self._momentum:
+            self._momentum_step(items, grads)
         batches: dict = {}
-        for index, p, g, group in items:
-            m = g32 = g.detach().float()
-            if self._momentum:
-                beta = group["beta"] if group["beta"] is not None else group["betas"][0]
-                ea = self.state[p]["exp_avg"]
-                # the debiased average: exp_avg is the mean of the gradients so far
-                ea.lerp_(g32.to(ea.dtype), (1 - beta) / (1 - beta ** group["step_count"]))
-                m = ea.float()
+        for (index, p, _, group), g32 in zip(items, grads):
+            m = self.state[p]["exp_avg"].float() if self._momentum else g32
             target = m if group["momentum_into_precond_update"] else g32
             shape = tuple(p.shape) or (1,)
             key = (shape, p.device, self._kinds(group, p), group["precond_update_power_iterations"])
@@ -489,6 +487,18 @@ class PSGDKron(BuiltinOptimizer):
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+    def _momentum_step(self, items, grads) -> None:
+        """Each ``exp_avg`` to the debiased average of the gradients so far (heavyball's
+        ``exp_avg``): one ``foreach`` lerp per param group and device."""
+        lists: dict = {}
+        for (_, p, _, group), g32 in zip(items, grads):
+            eas, gs = lists.setdefault((id(group), p.device), (group, [], []))[1:]
+            eas.append(self.state[p]["exp_avg"])
+            gs.append(g32.to(self._exp_avg_dtype))
+        for group, eas, gs in lists.values():
+            beta = group["beta"] if group["beta"] is not None else group["betas"][0]
+            torch._foreach_lerp_(eas, gs, (1 - beta) / (1 - beta ** group["step_count"]))
 
     def _initial(self, items) -> dict:
         """parameter -> its first factors, for those without: as heavyball's buckets, a
