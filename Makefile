@@ -48,11 +48,14 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/muon_bench.py
 	$(PYTHON) benchmarks/loss_bench.py gist llama8b --options --no-compile --tag _options
 	$(PYTHON) benchmarks/loss_bench.py gist llama8b --lean --ignore7
+	$(PYTHON) benchmarks/post_training_bench.py
+	$(PYTHON) benchmarks/precond_bench.py
 	$(PYTHON) benchmarks/first_step.py --modes fuser-cold fuser-warm fuser-precompiled torch-fused
 	$(PYTHON) benchmarks/scaling.py
 	$(PYTHON) benchmarks/latest.py $(RESULTS)/optim_$(DATE).json $(RESULTS)/state_$(DATE).json \
 		$(RESULTS)/shaped_$(DATE).json $(RESULTS)/muon_$(DATE).json $(RESULTS)/loss_$(DATE)_options.json \
-		$(RESULTS)/loss_$(DATE).json $(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
+		$(RESULTS)/loss_$(DATE).json $(RESULTS)/post_training_$(DATE).json $(RESULTS)/precond_$(DATE).json \
+		$(RESULTS)/first_step_$(DATE)_llama1b_fp32.json
 	$(MAKE) bench-report
 
 # RESULTS.md and the plot from the latest.json that is there (any machine; the plot needs matplotlib)

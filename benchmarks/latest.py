@@ -40,7 +40,7 @@ def optim_rows(doc: dict, source: str) -> list[dict]:
         if r["workload"] in WALL_WORKLOADS:
             row.update(ms=r["wall_ms"], event_ms=r["ms"])
         else:
-            row.update(ms=r["ms"], wall_ms=r["wall_ms"])
+            row.update(ms=r["ms"], wall_ms=r.get("wall_ms"))
         keys = ("pct_of_floor", "floor_ms", "pass_floor_ms", "pct_of_pass_floor", "state_bytes_per_param",
                 "device_ms", "pct_of_floor_device")  # fmt: skip
         row.update({k: r[k] for k in keys if k in r})

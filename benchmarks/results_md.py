@@ -25,7 +25,8 @@ SCRIPTS = dict(loss="loss_bench", optim="optim_bench", state="state_bench", shap
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOT_DEFAULT = ("static", "schedule=", "probe")
 ORDER = ("adamw_fp32", "adamw_bf16_", "lamb", "muon", "adafactor", "came", "adamw_q8", "adamw_bf16p", "lion",
-         "lce_gist", "lce_llama8b", "logprobs_rl", "distill_jsd", "dpo", "first_step")  # fmt: skip
+         "soap", "psgdkron", "shampoo", "lce_gist", "lce_llama8b", "logprobs_rl", "distill_jsd", "dpo",
+         "first_step")  # fmt: skip
 
 
 def is_fuser(impl: str) -> bool:
