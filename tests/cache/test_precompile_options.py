@@ -161,6 +161,7 @@ VARIANT_KEYWORDS = {
     "Adan": [{}, {"max_grad_norm": 1.0}],
     "Muon": [{}, {"nesterov": False}],
     "NorMuon": [{}, {"nesterov": False}, {"update_scale": "match_rms"}],
+    "SOAP": [{}, {"normalize_gradient": True}],
 }
 
 
