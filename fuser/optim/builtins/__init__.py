@@ -8,11 +8,11 @@ groups; the others are hyperparameters, one value per param group. Boolean keywo
 do not change the shape (``maximize``, ``decoupled_weight_decay``) are 0/1 hyperparameters:
 ``g - 2 * maximize * g`` is exactly ``g`` or ``-g``.
 
-Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon) follow their papers, with the
+Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon, Shampoo) follow their papers, with the
 keywords and state keys of the authors' reference implementations.
 
 One module per family (``sgd_family``, ``adam_family``, ``adagrad_family``, ``sign``,
-``layerwise``, ``factored``, ``orthogonal``, ``schedule_free``), each rule beside its class;
+``layerwise``, ``factored``, ``orthogonal``, ``schedule_free``, ``shampoo``), each rule beside its class;
 ``_base`` holds what they share (fuser's own keywords, choosing the variant, checking that
 param groups agree on it, reading a group's hyperparameters each step, torch's checks).
 Every rule is re-exported here: ``fuser precompile --builtins`` compiles the rules bound in
@@ -94,6 +94,7 @@ from fuser.optim.builtins.orthogonal import (
 )
 from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
+from fuser.optim.builtins.shampoo import Shampoo, shampoo, shampoo_momentum, shampoo_nesterov
 from fuser.optim.builtins.sign import Lion, lion
 
 _Builtin = BuiltinOptimizer  # the base's name before the split into modules
@@ -117,6 +118,7 @@ __all__ = [
     "RAdam",
     "RMSprop",
     "ScheduleFreeAdamW",
+    "Shampoo",
     "adafactor",
     "adagrad",
     "adam",
@@ -148,4 +150,7 @@ __all__ = [
     "sgd",
     "sgd_momentum",
     "sgd_nesterov",
+    "shampoo",
+    "shampoo_momentum",
+    "shampoo_nesterov",
 ]
