@@ -80,7 +80,7 @@ class Reference:
             self.v = c["grafting_beta2"] * self.v + (1 - c["grafting_beta2"]) * g * g
         start, every = c["start_preconditioning_step"], c["precondition_frequency"]
         if t == start or (t > start and t % every == 0):
-            bc = 1 - beta2**t if beta2 < 1 else 1.0
+            bc = 1 - beta2**t if beta2 < 1 and c["use_bias_correction"] else 1.0
             for fs, rs in zip(self.F, self.R):
                 for f, r in zip(fs, rs):
                     lam, q = torch.linalg.eigh(f / bc)
@@ -88,23 +88,27 @@ class Reference:
                     r.copy_(q @ torch.diag(lam ** (-1.0 / (2 * len(fs)))) @ q.T)
         if beta1 > 0:
             self.m = beta1 * self.m + (1 - beta1) * g
-            gbar = self.m / (1 - beta1**t)
+            gbar = self.m / (1 - beta1**t) if c["use_bias_correction"] else self.m
         else:
             gbar = g
         if c["grafting"] == "adam":
             graft = gbar / ((self.v / (1 - c["grafting_beta2"] ** t)).sqrt() + c["grafting_epsilon"])
-        else:
+        elif c["grafting"] == "adagrad":
             graft = gbar / (self.v.sqrt() + c["grafting_epsilon"])
-        if t < start:
+        else:
+            graft = gbar if c["grafting"] == "sgd" else None
+        if t < start and graft is not None:
             step = graft
         else:
             step = torch.zeros(self.shape, dtype=torch.float64)
-            gb, gr = gbar.reshape(self.shape), graft.reshape(self.shape)
+            gb = gbar.reshape(self.shape)
             for blk, rs in zip(self.blocks, self.R):
                 s = gb[blk]
                 for r in rs:
                     s = torch.tensordot(s, r, dims=([0], [0]))
-                step[blk] = s * gr[blk].norm() / (s.norm() + 1e-16)
+                step[blk] = (
+                    s if graft is None else s * graft.reshape(self.shape)[blk].norm() / (s.norm() + 1e-16)
+                )
             step = step.reshape(self.p.shape)
         if c["use_decoupled_weight_decay"]:
             step = step + wd * self.p
