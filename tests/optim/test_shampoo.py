@@ -120,19 +120,23 @@ class Reference:
 
 def run_both(groups, steps):
     """fuser's Shampoo over ``groups`` ([(params, keywords)]) and one Reference per parameter,
-    the same fresh gradients each step; returns (fuser param, reference, start) triples."""
+    the same fresh gradients each step; returns the optimizer, (fuser param, reference,
+    start) triples and the kernel launches of each step."""
     params = [[0.1 * torch.randn(s) for s in shapes] for shapes, _ in groups]  # small: fp32 rounds p finer
     refs = [[Reference(p, kw) for p in ps] for ps, (_, kw) in zip(params, groups)]
     opt = fuser.optim.Shampoo([dict(params=ps, **kw) for ps, (_, kw) in zip(params, groups)])
     starts = [p.clone() for ps in params for p in ps]
+    launches = []
     for _ in range(steps):
         for ps, rs in zip(params, refs):
             for p, r in zip(ps, rs):
                 p.grad = torch.randn(p.shape) + 0.1
                 r.step(p.grad)
+        before = fuser.stats()["launches"]
         opt.step()
+        launches.append(fuser.stats()["launches"] - before)
     flat = [(p, r) for ps, rs in zip(params, refs) for p, r in zip(ps, rs)]
-    return opt, [(p, r, s) for (p, r), s in zip(flat, starts)]
+    return opt, [(p, r, s) for (p, r), s in zip(flat, starts)], launches
 
 
 def assert_update_close(p, ref, start, rtol=1e-5):
@@ -162,9 +166,10 @@ def test_adam_grafting_blocks_and_refreshes_like_the_reference():
         ([(7, 5)], dict(common, use_merge_dims=False, max_preconditioner_dim=4)),
         ([(3, 4, 5)], dict(common, max_preconditioner_dim=20)),
     ]
-    opt, results = run_both(groups, 6)
+    opt, results, launches = run_both(groups, 6)
     for p, ref, start in results:
         assert_update_close(p, ref, start)
+    assert launches == [2] * 6  # the moments' kernel and the parameters', each over every tensor
     st = opt.state[results[2][0]]  # 7x5 in blocks (4,4), (4,1), (3,4), (3,1)
     assert [[tuple(f.shape) for f in b] for b in st["factor_matrices"]] == [
         [(4, 4), (4, 4)],
@@ -193,7 +198,7 @@ def test_adagrad_grafting_momentum_and_l2_like_the_reference():
         use_merge_dims=False,
         start_preconditioning_step=3,
     )
-    opt, results = run_both([([(5, 7), (3,)], kw)], 4)
+    opt, results, _ = run_both([([(5, 7), (3,)], kw)], 4)
     for p, ref, start in results:
         assert_update_close(p, ref, start)
     assert "momentum_buffer" in opt.state[results[0][0]] and "filtered_grad" not in opt.state[results[0][0]]

@@ -18,6 +18,7 @@ parameter: the grafted direction ``u``, decoupled weight decay, momentum, the st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from collections import defaultdict
@@ -29,6 +30,33 @@ from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
 from fuser.runtime.state import validate
+
+# The moments' kernel, before the matrix work, on a buffer ``p`` whose gradient is the step's
+# fp32 gradient: the filtered gradient ``gbar`` (``bias1``: its bias correction), the grafting
+# method's second moment (``decay``, ``gain``: its EMA or sum; ``bias2``: Adam's correction)
+# and, into ``p``, the grafting direction (``gbar`` itself for SGD grafting or none).
+_FILTER = """
+    gbar = (beta3 * filtered_grad + (1 - beta3) * g) / bias1
+    filtered_grad = beta1 * filtered_grad + (1 - beta1) * g
+"""
+_GRAFT = """
+    grafting = decay * grafting + gain * g**2
+    p = {gbar} / (sqrt(grafting / bias2) + grafting_epsilon)
+"""
+_FILTER_HYPER = dict(beta1=0.9, beta3=0.9, bias1=1.0)
+_GRAFT_HYPER = dict(decay=0.999, gain=1e-3, bias2=1.0, grafting_epsilon=1e-8)
+shampoo_filter_graft = fuser.rule(
+    _FILTER + _GRAFT.format(gbar="gbar"),
+    name="shampoo_filter_graft",
+    hyper=_FILTER_HYPER | _GRAFT_HYPER,
+    state=dict(filtered_grad=0.0, gbar=0.0, grafting=0.0),
+)
+shampoo_graft = fuser.rule(
+    _GRAFT.format(gbar="g"), name="shampoo_graft", hyper=_GRAFT_HYPER, state=dict(grafting=0.0)
+)
+shampoo_filter = fuser.rule(
+    _FILTER + "    p = gbar\n", name="shampoo_filter", hyper=_FILTER_HYPER, state=dict(filtered_grad=0.0)
+)
 
 # The parameters' kernel: ``u`` is the grafted direction of the step, written by torch;
 # ``weight_decay`` is the group's where it is decoupled, else 0 (then already in the gradient).
@@ -58,6 +86,7 @@ shampoo_nesterov = fuser.rule(
 )
 
 GRAFTINGS = ("adam", "adagrad", "rmsprop", "sgd", None)
+_DIAGONAL = ("adam", "adagrad", "rmsprop")
 # Keywords of Meta's optimizer that fuser takes only at these values.
 _UNSUPPORTED = dict(
     distributed_config=None,
@@ -363,7 +392,7 @@ class Shampoo(BuiltinOptimizer):
             )
         self.use_protected_eigh = bool(use_protected_eigh)
         self._kernels: dict = {}
-        self._work: dict = {}  # p -> its direction buffer u
+        self._work: dict = {}  # p -> its buffers between phases
         self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def __str__(self) -> str:
@@ -430,9 +459,9 @@ class Shampoo(BuiltinOptimizer):
         if not items:
             return loss
         self._update_factors(items)
-        self._update_grafting(items)
+        moments = self._moments(items)
         self._refresh_roots(items)
-        directions = self._directions(items)
+        directions = self._directions(items, *moments)
         self._apply(items, directions)
         return loss
 
@@ -455,16 +484,41 @@ class Shampoo(BuiltinOptimizer):
                 torch._foreach_mul_(factors, beta2)
                 torch._foreach_add_(factors, products, alpha=1 - beta2)
 
-    def _update_grafting(self, items: list) -> None:
-        for group, p, g, _ in items:
-            kind = group["grafting"]
-            if kind in ("adam", "adagrad", "rmsprop"):
-                v = self._elementwise(self.state[p], "grafting", p)
-                if kind == "adagrad":
-                    v.addcmul_(g, g)
-                else:
-                    beta = group["grafting_beta2"]
-                    v.mul_(beta).addcmul_(g, g, value=1 - beta)
+    def _moments(self, items: list) -> tuple[list, list]:
+        """``Ḡ`` and the grafting direction (None without grafting) of each parameter, from
+        the moments' kernels: one launch per variant over every parameter that has one."""
+        gbars, grafts = [], []
+        launches = defaultdict(lambda: defaultdict(list))  # rule -> (group, t) -> [(p, g)]
+        for group, p, g, t in items:
+            filtered, diagonal = group["betas"][0] != 0.0, group["grafting"] in _DIAGONAL
+            rule = {(True, True): shampoo_filter_graft, (False, True): shampoo_graft}.get(
+                (filtered, diagonal), shampoo_filter if filtered else None
+            )
+            if rule is not None:
+                launches[rule][(id(group), t)].append((group, p, g))
+            gbars.append(g)
+            grafts.append(g if group["grafting"] is not None else None)
+        out = {}  # p -> (gbar, graft)
+        for rule, groups in launches.items():
+            launch, states = [], {}
+            for (_, t), members in groups.items():
+                group = members[0][0]
+                launch.append(([self._buffers(p)["graft"] for _, p, _ in members], _moment_hyper(group, t)))
+                for _, p, g in members:
+                    work, st = self._buffers(p), self.state[p]
+                    work["graft"].grad = g
+                    named = {
+                        k: work[k] if k == "gbar" else self._elementwise(st, k, p) for k, _ in rule.state
+                    }
+                    states[work["graft"]] = named
+                    gbar = work["gbar"] if rule is shampoo_filter_graft else work["graft"]
+                    out[p] = (g if rule is shampoo_graft else gbar, work["graft"])
+            self._kernel(rule.name, rule, "grad").run(launch, states)
+        for k, (group, p, _, _) in enumerate(items):
+            if p in out:
+                gbars[k] = out[p][0]
+                grafts[k] = out[p][1] if group["grafting"] is not None else None
+        return gbars, grafts
 
     def _refresh_roots(self, items: list) -> None:
         """The roots due this step, batched by factor size."""
@@ -496,35 +550,8 @@ class Shampoo(BuiltinOptimizer):
                     stacklevel=3,
                 )
 
-    def _filtered(self, group: dict, p: torch.Tensor, g: torch.Tensor, t: int) -> torch.Tensor:
-        """``Ḡ``: the gradient, or its bias-corrected EMA (``β₃`` for this step's mix)."""
-        beta1 = group["betas"][0]
-        if beta1 == 0.0:
-            return g
-        beta3 = beta1 if group["beta3"] == -1.0 else group["beta3"]
-        m = self._elementwise(self.state[p], "filtered_grad", p)
-        out = m.lerp(g, 1 - beta3) if beta3 != beta1 else None
-        m.lerp_(g, 1 - beta1)
-        out = m.clone() if out is None else out
-        if group["use_bias_correction"]:
-            out.div_(1 - beta3 * beta1 ** (t - 1))
-        return out
-
-    def _directions(self, items: list) -> list[torch.Tensor]:
+    def _directions(self, items: list, filtered: list, grafted: list) -> list[torch.Tensor]:
         """Each parameter's grafted step direction ``P`` (before weight decay and momentum)."""
-        filtered = [self._filtered(group, p, g, t) for group, p, g, t in items]
-        grafted = []  # the grafting method's direction, or None
-        for (group, p, _, t), gbar in zip(items, filtered):
-            kind = group["grafting"]
-            if kind is None:
-                grafted.append(None)
-            elif kind == "sgd":
-                grafted.append(gbar)
-            else:
-                v = self.state[p]["grafting"]
-                if kind == "adam":
-                    v = v / (1 - group["grafting_beta2"] ** t)
-                grafted.append(gbar / (v.sqrt() + group["grafting_epsilon"]))
         shampoo_items = [
             k
             for k, (group, _, _, t) in enumerate(items)
@@ -570,20 +597,31 @@ class Shampoo(BuiltinOptimizer):
                 group = members[0][0]
                 launch.append(([p for _, p, _ in members], _hyper(group, key)))
                 for _, p, u in members:
-                    buf = self._work.get(p)
-                    if buf is None:
-                        buf = self._work[p] = torch.zeros_like(p, dtype=torch.float32)
+                    buf = self._buffers(p)["u"]
                     buf.copy_(u)
                     named = dict(u=buf)
                     if key[0]:
                         named["momentum_buffer"] = self._elementwise(self.state[p], "momentum_buffer", p)
                     states[p] = named
-            self._kernel(key).run(launch, states)
+            self._kernel(key, self._rule_for(key)).run(launch, states)
 
-    def _kernel(self, key: tuple) -> _Kernel:
+    def _kernel(self, key, rule, grad_attr: str | None = None) -> _Kernel:
+        """The step engine of ``rule``; the moments' kernels read their buffers' ``.grad``."""
         if key not in self._kernels:
-            self._kernels[key] = _Kernel(self._rule_for(key), self.options)
+            options = self.options
+            if grad_attr is not None:
+                options = dataclasses.replace(options, grad_attr=grad_attr)
+            self._kernels[key] = _Kernel(rule, options)
         return self._kernels[key]
+
+    def _buffers(self, p: torch.Tensor) -> dict:
+        """``p``'s fp32 buffers between the phases of a step (not state): ``graft`` (the
+        moments' kernel's ``p``), ``gbar``, ``u`` (the parameters' kernel's direction)."""
+        work = self._work.get(p)
+        if work is None:
+            like = dict(dtype=torch.float32, device=p.device)
+            work = self._work[p] = {k: torch.zeros(p.shape, **like) for k in ("graft", "gbar", "u")}
+        return work
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -609,6 +647,23 @@ class Shampoo(BuiltinOptimizer):
         for kernel in self._kernels.values():
             kernel.forget()
         self._work = {}
+
+
+def _moment_hyper(group: dict, t: int) -> dict:
+    """The moments' kernels' hyperparameters of a group at step ``t``."""
+    beta1 = group["betas"][0]
+    beta3 = beta1 if group["beta3"] == -1.0 else group["beta3"]
+    kind, beta = group["grafting"], group["grafting_beta2"]
+    decay, gain = (1.0, 1.0) if kind == "adagrad" else (beta, 1 - beta)
+    return dict(
+        beta1=beta1,
+        beta3=beta3,
+        bias1=1 - beta3 * beta1 ** (t - 1) if group["use_bias_correction"] else 1.0,
+        decay=decay,
+        gain=gain,
+        bias2=1 - beta**t if kind == "adam" else 1.0,
+        grafting_epsilon=group["grafting_epsilon"],
+    )
 
 
 def _hyper(group: dict, key: tuple) -> dict:
