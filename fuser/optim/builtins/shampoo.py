@@ -10,10 +10,12 @@ G_(i) G_(i)ᵀ`` (a plain sum where ``β₂ = 1``), ``G_(i)`` the block unfolded
 ``precondition_frequency`` steps. The Shampoo direction ``Ḡ ×₁ R₁ … ×ₖ Rₖ`` (for a matrix
 ``R_L Ḡ R_R``) is rescaled, block by block, to the norm of the grafting method's direction.
 
-The matrix work runs in torch, in fp32, batched over every factor of one size across the
-step's tensors (``torch.bmm``, batched ``eigh``); the diagonal moments and the grafting
-norms run in torch too (foreach ops). The last phase is a fuser rule, one launch over every
-parameter: the grafted direction ``u``, decoupled weight decay, momentum, the step.
+A step is two fuser launches, each over every parameter, around the matrix work in torch:
+the moments' kernel (the filtered gradient ``Ḡ``, the grafting method's second moment and
+direction, into per-parameter buffers), then torch in fp32 (the factors' ``G Gᵀ`` and the
+Shampoo products by ``torch.bmm``, the roots by batched ``eigh``, each batched over every
+factor of one size across the step's tensors; the grafting norms per block), then the
+parameters' kernel (the grafted direction, decoupled weight decay, momentum, the step).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 import fuser
 from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
+from fuser.runtime import distributed
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
 from fuser.runtime.state import validate
@@ -281,7 +284,7 @@ class Shampoo(BuiltinOptimizer):
 
     pytorch-optimizer 4.1.0's ``ScalableShampoo`` (after Google's ``scalable_shampoo``)
     differs: its factors start at ``matrix_eps * I`` and are never bias corrected, roots
-    by SVD or coupled Newton, no preconditioning of 1-D tensors, grafting before
+    by SVD or coupled Newton, no preconditioning of 1-D tensors, grafting per tensor and before
     momentum on the grafted step, and lr applied to the momentum; its keywords are not
     taken here.
 
@@ -290,10 +293,13 @@ class Shampoo(BuiltinOptimizer):
     ``grafting`` (the second moment of Adam, AdaGrad, RMSprop), ``momentum_buffer``
     (``momentum > 0``). Differences from Meta's: the step is counted per parameter (Meta
     counts per param group), and the standard ``state_dict`` works (Meta's needs
-    ``distributed_state_dict``). Not supported (a ValueError): ``distributed_config``,
+    ``distributed_state_dict``). Between steps it also holds three fp32 buffers the size of
+    each parameter for its kernels. Not supported (a ValueError): ``distributed_config``,
     ``precision_config``, ``preconditioner_dtype``, ``use_pytorch_compile``,
     ``track_root_inv_residuals``; fuser's ``state_dtype`` other than fp32,
-    ``stochastic_rounding`` and ``master_weights``.
+    ``stochastic_rounding`` and ``master_weights``. Nor yet DTensor parameters (a
+    RuntimeError), CUDA-graph capture (the step reads its count on the host) or
+    GradScaler's in-step unscaling (unscale first).
     """
 
     rule = shampoo
@@ -445,6 +451,12 @@ class Shampoo(BuiltinOptimizer):
                 if g is not None:
                     found.append((p, g, gi))
         validate(self, found)
+        for p, _, _ in found:
+            if isinstance(p, distributed.DTensor):
+                raise RuntimeError(
+                    f"Shampoo's matrix work runs on whole tensors: a DTensor parameter of shape "
+                    f"{tuple(p.shape)} is not supported yet"
+                )
         for p, _, gi in found:
             if not self.state[p]:
                 self.state[p].update(self._new_state(p, self.param_groups[gi]))
