@@ -152,16 +152,14 @@ def _mode_products(blocks: list, roots: list) -> list:
 
 
 def _eigh(mats: torch.Tensor, protected: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eigenvalues and vectors of a stack of symmetric matrices, and which succeeded: in the
-    stack's dtype, a failed or non-finite one retried in fp64 (``protected``)."""
-    n = len(mats)
-    vals = torch.zeros(mats.shape[:-1], dtype=torch.float64, device=mats.device)
-    vecs = torch.zeros(mats.shape, dtype=torch.float64, device=mats.device)
-    ok = torch.zeros(n, dtype=torch.bool, device=mats.device)
+    """Eigenvalues and vectors of a stack of symmetric matrices, in the stack's dtype, and
+    which succeeded; a failed or non-finite one retried in fp64 (``protected``)."""
+    vals = torch.zeros(mats.shape[:-1], dtype=mats.dtype, device=mats.device)
+    vecs = torch.zeros_like(mats)
+    ok = torch.zeros(len(mats), dtype=torch.bool, device=mats.device)
     try:
-        lam, q = torch.linalg.eigh(mats)
-        ok = torch.isfinite(lam).all(-1) & torch.isfinite(q).flatten(1).all(-1)
-        vals, vecs = lam.double(), q.double()
+        vals, vecs = torch.linalg.eigh(mats)
+        ok = torch.isfinite(vals).all(-1) & torch.isfinite(vecs).flatten(1).all(-1)
     except RuntimeError:
         if not protected:
             raise
@@ -182,19 +180,19 @@ def inverse_roots(mats: torch.Tensor, exponents: torch.Tensor, epsilon: float, p
     """Meta's ``matrix_inverse_root`` by ``eigh`` over a stack of fp32 factors: eigenvalues
     shifted up by the most negative one (rounding makes a singular factor's slightly
     negative), plus ``epsilon``, raised to ``exponents`` (one per matrix, negative).
-    Returns fp32 roots and which matrices succeeded (the others are garbage)."""
+    Returns the roots and which matrices succeeded (the others' roots are garbage)."""
     vals, vecs, ok = _eigh(mats, protected)
     lam = vals - torch.clamp(vals.min(-1, keepdim=True).values, max=0.0) + epsilon
     lam = lam.pow(exponents.to(lam)[:, None])
     roots = (vecs * lam[:, None, :]) @ vecs.mT
     ok &= torch.isfinite(roots).flatten(1).all(-1)
-    return roots.float(), ok
+    return roots, ok
 
 
 class _Kernel:
-    """The parameters' rule as a step engine reads an optimizer: that rule, the tensors it
-    updates in groups of their hyperparameters, their states (``u``, the direction buffer,
-    and ``momentum_buffer``, the optimizer's), Shampoo's options. Groups and states stay
+    """One of Shampoo's rules as a step engine reads an optimizer: the rule, the tensors it
+    updates (parameters, or the moments' buffers) in groups of their hyperparameters, their
+    states (the optimizer's, and buffers), Shampoo's options. Groups and states stay
     the same objects while nothing changes, so the engine's quick check keeps its tables."""
 
     def __init__(self, rule, options):
@@ -548,8 +546,8 @@ class Shampoo(BuiltinOptimizer):
                     jobs[(f.shape[0], group["epsilon"])].append((f / bc, exponent, r))
         for (d, epsilon), js in jobs.items():
             mats = torch.stack([m for m, _, _ in js])
-            exponents = torch.tensor([e for _, e, _ in js], dtype=torch.float64)
-            roots, ok = inverse_roots(mats, exponents.to(mats.device), epsilon, self.use_protected_eigh)
+            exponents = torch.tensor([e for _, e, _ in js], device=mats.device)
+            roots, ok = inverse_roots(mats, exponents, epsilon, self.use_protected_eigh)
             good = ok.tolist()
             for (_, _, r), new, fine in zip(js, roots.unbind(), good):
                 if fine:
