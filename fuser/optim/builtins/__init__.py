@@ -94,7 +94,15 @@ from fuser.optim.builtins.orthogonal import (
 )
 from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
-from fuser.optim.builtins.shampoo import Shampoo, shampoo, shampoo_momentum, shampoo_nesterov
+from fuser.optim.builtins.shampoo import (
+    Shampoo,
+    shampoo_filter,
+    shampoo_filter_graft,
+    shampoo_graft,
+    shampoo_update,
+    shampoo_update_momentum,
+    shampoo_update_nesterov,
+)
 from fuser.optim.builtins.sign import Lion, lion
 
 _Builtin = BuiltinOptimizer  # the base's name before the split into modules
@@ -150,7 +158,10 @@ __all__ = [
     "sgd",
     "sgd_momentum",
     "sgd_nesterov",
-    "shampoo",
-    "shampoo_momentum",
-    "shampoo_nesterov",
+    "shampoo_filter",
+    "shampoo_filter_graft",
+    "shampoo_graft",
+    "shampoo_update",
+    "shampoo_update_momentum",
+    "shampoo_update_nesterov",
 ]

@@ -63,9 +63,9 @@ shampoo_filter = fuser.rule(
 
 # The parameters' kernel: ``u`` is the grafted direction of the step, written by torch;
 # ``weight_decay`` is the group's where it is decoupled, else 0 (then already in the gradient).
-shampoo = fuser.rule(
+shampoo_update = fuser.rule(
     "p = p - lr * (u + weight_decay * p)",
-    name="shampoo",
+    name="shampoo_update",
     hyper=dict(lr=1e-2, weight_decay=0.0),
     state=dict(u=0.0),
 )
@@ -75,15 +75,15 @@ _MOMENTUM = """
     p = p - lr * {step}
 """
 _HYPER = dict(lr=1e-2, weight_decay=0.0, momentum=0.9, dampening=0.0)
-shampoo_momentum = fuser.rule(
+shampoo_update_momentum = fuser.rule(
     _MOMENTUM.format(step="momentum_buffer"),
-    name="shampoo_momentum",
+    name="shampoo_update_momentum",
     hyper=_HYPER,
     state=dict(u=0.0, momentum_buffer=0.0),
 )
-shampoo_nesterov = fuser.rule(
+shampoo_update_nesterov = fuser.rule(
     _MOMENTUM.format(step="((1 - dampening) * d + momentum * momentum_buffer)"),
-    name="shampoo_nesterov",
+    name="shampoo_update_nesterov",
     hyper=_HYPER,
     state=dict(u=0.0, momentum_buffer=0.0),
 )
@@ -300,11 +300,15 @@ class Shampoo(BuiltinOptimizer):
     GradScaler's in-step unscaling (unscale first).
     """
 
-    rule = shampoo
+    rule = shampoo_update
     variants = Variants(
         "momentum, use_nesterov",
         _variant,
-        {(False, False): shampoo, (True, False): shampoo_momentum, (True, True): shampoo_nesterov},
+        {
+            (False, False): shampoo_update,
+            (True, False): shampoo_update_momentum,
+            (True, True): shampoo_update_nesterov,
+        },
         per_group=True,
     )
     # GradScaler unscales the gradients first: the matrix work reads them in torch.
@@ -776,8 +780,11 @@ __all__ = [
     "block_shapes",
     "inverse_roots",
     "merge_small_dims",
-    "shampoo",
-    "shampoo_momentum",
-    "shampoo_nesterov",
+    "shampoo_filter",
+    "shampoo_filter_graft",
+    "shampoo_graft",
+    "shampoo_update",
+    "shampoo_update_momentum",
+    "shampoo_update_nesterov",
     "split_blocks",
 ]
