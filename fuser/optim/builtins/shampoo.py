@@ -89,6 +89,13 @@ shampoo_update_nesterov = fuser.rule(
 )
 
 GRAFTINGS = ("adam", "adagrad", "rmsprop", "sgd", None)
+# The constructor keywords each param group holds (and may override).
+GROUP_KEYWORDS = (
+    "lr", "betas", "beta3", "epsilon", "momentum", "dampening", "weight_decay", "max_preconditioner_dim",
+    "precondition_frequency", "start_preconditioning_step", "inv_root_override", "exponent_multiplier",
+    "use_nesterov", "use_bias_correction", "use_decoupled_weight_decay", "grafting", "grafting_beta2",
+    "grafting_epsilon", "use_merge_dims",
+)  # fmt: skip
 _DIAGONAL = ("adam", "adagrad", "rmsprop")
 # Keywords of Meta's optimizer that fuser takes only at these values.
 _UNSUPPORTED = dict(
@@ -350,54 +357,11 @@ class Shampoo(BuiltinOptimizer):
         static=False,
         master_weights=None,
     ):
-        given = dict(
-            distributed_config=distributed_config,
-            preconditioner_dtype=preconditioner_dtype,
-            precision_config=precision_config,
-            use_pytorch_compile=use_pytorch_compile,
-            track_root_inv_residuals=track_root_inv_residuals,
-        )
-        for name, value in given.items():
-            if value != _UNSUPPORTED[name]:
-                raise ValueError(
-                    f"Shampoo: {name}={value!r} is not supported (fuser runs one process's "
-                    f"tensors, fp32 states); leave it {_UNSUPPORTED[name]!r}"
-                )
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            beta3=beta3,
-            epsilon=epsilon,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            max_preconditioner_dim=max_preconditioner_dim,
-            precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step,
-            inv_root_override=inv_root_override,
-            exponent_multiplier=exponent_multiplier,
-            use_nesterov=use_nesterov,
-            use_bias_correction=use_bias_correction,
-            use_decoupled_weight_decay=use_decoupled_weight_decay,
-            grafting=grafting,
-            grafting_beta2=grafting_beta2,
-            grafting_epsilon=grafting_epsilon,
-            use_merge_dims=use_merge_dims,
-        )
+        keywords = locals()
+        defaults = {k: keywords[k] for k in GROUP_KEYWORDS}
         _check_group(defaults)
-        options = parse_options(
-            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, master_weights=master_weights
-        )
-        if options.state_dtype not in (None, "fp32"):
-            raise ValueError(
-                f"Shampoo keeps its states in fp32 (its matrix work runs in torch); "
-                f"state_dtype={state_dtype!r} is not supported yet: leave it None"
-            )
-        if options.stochastic_rounding or options.master_weights:
-            raise ValueError(
-                "Shampoo's matrix work reads its states in torch: stochastic_rounding and "
-                "master_weights are not supported yet; leave them off"
-            )
+        _check_unsupported({k: keywords[k] for k in _UNSUPPORTED})
+        _check_options(state_dtype, stochastic_rounding, master_weights)
         self.use_protected_eigh = bool(use_protected_eigh)
         self._kernels: dict = {}
         self._work: dict = {}  # p -> its buffers between phases
@@ -729,6 +693,31 @@ def _fp32_copy(value, device):
     if isinstance(value, (list, tuple)):
         return [_fp32_copy(v, device) for v in value]
     return value
+
+
+def _check_unsupported(given: dict) -> None:
+    for name, value in given.items():
+        if value != _UNSUPPORTED[name]:
+            raise ValueError(
+                f"Shampoo: {name}={value!r} is not supported (fuser runs one process's "
+                f"tensors, fp32 states); leave it {_UNSUPPORTED[name]!r}"
+            )
+
+
+def _check_options(state_dtype, stochastic_rounding, master_weights) -> None:
+    options = parse_options(
+        state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, master_weights=master_weights
+    )
+    if options.state_dtype not in (None, "fp32"):
+        raise ValueError(
+            f"Shampoo keeps its states in fp32 (its matrix work runs in torch); "
+            f"state_dtype={state_dtype!r} is not supported yet: leave it None"
+        )
+    if options.stochastic_rounding or options.master_weights:
+        raise ValueError(
+            "Shampoo's matrix work reads its states in torch: stochastic_rounding and "
+            "master_weights are not supported yet; leave them off"
+        )
 
 
 def _check_group(group: dict) -> None:
