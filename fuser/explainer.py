@@ -40,7 +40,8 @@ def explain(obj, dtype: str | None = None, *, file: TextIO | None = None, **opti
     """Print each stage of compiling ``obj``: a rule, a class or instance from
     ``fuser.compile(optimizer_rule)``, or a compiled loss. ``dtype`` ("fp32", "bf16" or
     "fp16") is the storage dtype of the parameters and gradients (default fp32) or of the
-    loss's inputs and logits (default bf16, as ``.source`` shows); ``options`` are
+    loss's hidden states and weight (default bf16; the row kernel shown takes fp32 logits,
+    as every call's does and ``.source`` shows); ``options`` are
     ``fuser.compile``'s, e.g. ``state_dtype=torch.bfloat16``."""
     rule, compiled_with = _resolve(obj)
     if rule.kind == "loss":
@@ -259,10 +260,9 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    plan = lower_loss(rule, dtype)
-    if plan.token:  # (a token rule's logits are fp32 whatever the inputs' dtype)
-        plan = lower_loss(rule, "fp32")
-    source = compiled.kernel_source(dtype) if compiled is not None else render_loss(plan)
+    # (calls of every dtype launch the row kernel on fp32 logits: CompiledLoss.row_source)
+    plan = lower_loss(rule, "fp32")
+    source = compiled.row_source() if compiled is not None else render_loss(plan)
     sections = [
         ("parsed statements", ["   " + ln for ln in _statements(rule)]),
         ("reductions over the vocabulary, by pass (one sweep over a row of logits each)", _loss_passes(plan)),
@@ -275,9 +275,8 @@ def _explain_loss(rule: Rule, dtype: str, compiled) -> str:
         ("kernel and cache key", _kernel(source)),
     ]
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
-    logits = " and fp32 logits" if plan.token else " and logits"
     out = [
-        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states, weight{logits}",
+        f"fuser.explain: loss rule {rule.name!r}, {dtype} hidden states and weight, fp32 logits",
         f"hyperparameters (defaults): {hyper}",
         *([f"per-token inputs: {', '.join(rule.inputs)}"] if rule.inputs else []),
         "z is one logit of a token's row, z[y] the logit at its target, is_y 1 at the target's "
@@ -325,8 +324,11 @@ def _loss_dtypes(plan, dtype: str) -> list[str]:
             f"({', '.join([*plan.inputs, *(f'd {n}' for n in plan.outputs)])})",
             f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})",
         ]
+    rounded = f", rounded once to {dtype} for the products (the target column's residue added back in fp32)"
+    rounded = "" if dtype == "fp32" else rounded
     return [
-        f"   hidden, weight, bias and each chunk's logits: {dtype}; row math: fp32",
-        f"   logit gradient: {dtype} (rounded once from fp32); weight gradient accumulated in fp32",
+        f"   hidden, weight and bias: {dtype}; each chunk's logits: fp32 (products accumulated in "
+        "fp32, never rounded); row math: fp32",
+        f"   logit gradient: fp32{rounded}; weight gradient accumulated in fp32",
         f"   hyperparameters: fp32 row ({', '.join(plan.hyper) or 'none'})",
     ]

@@ -333,7 +333,9 @@ def test_explain_loss_shows_the_real_derivative():
     z, r0, is_y = sympy.symbols("z r0 is_y")
     printed = sympy.sympify(line, locals={"z": z, "r0": r0, "is_y": is_y})
     assert sympy.simplify(printed - (sympy.exp(z - r0) - is_y)) == 0
-    assert "bf16 hidden states" in text
+    assert "bf16 hidden states and weight, fp32 logits" in text
+    # (the kernel shown is the one calls of every dtype launch: the row kernel on fp32 logits)
+    assert f"cache key {entry_key(fuser.compile(CROSS_ENTROPY).row_source()).digest}" in text
 
 
 def test_explain_compiled_loss_uses_its_kernel():

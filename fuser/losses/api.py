@@ -721,9 +721,8 @@ def kernel_sources(
     ``grad_output`` (``grad_scale_sources``: bf16); with ``vocab_parallel=True``, those a
     call with ``process_group=`` launches: the staged sequence, the lean schedule's kernels,
     the residue's and the gradients' scaling. A token rule (per-token inputs, several
-    outputs) launches the row kernel and the staged sequence (``process_group=``,
-    ``memory="lean"``) of its plan for fp32 logits, whatever ``dtype``, and for 16-bit
-    ``dtype`` the residue's kernels (``token_residue_sources``: ``memory="lean"``)."""
+    outputs) launches the row kernel and the staged sequence (``process_group=``, ``lean``) of
+    its fp32 plan whatever ``dtype``, and for 16-bit ``dtype`` ``token_residue_sources``."""
     f = CompiledLoss(rule, **options)
     if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
         if reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):  # (t[y]: one device only)

@@ -247,19 +247,22 @@ def test_every_token_ignored():
 
 
 def test_bf16_inputs_keep_fp32_logits():
-    """bf16 hidden and weight: the log-probs are within fp32's error of float64 on the same
-    bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within bf16's."""
+    """bf16 hidden, weight and bias: the log-probs are within fp32's error of float64 on the
+    same bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within
+    bf16's."""
     hidden, weight, target = draw(torch.bfloat16, scale=3.0)
-    x, w = leaves_of(hidden, weight)
-    logp, ent = fuser.losses.token_logprobs(x, w, target, entropy=True, temperature=0.8)
+    bias = (torch.randn(V) * 0.5).to(torch.bfloat16)
+    x, w, b = leaves_of(hidden, weight, bias)
+    f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, chunk_size=3)
+    logp, ent = f(x, w, target, b, temperature=0.8)
     check_signs(logp, ent)
     (logp.sum() + ent.sum()).backward()
-    (rx, rw), rlogp, rent = reference(hidden, weight, target, temperature=0.8)
+    (rx, rw, rb), rlogp, rent = reference(hidden, weight, target, temperature=0.8, bias=bias)
     (rlogp.sum() + rent.sum()).backward()
     assert logp.dtype == torch.float32
     assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
-    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
-    assert rel(x.grad, rx.grad) < 2e-2 and rel(w.grad, rw.grad) < 2e-2
+    for got, want in ((x, rx), (w, rw), (b, rb)):
+        assert got.grad.dtype == torch.bfloat16 and rel(got.grad, want.grad) < 2e-2
 
 
 @pytest.mark.parametrize("memory", ["fast", "lean"])
@@ -289,8 +292,16 @@ def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypat
     backward recomputes the logits 16 vocabulary rows at a time (three slices of 37, the
     last one short), with a bias: both outputs and every gradient against float64, fp32's
     error for fp32 inputs, bf16's for bf16 (whose gradients come in bf16)."""
+    import fuser.runtime.loss.residue as residue_module
+    import fuser.runtime.loss.staged as staged_module
+
     monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 16)
-    hidden, weight, target = draw(dtype, scale=2.0)
+    loaded = []  # (every kernel the call loads is one `fuser precompile` compiles)
+    for module in (staged_module, residue_module):
+        load = module.load_kernel
+        record = lambda s, d, load=load: loaded.append(s.digest) or load(s, d)  # noqa: E731
+        monkeypatch.setattr(module, "load_kernel", record)
+    hidden, weight, target = draw(dtype)
     bias = (torch.randn(V) * 0.5).to(dtype)
     x, w, b = leaves_of(hidden, weight, bias)
     f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, block=16, chunk_size=3)
@@ -305,6 +316,10 @@ def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypat
     for got, want in ((x, rx), (w, rw), (b, rb)):
         assert got.grad.dtype == dtype and rel(got.grad, want.grad) < grad
     assert (x.grad[target == IGNORE] == 0).all()
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    listed = fuser.losses.kernel_sources(fuser.losses.TOKEN_LOGPROBS_ENTROPY, name, block=16)
+    listed = {s.digest for s in listed}
+    assert loaded and set(loaded) <= listed
 
 
 def test_logp_alone_and_its_shape():
@@ -394,7 +409,7 @@ def test_explain_shows_inputs_outputs_and_fp32_logits():
         GRPO, name="grpo_test", hyper=dict(eps=0.2, temperature=1.0), inputs=("old", "adv", "mask")
     )
     text = explanation(rule, "bf16")
-    assert "bf16 hidden states, weight and fp32 logits" in text
+    assert "bf16 hidden states and weight, fp32 logits" in text
     assert "per-token inputs: old, adv, mask" in text and "each chunk's logits: fp32" in text
     two = explanation(fuser.losses.TOKEN_LOGPROBS_ENTROPY)
     assert "the per-token outputs, in the order a call returns them" in two

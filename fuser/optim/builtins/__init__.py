@@ -8,11 +8,12 @@ groups; the others are hyperparameters, one value per param group. Boolean keywo
 do not change the shape (``maximize``, ``decoupled_weight_decay``) are 0/1 hyperparameters:
 ``g - 2 * maximize * g`` is exactly ``g`` or ``-g``.
 
-Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon, Shampoo) follow their papers, with the
-keywords and state keys of the authors' reference implementations.
+Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon, PSGDKron, Shampoo) follow their
+papers, with the keywords and state keys of the authors' reference implementations.
 
 One module per family (``sgd_family``, ``adam_family``, ``adagrad_family``, ``sign``,
-``layerwise``, ``factored``, ``orthogonal``, ``schedule_free``, ``shampoo``), each rule beside its class;
+``layerwise``, ``factored``, ``orthogonal``, ``kron``, ``schedule_free``, ``shampoo``,
+``soap``), each rule beside its class;
 ``_base`` holds what they share (fuser's own keywords, choosing the variant, checking that
 param groups agree on it, reading a group's hyperparameters each step, torch's checks).
 Every rule is re-exported here: ``fuser precompile --builtins`` compiles the rules bound in
@@ -80,6 +81,7 @@ from fuser.optim.builtins.adam_family import (
     radam,
 )
 from fuser.optim.builtins.factored import CAME, Adafactor, adafactor, came, came_ams_bound
+from fuser.optim.builtins.kron import PSGDKron, psgd_kron
 from fuser.optim.builtins.layerwise import LAMB, LARS, lamb, lars
 from fuser.optim.builtins.orthogonal import (
     Muon,
@@ -104,6 +106,7 @@ from fuser.optim.builtins.shampoo import (
     shampoo_update_nesterov,
 )
 from fuser.optim.builtins.sign import Lion, lion
+from fuser.optim.builtins.soap import SOAP, soap, soap_normalized, soap_precondition
 
 _Builtin = BuiltinOptimizer  # the base's name before the split into modules
 
@@ -112,6 +115,7 @@ __all__ = [
     "LAMB",
     "LARS",
     "SGD",
+    "SOAP",
     "Adafactor",
     "Adagrad",
     "Adam",
@@ -123,6 +127,7 @@ __all__ = [
     "Muon",
     "NAdam",
     "NorMuon",
+    "PSGDKron",
     "RAdam",
     "RMSprop",
     "ScheduleFreeAdamW",
@@ -149,6 +154,7 @@ __all__ = [
     "normuon_adamw",
     "normuon_heavy_ball",
     "normuon_match_rms",
+    "psgd_kron",
     "radam",
     "rmsprop",
     "rmsprop_centered",
@@ -164,4 +170,7 @@ __all__ = [
     "shampoo_update",
     "shampoo_update_momentum",
     "shampoo_update_nesterov",
+    "soap",
+    "soap_normalized",
+    "soap_precondition",
 ]

@@ -41,6 +41,7 @@ from fuser.runtime.loss.chunked import (
     logits_buffer,
     main_grad_return,
     product_fp32,
+    rounded_gradient,
 )
 from fuser.runtime.loss.staged import ShardedChunked, Staged
 
@@ -92,8 +93,9 @@ class TokenRun:
 
 def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> None:
     """A chunk's shares of the gradients from its fp32 logit gradient ``logits`` (columns
-    ``[col_offset, ...)`` of the vocabulary). 16-bit inputs take it rounded once for the
-    products, and the target column's residue (its fp32 value less that rounding) in fp32:
+    ``[col_offset, ...)`` of the vocabulary; overwritten). 16-bit inputs take it rounded once,
+    in place (``rounded_gradient``), for the products, and the target column's residue (its
+    fp32 value less that rounding) in fp32:
     into ``gx`` before its one rounding and into ``gw``'s target rows, as the cross-entropy
     schedules add it (every token of one target would otherwise carry its rounding error
     into the same row)."""
@@ -105,13 +107,11 @@ def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> Non
         if gb is not None:
             gb.add_(logits.sum(0))
         return
-    dl = logits.to(xc.dtype)
-    yl = target - col_offset
-    mine = (yl >= 0) & (yl < logits.shape[1])
-    col = yl.clamp(0, max(logits.shape[1] - 1, 0))[:, None]
+    if gb is not None:  # (from the fp32 values, before they are rounded in place)
+        gb.add_(logits.sum(0))
+    col = (target - col_offset).clamp(0, max(logits.shape[1] - 1, 0))[:, None]
     resid = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-    if logits.shape[1]:
-        resid = torch.where(mine, (logits.gather(1, col) - dl.gather(1, col).float())[:, 0], 0.0)
+    dl = rounded_gradient(logits, xc.dtype, resid, target, col_offset)  # (no copy of the chunk)
     if gx is not None:
         block = torch.empty(gx.shape, dtype=torch.float32, device=gx.device)
         product_fp32(block, dl, weight)
@@ -122,8 +122,6 @@ def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> Non
         accumulate_weight_grad(gw, dl, xc)
         if logits.shape[1]:
             gw.index_add_(0, col[:, 0], resid[:, None] * xc.float())
-    if gb is not None:
-        gb.add_(logits.sum(0))
 
 
 class _WithInputs:
