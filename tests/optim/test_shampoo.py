@@ -31,8 +31,12 @@ class Reference:
         self.cfg = (
             dict(
                 betas=(0.9, 1.0),
+                beta3=-1.0,
                 epsilon=1e-12,
                 momentum=0.0,
+                dampening=0.0,
+                inv_root_override=0,
+                exponent_multiplier=1.0,
                 weight_decay=0.0,
                 max_preconditioner_dim=1024,
                 precondition_frequency=1,
@@ -76,7 +80,7 @@ class Reference:
                 f.copy_(f + outer if beta2 == 1.0 else beta2 * f + (1 - beta2) * outer)
         if c["grafting"] == "adagrad":
             self.v += g * g
-        elif c["grafting"] == "adam":
+        elif c["grafting"] in ("adam", "rmsprop"):
             self.v = c["grafting_beta2"] * self.v + (1 - c["grafting_beta2"]) * g * g
         start, every = c["start_preconditioning_step"], c["precondition_frequency"]
         if t == start or (t > start and t % every == 0):
@@ -85,15 +89,18 @@ class Reference:
                 for f, r in zip(fs, rs):
                     lam, q = torch.linalg.eigh(f / bc)
                     lam = lam - min(lam.min().item(), 0.0) + c["epsilon"]
-                    r.copy_(q @ torch.diag(lam ** (-1.0 / (2 * len(fs)))) @ q.T)
+                    root = c["inv_root_override"] or 2 * len(fs)
+                    r.copy_(q @ torch.diag(lam ** (-c["exponent_multiplier"] / root)) @ q.T)
         if beta1 > 0:
+            beta3 = beta1 if c["beta3"] == -1.0 else c["beta3"]
+            gbar = beta3 * self.m + (1 - beta3) * g  # this step's mix, from the EMA before it
             self.m = beta1 * self.m + (1 - beta1) * g
-            gbar = self.m / (1 - beta1**t) if c["use_bias_correction"] else self.m
+            gbar = gbar / (1 - beta3 * beta1 ** (t - 1)) if c["use_bias_correction"] else gbar
         else:
             gbar = g
         if c["grafting"] == "adam":
             graft = gbar / ((self.v / (1 - c["grafting_beta2"] ** t)).sqrt() + c["grafting_epsilon"])
-        elif c["grafting"] == "adagrad":
+        elif c["grafting"] in ("adagrad", "rmsprop"):
             graft = gbar / (self.v.sqrt() + c["grafting_epsilon"])
         else:
             graft = gbar if c["grafting"] == "sgd" else None
@@ -113,8 +120,9 @@ class Reference:
         if c["use_decoupled_weight_decay"]:
             step = step + wd * self.p
         if c["momentum"] > 0:
-            self.mom = c["momentum"] * self.mom + step
-            step = step + c["momentum"] * self.mom if c["use_nesterov"] else self.mom
+            mu, keep = c["momentum"], 1 - c["dampening"]
+            self.mom = mu * self.mom + keep * step
+            step = keep * step + mu * self.mom if c["use_nesterov"] else self.mom
         self.p = self.p - c["lr"] * step
 
 
@@ -202,6 +210,26 @@ def test_adagrad_grafting_momentum_and_l2_like_the_reference():
     for p, ref, start in results:
         assert_update_close(p, ref, start)
     assert "momentum_buffer" in opt.state[results[0][0]] and "filtered_grad" not in opt.state[results[0][0]]
+
+
+@pytest.mark.parametrize(
+    "keywords, launches",
+    [
+        (dict(grafting="rmsprop", beta3=0.5, momentum=0.8, dampening=0.3, exponent_multiplier=0.5), 2),
+        (dict(grafting="sgd", betas=(0.5, 0.9), inv_root_override=2, use_bias_correction=False), 2),
+        (dict(grafting=None, betas=(0.0, 1.0), weight_decay=0.0), 1),
+    ],
+    ids=["rmsprop-beta3-dampening", "sgd-root-override", "none"],
+)
+def test_other_graftings_and_keywords_like_the_reference(keywords, launches):
+    """RMSprop, SGD and no grafting; beta3, dampening, inv_root_override, exponent_multiplier;
+    without grafting, no step before the first roots (they start at zero, as in Meta's), and
+    without moments (beta1 = 0, no diagonal grafting) one launch a step."""
+    kw = dict(lr=0.05, epsilon=0.1, weight_decay=0.02, use_merge_dims=False, start_preconditioning_step=4)
+    _, results, counts = run_both([([(5, 7), (3,)], kw | keywords)], 5)
+    for p, ref, start in results:
+        assert_update_close(p, ref, start)
+    assert counts == [launches] * 5
 
 
 def test_state_dict_resumes_the_same_trajectory():

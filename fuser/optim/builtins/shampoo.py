@@ -670,6 +670,8 @@ def _saved_group(state_dict: dict, pid) -> dict:
 
 
 def _check_saved(st: dict, fresh: dict, p: torch.Tensor) -> None:
+    if not torch.is_tensor(st.get("step")) or st["step"].numel() != 1:
+        raise ValueError(f"Shampoo: the saved state of a parameter of shape {tuple(p.shape)} has no step")
     for key in ("factor_matrices", "inv_factor_matrices"):
         want = [[tuple(f.shape) for f in b] for b in fresh[key]]
         got = [[tuple(f.shape) for f in b] for b in st.get(key, [])]
