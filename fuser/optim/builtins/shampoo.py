@@ -10,7 +10,8 @@ G_(i) G_(i)ᵀ`` (a plain sum where ``β₂ = 1``), ``G_(i)`` the block unfolded
 ``precondition_frequency`` steps. The Shampoo direction ``Ḡ ×₁ R₁ … ×ₖ Rₖ`` (for a matrix
 ``R_L Ḡ R_R``) is rescaled, block by block, to the norm of the grafting method's direction.
 
-A step is two fuser launches, each over every parameter, around the matrix work in torch:
+A step is two fuser launches, each over every parameter, around the matrix work in torch
+(one where there are no moments: ``β₁ = 0`` with SGD grafting or none):
 the moments' kernel (the filtered gradient ``Ḡ``, the grafting method's second moment and
 direction, into per-parameter buffers), then torch in fp32 (the factors' ``G Gᵀ`` and the
 Shampoo products by ``torch.bmm``, the roots by batched ``eigh``, each batched over every
