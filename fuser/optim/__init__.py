@@ -21,6 +21,7 @@ from fuser.optim.builtins import (
     RAdam,
     RMSprop,
     ScheduleFreeAdamW,
+    Shampoo,
 )
 from fuser.optim.factory import FuserOptimizer, kernel_sources, make_optimizer
 
@@ -44,6 +45,7 @@ __all__ = [
     "RAdam",
     "RMSprop",
     "ScheduleFreeAdamW",
+    "Shampoo",
     "FuserOptimizer",
     "kernel_sources",
     "make_optimizer",

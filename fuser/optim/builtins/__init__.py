@@ -8,11 +8,12 @@ groups; the others are hyperparameters, one value per param group. Boolean keywo
 do not change the shape (``maximize``, ``decoupled_weight_decay``) are 0/1 hyperparameters:
 ``g - 2 * maximize * g`` is exactly ``g`` or ``-g``.
 
-Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon, PSGDKron) follow their papers, with the
-keywords and state keys of the authors' reference implementations.
+Optimizers torch does not have (Lion, AdEMAMix, Adan, CAME, NorMuon, PSGDKron, Shampoo) follow their
+papers, with the keywords and state keys of the authors' reference implementations.
 
 One module per family (``sgd_family``, ``adam_family``, ``adagrad_family``, ``sign``,
-``layerwise``, ``factored``, ``orthogonal``, ``kron``, ``schedule_free``), each rule beside its class;
+``layerwise``, ``factored``, ``orthogonal``, ``kron``, ``schedule_free``, ``shampoo``,
+``soap``), each rule beside its class;
 ``_base`` holds what they share (fuser's own keywords, choosing the variant, checking that
 param groups agree on it, reading a group's hyperparameters each step, torch's checks).
 Every rule is re-exported here: ``fuser precompile --builtins`` compiles the rules bound in
@@ -95,6 +96,15 @@ from fuser.optim.builtins.orthogonal import (
 )
 from fuser.optim.builtins.schedule_free import ScheduleFreeAdamW, schedule_free_adamw
 from fuser.optim.builtins.sgd_family import SGD, sgd, sgd_momentum, sgd_nesterov
+from fuser.optim.builtins.shampoo import (
+    Shampoo,
+    shampoo_filter,
+    shampoo_filter_graft,
+    shampoo_graft,
+    shampoo_update,
+    shampoo_update_momentum,
+    shampoo_update_nesterov,
+)
 from fuser.optim.builtins.sign import Lion, lion
 from fuser.optim.builtins.soap import SOAP, soap, soap_normalized, soap_precondition
 
@@ -121,6 +131,7 @@ __all__ = [
     "RAdam",
     "RMSprop",
     "ScheduleFreeAdamW",
+    "Shampoo",
     "adafactor",
     "adagrad",
     "adam",
@@ -153,6 +164,12 @@ __all__ = [
     "sgd",
     "sgd_momentum",
     "sgd_nesterov",
+    "shampoo_filter",
+    "shampoo_filter_graft",
+    "shampoo_graft",
+    "shampoo_update",
+    "shampoo_update_momentum",
+    "shampoo_update_nesterov",
     "soap",
     "soap_normalized",
     "soap_precondition",

@@ -1,0 +1,308 @@
+"""fuser.optim.Shampoo against a float64 Shampoo written here from Meta's distributed Shampoo's
+formulas: blocked factors, inverse roots by eigh refreshed every precondition_frequency steps,
+the step grafted block by block to Adam's (or AdaGrad's) norm, decoupled weight decay."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import fuser
+
+# --- the float64 reference ------------------------------------------------------------------
+
+
+def _merged(shape, limit):
+    dims = [d for d in shape if d != 1] or [1]
+    out = [dims[0]]
+    for d in dims[1:]:
+        out[-1:] = [out[-1] * d] if out[-1] * d <= limit else [out[-1], d]
+    return tuple(out)
+
+
+class Reference:
+    """One parameter's Shampoo in float64: blocks as index ranges, factors by tensordot, the
+    preconditioned block contracted dimension by dimension (Meta's cyclic tensordot)."""
+
+    def __init__(self, p, cfg):
+        self.cfg = (
+            dict(
+                betas=(0.9, 1.0),
+                beta3=-1.0,
+                epsilon=1e-12,
+                momentum=0.0,
+                dampening=0.0,
+                inv_root_override=0,
+                exponent_multiplier=1.0,
+                weight_decay=0.0,
+                max_preconditioner_dim=1024,
+                precondition_frequency=1,
+                start_preconditioning_step=-1,
+                use_decoupled_weight_decay=True,
+                grafting="adam",
+                grafting_beta2=0.999,
+                grafting_epsilon=1e-8,
+                use_merge_dims=True,
+                use_nesterov=False,
+                use_bias_correction=True,
+                lr=1e-2,
+            )
+            | cfg
+        )
+        c = self.cfg
+        if c["start_preconditioning_step"] == -1:
+            c["start_preconditioning_step"] = c["precondition_frequency"]
+        self.p, self.t = p.double().clone(), 0
+        shape = _merged(p.shape, c["max_preconditioner_dim"]) if c["use_merge_dims"] else tuple(p.shape)
+        self.shape, b = shape, c["max_preconditioner_dim"]
+        ranges = [[slice(s, min(s + b, d)) for s in range(0, d, b)] for d in shape]
+        self.blocks = list(itertools.product(*ranges))
+        size = lambda s: s.stop - s.start  # noqa: E731
+        self.F = [[torch.zeros(size(s), size(s), dtype=torch.float64) for s in blk] for blk in self.blocks]
+        self.R = [[torch.zeros_like(f) for f in fs] for fs in self.F]
+        self.m, self.v, self.mom = (torch.zeros_like(self.p) for _ in range(3))
+
+    def step(self, g):
+        c, self.t = self.cfg, self.t + 1
+        t, (beta1, beta2), wd = self.t, c["betas"], c["weight_decay"]
+        g = g.double()
+        if not c["use_decoupled_weight_decay"]:
+            g = g + wd * self.p
+        gv = g.reshape(self.shape)
+        for blk, fs in zip(self.blocks, self.F):
+            x = gv[blk]
+            for i, f in enumerate(fs):
+                others = [a for a in range(x.dim()) if a != i]
+                outer = torch.tensordot(x, x, dims=(others, others))
+                f.copy_(f + outer if beta2 == 1.0 else beta2 * f + (1 - beta2) * outer)
+        if c["grafting"] == "adagrad":
+            self.v += g * g
+        elif c["grafting"] in ("adam", "rmsprop"):
+            self.v = c["grafting_beta2"] * self.v + (1 - c["grafting_beta2"]) * g * g
+        start, every = c["start_preconditioning_step"], c["precondition_frequency"]
+        if t == start or (t > start and t % every == 0):
+            bc = 1 - beta2**t if beta2 < 1 and c["use_bias_correction"] else 1.0
+            for fs, rs in zip(self.F, self.R):
+                for f, r in zip(fs, rs):
+                    lam, q = torch.linalg.eigh(f / bc)
+                    lam = lam - min(lam.min().item(), 0.0) + c["epsilon"]
+                    root = c["inv_root_override"] or 2 * len(fs)
+                    r.copy_(q @ torch.diag(lam ** (-c["exponent_multiplier"] / root)) @ q.T)
+        if beta1 > 0:
+            beta3 = beta1 if c["beta3"] == -1.0 else c["beta3"]
+            gbar = beta3 * self.m + (1 - beta3) * g  # this step's mix, from the EMA before it
+            self.m = beta1 * self.m + (1 - beta1) * g
+            gbar = gbar / (1 - beta3 * beta1 ** (t - 1)) if c["use_bias_correction"] else gbar
+        else:
+            gbar = g
+        if c["grafting"] == "adam":
+            graft = gbar / ((self.v / (1 - c["grafting_beta2"] ** t)).sqrt() + c["grafting_epsilon"])
+        elif c["grafting"] in ("adagrad", "rmsprop"):
+            graft = gbar / (self.v.sqrt() + c["grafting_epsilon"])
+        else:
+            graft = gbar if c["grafting"] == "sgd" else None
+        if t < start and graft is not None:
+            step = graft
+        else:
+            step = torch.zeros(self.shape, dtype=torch.float64)
+            gb = gbar.reshape(self.shape)
+            for blk, rs in zip(self.blocks, self.R):
+                s = gb[blk]
+                for r in rs:
+                    s = torch.tensordot(s, r, dims=([0], [0]))
+                step[blk] = (
+                    s if graft is None else s * graft.reshape(self.shape)[blk].norm() / (s.norm() + 1e-16)
+                )
+            step = step.reshape(self.p.shape)
+        if c["use_decoupled_weight_decay"]:
+            step = step + wd * self.p
+        if c["momentum"] > 0:
+            mu, keep = c["momentum"], 1 - c["dampening"]
+            self.mom = mu * self.mom + keep * step
+            step = keep * step + mu * self.mom if c["use_nesterov"] else self.mom
+        self.p = self.p - c["lr"] * step
+
+
+def run_both(groups, steps):
+    """fuser's Shampoo over ``groups`` ([(params, keywords)]) and one Reference per parameter,
+    the same fresh gradients each step; returns the optimizer, (fuser param, reference,
+    start) triples and the kernel launches of each step."""
+    params = [[0.1 * torch.randn(s) for s in shapes] for shapes, _ in groups]  # small: fp32 rounds p finer
+    refs = [[Reference(p, kw) for p in ps] for ps, (_, kw) in zip(params, groups)]
+    opt = fuser.optim.Shampoo([dict(params=ps, **kw) for ps, (_, kw) in zip(params, groups)])
+    starts = [p.clone() for ps in params for p in ps]
+    launches = []
+    for _ in range(steps):
+        for ps, rs in zip(params, refs):
+            for p, r in zip(ps, rs):
+                p.grad = torch.randn(p.shape) + 0.1
+                r.step(p.grad)
+        before = fuser.stats()["launches"]
+        opt.step()
+        launches.append(fuser.stats()["launches"] - before)
+    flat = [(p, r) for ps, rs in zip(params, refs) for p, r in zip(ps, rs)]
+    return opt, [(p, r, s) for (p, r), s in zip(flat, starts)], launches
+
+
+def assert_update_close(p, ref, start, rtol=1e-5):
+    """The update ``p - start`` within ``rtol`` of the reference's, relative to its largest entry."""
+    want = ref.p - start.double()
+    err = ((p.double() - start.double()) - want).abs().max() / want.abs().max()
+    assert err <= rtol, (tuple(p.shape), float(err))
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+def test_adam_grafting_blocks_and_refreshes_like_the_reference():
+    """Six steps, roots at steps 4 and 6 (grafting alone before): a 7x5 matrix (two-sided,
+    L^-1/4 G R^-1/4), the same shape blocked 4+3 by 4+1, a 1-D tensor (root -1/2), and a
+    3-D tensor merged to 12x5; EMA factors with bias correction, decoupled weight decay."""
+    common = dict(
+        lr=0.1,
+        betas=(0.9, 0.99),
+        epsilon=1e-2,
+        weight_decay=0.05,
+        precondition_frequency=2,
+        start_preconditioning_step=4,
+    )
+    groups = [
+        ([(7, 5), (3,)], dict(common, use_merge_dims=False)),
+        ([(7, 5)], dict(common, use_merge_dims=False, max_preconditioner_dim=4)),
+        ([(3, 4, 5)], dict(common, max_preconditioner_dim=20)),
+    ]
+    opt, results, launches = run_both(groups, 6)
+    for p, ref, start in results:
+        assert_update_close(p, ref, start)
+    assert launches == [2] * 6  # the moments' kernel and the parameters', each over every tensor
+    st = opt.state[results[2][0]]  # 7x5 in blocks (4,4), (4,1), (3,4), (3,1)
+    assert [[tuple(f.shape) for f in b] for b in st["factor_matrices"]] == [
+        [(4, 4), (4, 4)],
+        [(4, 4), (1, 1)],
+        [(3, 3), (4, 4)],
+        [(3, 3), (1, 1)],
+    ]
+    assert [len(b) for b in opt.state[results[3][0]]["inv_factor_matrices"]] == [2]  # (12, 5)
+    assert int(st["step"]) == 6 and st["grafting"].shape == (7, 5)
+
+
+def test_adagrad_grafting_momentum_and_l2_like_the_reference():
+    """AdaGrad grafting, summed factors (beta2 = 1), no filtering (beta1 = 0), Nesterov
+    momentum, L2 weight decay in the gradient; roots every step from step 3 (where the
+    1-D tensor's factor, a sum of g g^T, has full rank: fp32's eigh leaves a singular
+    factor's null space at ~1e-7, whose -1/2 power then amplifies rounding)."""
+    kw = dict(
+        lr=0.05,
+        betas=(0.0, 1.0),
+        epsilon=0.1,
+        grafting="adagrad",
+        momentum=0.5,
+        use_nesterov=True,
+        weight_decay=0.1,
+        use_decoupled_weight_decay=False,
+        use_merge_dims=False,
+        start_preconditioning_step=3,
+    )
+    opt, results, _ = run_both([([(5, 7), (3,)], kw)], 4)
+    for p, ref, start in results:
+        assert_update_close(p, ref, start)
+    assert "momentum_buffer" in opt.state[results[0][0]] and "filtered_grad" not in opt.state[results[0][0]]
+
+
+@pytest.mark.parametrize(
+    "keywords, launches",
+    [
+        (dict(grafting="rmsprop", beta3=0.5, momentum=0.8, dampening=0.3, exponent_multiplier=0.5), 2),
+        (dict(grafting="sgd", betas=(0.5, 0.9), inv_root_override=2, use_bias_correction=False), 2),
+        (dict(grafting=None, betas=(0.0, 1.0), weight_decay=0.0), 1),
+    ],
+    ids=["rmsprop-beta3-dampening", "sgd-root-override", "none"],
+)
+def test_other_graftings_and_keywords_like_the_reference(keywords, launches):
+    """RMSprop, SGD and no grafting; beta3, dampening, inv_root_override, exponent_multiplier;
+    without grafting, no step before the first roots (they start at zero, as in Meta's), and
+    without moments (beta1 = 0, no diagonal grafting) one launch a step."""
+    kw = dict(lr=0.05, epsilon=0.1, weight_decay=0.02, use_merge_dims=False, start_preconditioning_step=4)
+    _, results, counts = run_both([([(5, 7), (3,)], kw | keywords)], 5)
+    for p, ref, start in results:
+        assert_update_close(p, ref, start)
+    assert counts == [launches] * 5
+
+
+def test_state_dict_resumes_the_same_trajectory():
+    kw = dict(lr=0.1, epsilon=1e-3, precondition_frequency=2, use_merge_dims=False, max_preconditioner_dim=4)
+    params = [torch.randn(5, 3), torch.randn(5)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    a = [p.clone() for p in params]
+    opt = fuser.optim.Shampoo(a, **kw)
+    for gs in grads[:2]:
+        for p, g in zip(a, gs):
+            p.grad = g.clone()
+        opt.step()
+    saved = opt.state_dict()
+    b = [p.clone() for p in a]
+    other = fuser.optim.Shampoo(b, **kw)
+    other.load_state_dict(saved)
+    for gs in grads[2:]:
+        for ps, o in ((a, opt), (b, other)):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            o.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    st = other.state[b[0]]
+    assert st["factor_matrices"][0][0].dtype == torch.float32 and int(st["step"]) == 4
+
+
+def test_a_failed_root_keeps_the_previous_one(monkeypatch):
+    p = torch.randn(5, 3)
+    opt = fuser.optim.Shampoo([p], lr=0.1, epsilon=1e-3, use_merge_dims=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = [r.clone() for r in opt.state[p]["inv_factor_matrices"][0]]
+
+    def broken(*args, **kwargs):
+        raise torch.linalg.LinAlgError("eigh did not converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    p.grad = torch.randn_like(p)
+    with pytest.warns(RuntimeWarning, match="keep their previous roots"):
+        opt.step()
+    for r, old in zip(opt.state[p]["inv_factor_matrices"][0], before):
+        torch.testing.assert_close(r, old, rtol=0, atol=0)
+    assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        (dict(betas=(0.9, 0.0)), "index 1"),
+        (dict(epsilon=0.0), "epsilon"),
+        (dict(precondition_frequency=4, start_preconditioning_step=2), "start_preconditioning_step"),
+        (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
+        (dict(grafting="lamb"), "grafting"),
+        (dict(distributed_config=object()), "distributed_config"),
+        (dict(state_dtype=torch.bfloat16), "state_dtype"),
+    ],
+)
+def test_bad_keywords_raise(keywords, message):
+    with pytest.raises(ValueError, match=message):
+        fuser.optim.Shampoo([torch.randn(3, 2)], **keywords)
+
+
+def test_a_checkpoint_whose_factors_do_not_fit_is_refused_and_changes_nothing():
+    p = torch.randn(7, 3)
+    opt = fuser.optim.Shampoo([p], max_preconditioner_dim=4, use_merge_dims=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["factor_matrices"][1][0] = torch.zeros(4, 4)  # block (3, 3) needs 3x3
+    q = p.detach().clone()
+    other = fuser.optim.Shampoo([q], lr=0.5, use_merge_dims=False)
+    with pytest.raises(ValueError, match="factor_matrices"):
+        other.load_state_dict(saved)
+    assert len(other.state) == 0 and other.param_groups[0]["max_preconditioner_dim"] == 1024
+    assert math.isclose(other.param_groups[0]["lr"], 0.5)
