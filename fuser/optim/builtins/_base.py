@@ -11,6 +11,7 @@ torch's signature and defaults as written code: they are the drop-in's contract.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Callable
 from operator import itemgetter
 
@@ -18,6 +19,7 @@ import torch
 
 from fuser.optim.factory import FuserOptimizer, Options, parse_options
 from fuser.rules.rule import Rule
+from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import check_state_formats
 
 # --- reading a param group ---------------------------------------------------------------
@@ -221,3 +223,51 @@ class BuiltinOptimizer(FuserOptimizer):
                 f"{self.variants.keywords}, which must be the same in every group"
             )
         self._use_variant(keys.pop())
+
+
+class RuleKernel:
+    """One rule of a built-in whose step runs several (SOAP's, Shampoo's) as a step engine
+    reads an optimizer: the rule, the tensors it updates (parameters, or buffers) in param
+    groups of their hyperparameters, their states, the built-in's options. Groups and
+    states stay the same objects while nothing changes, so the engine's quick check keeps
+    its tables."""
+
+    def __init__(self, rule, options):
+        self.rule, self.options = rule, options
+        self.param_groups: list = []
+        self.state: dict = defaultdict(dict)
+        self.engine = StepEngine()
+
+    @property
+    def _state_keys(self) -> dict:
+        return {s: s for s, _ in self.rule.state}
+
+    def _state_keys_of(self, rule) -> dict:
+        return {s: s for s, _ in rule.state}
+
+    def _view_of(self, group: dict) -> str:
+        return "flatten"
+
+    def _group_hyper(self, group: dict) -> dict:
+        return group["hyper"]
+
+    def run(self, groups: list, states: dict) -> None:
+        """One launch over ``groups`` (``(tensors, hyperparameters)``), whose tensors' states
+        are ``states`` (name -> tensor, per tensor)."""
+        same = [[id(t) for t in g["params"]] for g in self.param_groups]
+        if [[id(t) for t in ts] for ts, _ in groups] != same:
+            self.param_groups = [dict(params=list(ts), hyper=h) for ts, h in groups]
+            self.engine.forget()
+        for group, (_, hyper) in zip(self.param_groups, groups):
+            group["hyper"] = hyper
+        for t, named in states.items():
+            st = self.state[t]
+            for key, value in named.items():
+                if st.get(key) is not value:
+                    st[key] = value
+        self.engine.step(self)
+
+    def forget(self) -> None:
+        self.state = defaultdict(dict)
+        self.param_groups = []
+        self.engine.forget()

@@ -29,9 +29,8 @@ from collections import defaultdict
 import torch
 
 import fuser
-from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
+from fuser.optim.builtins._base import BuiltinOptimizer, RuleKernel, Variants, check_lr
 from fuser.runtime import distributed
-from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
 from fuser.runtime.state import validate
 
@@ -195,53 +194,6 @@ def inverse_roots(mats: torch.Tensor, exponents: torch.Tensor, epsilon: float, p
     roots = (vecs * lam[:, None, :]) @ vecs.mT
     ok &= torch.isfinite(roots).flatten(1).all(-1)
     return roots, ok
-
-
-class _Kernel:
-    """One of Shampoo's rules as a step engine reads an optimizer: the rule, the tensors it
-    updates (parameters, or the moments' buffers) in groups of their hyperparameters, their
-    states (the optimizer's, and buffers), Shampoo's options. Groups and states stay
-    the same objects while nothing changes, so the engine's quick check keeps its tables."""
-
-    def __init__(self, rule, options):
-        self.rule, self.options = rule, options
-        self.param_groups: list = []
-        self.state: dict = defaultdict(dict)
-        self.engine = StepEngine()
-
-    @property
-    def _state_keys(self) -> dict:
-        return {s: s for s, _ in self.rule.state}
-
-    def _state_keys_of(self, rule) -> dict:
-        return {s: s for s, _ in rule.state}
-
-    def _view_of(self, group: dict) -> str:
-        return "flatten"
-
-    def _group_hyper(self, group: dict) -> dict:
-        return group["hyper"]
-
-    def run(self, groups: list, states: dict) -> None:
-        """One launch over ``groups`` (``(tensors, hyperparameters)``) whose states are
-        ``states`` (tensor -> name -> state tensor)."""
-        ids = [[id(t) for t in ts] for ts, _ in groups]
-        if ids != [[id(t) for t in g["params"]] for g in self.param_groups]:
-            self.param_groups = [dict(params=list(ts), hyper=h) for ts, h in groups]
-            self.engine.forget()
-        for group, (_, hyper) in zip(self.param_groups, groups):
-            group["hyper"] = hyper
-        for t, named in states.items():
-            st = self.state[t]
-            for key, value in named.items():
-                if st.get(key) is not value:
-                    st[key] = value
-        self.engine.step(self)
-
-    def forget(self) -> None:
-        self.state = defaultdict(dict)
-        self.param_groups = []
-        self.engine.forget()
 
 
 def _variant(group: dict) -> tuple:
@@ -584,13 +536,13 @@ class Shampoo(BuiltinOptimizer):
                     states[p] = named
             self._kernel(key, self._rule_for(key)).run(launch, states)
 
-    def _kernel(self, key, rule, grad_attr: str | None = None) -> _Kernel:
+    def _kernel(self, key, rule, grad_attr: str | None = None) -> RuleKernel:
         """The step engine of ``rule``; the moments' kernels read their buffers' ``.grad``."""
         if key not in self._kernels:
             options = self.options
             if grad_attr is not None:
                 options = dataclasses.replace(options, grad_attr=grad_attr)
-            self._kernels[key] = _Kernel(rule, options)
+            self._kernels[key] = RuleKernel(rule, options)
         return self._kernels[key]
 
     def _buffers(self, p: torch.Tensor) -> dict:

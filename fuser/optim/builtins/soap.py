@@ -28,9 +28,8 @@ from collections import defaultdict
 import torch
 
 import fuser
-from fuser.optim.builtins._base import BuiltinOptimizer, Variants, check_lr
+from fuser.optim.builtins._base import BuiltinOptimizer, RuleKernel, Variants, check_lr
 from fuser.runtime.distributed import local
-from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import parse_options
 from fuser.runtime.state import validate
 
@@ -140,53 +139,6 @@ def _eigh_basis(mats: torch.Tensor) -> torch.Tensor:
 
 def _qr_basis(mats: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(mats)[0]
-
-
-class _Kernel:
-    """One of SOAP's elementwise rules as a step engine reads an optimizer: the rule, the
-    tensors it updates in param groups of their hyperparameters, their states, SOAP's
-    options. Groups and states stay the same objects while nothing changes, so the
-    engine's quick check keeps its tables."""
-
-    def __init__(self, rule, options):
-        self.rule, self.options = rule, options
-        self.param_groups: list = []
-        self.state: dict = defaultdict(dict)
-        self.engine = StepEngine()
-
-    @property
-    def _state_keys(self) -> dict:
-        return {s: s for s, _ in self.rule.state}
-
-    def _state_keys_of(self, rule) -> dict:
-        return {s: s for s, _ in rule.state}
-
-    def _view_of(self, group: dict) -> str:
-        return "flatten"
-
-    def _group_hyper(self, group: dict) -> dict:
-        return group["hyper"]
-
-    def run(self, groups: list, states: dict) -> None:
-        """One launch over ``groups`` (``(tensors, hyperparameters)``), whose tensors' states
-        are ``states`` (name -> tensor, per tensor)."""
-        same = [[id(t) for t in g["params"]] for g in self.param_groups]
-        if [[id(t) for t in ts] for ts, _ in groups] != same:
-            self.param_groups = [dict(params=list(ts), hyper=h) for ts, h in groups]
-            self.engine.forget()
-        for group, (_, hyper) in zip(self.param_groups, groups):
-            group["hyper"] = hyper
-        for t, named in states.items():
-            st = self.state[t]
-            for key, value in named.items():
-                if st.get(key) is not value:
-                    st[key] = value
-        self.engine.step(self)
-
-    def forget(self) -> None:
-        self.state = defaultdict(dict)
-        self.param_groups = []
-        self.engine.forget()
 
 
 class SOAP(BuiltinOptimizer):
@@ -309,13 +261,13 @@ class SOAP(BuiltinOptimizer):
             kernel.forget()
         self._work = {}
 
-    def _kernel(self, key) -> _Kernel:
+    def _kernel(self, key) -> RuleKernel:
         if key not in self._kernels:
             rule = soap_precondition if key == "precondition" else self._rule_for(key)
             options = self.options
             if key == "precondition":  # its tensors are SOAP's buffers, their gradients .grad
                 options = dataclasses.replace(options, grad_attr="grad")
-            self._kernels[key] = _Kernel(rule, options)
+            self._kernels[key] = RuleKernel(rule, options)
         return self._kernels[key]
 
     # --- the layout the preconditioner sees -------------------------------------------------
