@@ -163,7 +163,7 @@ def test_latest_plot(tmp_path):
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
+def _shaped_smoke(tmp_path):
     env = child_env()
     script = os.path.join(ROOT, "benchmarks", "shaped_bench.py")
     cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
@@ -184,7 +184,7 @@ def test_shaped_bench_smoke_runs_on_cpu(tmp_path):
     assert (tmp_path / result.name.replace(".json", ".md")).read_text().count("| adafactor_smoke |") == 3
 
 
-def test_muon_bench_smoke_runs_on_cpu(tmp_path):
+def _muon_smoke(tmp_path):
     env = child_env()
     script = os.path.join(ROOT, "benchmarks", "muon_bench.py")
     cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
@@ -208,7 +208,7 @@ def test_muon_bench_smoke_runs_on_cpu(tmp_path):
     assert {"date", "device", "torch", "triton", "bf16_gemm_TFLOPs", "command"} <= set(recorded["meta"])
 
 
-def test_state_bench_smoke_runs_on_cpu(tmp_path):
+def _state_smoke(tmp_path):
     env = child_env()
     script = os.path.join(ROOT, "benchmarks", "state_bench.py")
     cmd = [sys.executable, script, "--cpu-smoke", "--out", str(tmp_path)]
@@ -264,7 +264,7 @@ def test_gluon_probe_compiles_its_kernels_for_sm90_on_cpu():
         assert r["ws_partitions"] == (2 if r["variant"].startswith("pingpong") else 0), r
 
 
-def test_post_training_bench_smoke_runs_on_cpu(tmp_path):
+def _post_training_smoke(tmp_path):
     env = child_env()
     script = os.path.join(ROOT, "benchmarks", "post_training_bench.py")
     cmd = [sys.executable, script, "--smoke", "--out", str(tmp_path)]
@@ -281,3 +281,14 @@ def test_post_training_bench_smoke_runs_on_cpu(tmp_path):
     assert recorded["meta"]["smoke"] is True
     md = (tmp_path / result.name.replace(".json", ".md")).read_text()
     assert "## `distill_jsd`" in md and "## `dpo`" in md
+
+
+# The benchmarks' CPU smoke runs (each a subprocess through the interpreter, 6-32 s): half a
+# run, all in 2 runs (tests/README.md, sweeps).
+SMOKES = dict(muon=_muon_smoke, post_training=_post_training_smoke, shaped=_shaped_smoke, state=_state_smoke)
+
+
+@pytest.mark.sweep(runs=2)
+@pytest.mark.parametrize("bench", sorted(SMOKES))
+def test_bench_smoke_runs_on_cpu(bench, tmp_path):
+    SMOKES[bench](tmp_path)
