@@ -19,8 +19,10 @@ import torch
 
 from fuser.optim.factory import FuserOptimizer, Options, parse_options
 from fuser.rules.rule import Rule
+from fuser.runtime.distributed import local
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import check_state_formats
+from fuser.runtime.state import validate
 
 # --- reading a param group ---------------------------------------------------------------
 
@@ -271,3 +273,23 @@ class RuleKernel:
         self.state = defaultdict(dict)
         self.param_groups = []
         self.engine.forget()
+
+
+def whole_tensor_gradients(opt) -> list[tuple]:
+    """``(p, gradient, group index)`` of every parameter of ``opt`` with a gradient, checked
+    (``validate``) before anything changes; a DTensor parameter refused, since the matrix
+    work of SOAP and Shampoo needs each whole tensor on one device."""
+    found = []
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            g = getattr(p, opt.options.grad_attr, None)
+            if g is not None:
+                found.append((p, g, gi))
+    validate(opt, found)
+    for p, _, _ in found:
+        if local(p) is not p:
+            raise RuntimeError(
+                f"{type(opt).__name__}'s matrix work runs on whole tensors: a DTensor (FSDP2) parameter "
+                f"of shape {tuple(p.shape)} is not supported yet"
+            )
+    return found

@@ -29,10 +29,14 @@ from collections import defaultdict
 import torch
 
 import fuser
-from fuser.optim.builtins._base import BuiltinOptimizer, RuleKernel, Variants, check_lr
-from fuser.runtime import distributed
+from fuser.optim.builtins._base import (
+    BuiltinOptimizer,
+    RuleKernel,
+    Variants,
+    check_lr,
+    whole_tensor_gradients,
+)
 from fuser.runtime.plans import parse_options
-from fuser.runtime.state import validate
 
 # The moments' kernel, before the matrix work, on a buffer ``p`` whose gradient is the step's
 # fp32 gradient: the filtered gradient ``gbar`` (``bias1``: its bias correction), the grafting
@@ -363,19 +367,7 @@ class Shampoo(BuiltinOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = []  # (p, its gradient, group index), checked before anything changes
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                g = getattr(p, self.options.grad_attr, None)
-                if g is not None:
-                    found.append((p, g, gi))
-        validate(self, found)
-        for p, _, _ in found:
-            if isinstance(p, distributed.DTensor):
-                raise RuntimeError(
-                    f"Shampoo's matrix work runs on whole tensors: a DTensor parameter of shape "
-                    f"{tuple(p.shape)} is not supported yet"
-                )
+        found = whole_tensor_gradients(self)
         for p, _, gi in found:
             if not self.state[p]:
                 self.state[p].update(self._new_state(p, self.param_groups[gi]))

@@ -28,10 +28,14 @@ from collections import defaultdict
 import torch
 
 import fuser
-from fuser.optim.builtins._base import BuiltinOptimizer, RuleKernel, Variants, check_lr
-from fuser.runtime.distributed import local
+from fuser.optim.builtins._base import (
+    BuiltinOptimizer,
+    RuleKernel,
+    Variants,
+    check_lr,
+    whole_tensor_gradients,
+)
 from fuser.runtime.plans import parse_options
-from fuser.runtime.state import validate
 
 # The projected tensors' kernel: ``g`` the projected gradient, ``m`` the projected first
 # moment before this step, ``p`` a buffer that takes the direction in the eigenbasis.
@@ -315,18 +319,7 @@ class SOAP(BuiltinOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = []  # (p, its gradient, group index), checked before anything changes
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                g = getattr(p, self.options.grad_attr, None)
-                if g is not None:
-                    found.append((p, g, gi))
-        validate(self, found)
-        if any(local(p) is not p for p, _, _ in found):
-            raise ValueError(
-                "SOAP does not support DTensor (FSDP2) parameters yet: its factors need each whole "
-                "matrix on one device"
-            )
+        found = whole_tensor_gradients(self)
         items = []  # (group, p, fp32 gradient: the one to descend)
         for p, g, gi in found:
             g = g.float()
