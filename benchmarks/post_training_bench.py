@@ -618,43 +618,16 @@ def logprobs_rl(args, tflops, rows):
         )
     print(json.dumps(rows[-1]), flush=True)
 
-    def fuser_tokens(x, w, y):
-        return fuser.losses.token_logprobs(x, w, y.masked_fill(mask == 0, -100), entropy=True)
+    for memory, suffix in (("auto", ""), ("lean", ", memory=lean")):
 
-    measure(
-        "fuser token_logprobs + GRPO",
-        fuser_tokens,
-        x,
-        w,
-        y,
-        mask,
-        advantages,
-        old,
-        ref,
-        want,
-        floor_ms,
-        rows,
-        check_grad=True,
-    )
+        def fuser_tokens(x, w, y, memory=memory):
+            return fuser.losses.token_logprobs(
+                x, w, y.masked_fill(mask == 0, -100), entropy=True, memory=memory
+            )
 
-    def fuser_tokens_lean(x, w, y):
-        return fuser.losses.token_logprobs(x, w, y.masked_fill(mask == 0, -100), entropy=True, memory="lean")
-
-    measure(
-        "fuser token_logprobs + GRPO, memory=lean",
-        fuser_tokens_lean,
-        x,
-        w,
-        y,
-        mask,
-        advantages,
-        old,
-        ref,
-        want,
-        floor_ms,
-        rows,
-        check_grad=True,
-    )
+        name = "fuser token_logprobs + GRPO" + suffix
+        args = (x, w, y, mask, advantages, old, ref, want, floor_ms, rows)
+        measure(name, fuser_tokens, *args, check_grad=True)
     grpo_one_rule(x, w, y, mask, advantages, old, ref, want, floor_ms, rows)
 
     try:
