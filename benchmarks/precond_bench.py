@@ -13,10 +13,11 @@ Workloads:
   `ScalableShampoo`, both recomputing their roots every `--interval` steps.
 
 Time per step is averaged over whole refresh intervals (`--interval` steps between two
-events, the median of three intervals, after two intervals of warm-up), so that the
+events, the median of `--rounds` intervals, after `--warmup` intervals), so that the
 decompositions count at their share. `first step s` is the wall time of the first step of
 each optimizer in this process (heavyball compiles its step then; fuser loads or compiles
-its kernels). `held B/param` is `torch.cuda.memory_allocated` after the warm-up less
+its kernels); `again s` the first step of a second optimizer of the same kind made after it
+on fresh parameters (what is left once compiles are done: the first factors' decompositions). `held B/param` is `torch.cuda.memory_allocated` after the warm-up less
 before the optimizer was made (the parameters and gradients already there). Every step
 gets the same gradients (heavyball consumes `p.grad`).
 
@@ -27,8 +28,8 @@ without a factor (a dimension over the limit, a vector) costs nothing; at the fp
 measured in this run (4096³, TF32 off). The decompositions (`eigh`, `qr`) and PSGD's fit are
 not in it: their time is in the rows' difference from it.
 
-    python benchmarks/precond_bench.py [--out DIR] [--tag _v1] [--interval 10]
-        [--workloads soap_llama1b ...] [--smoke]
+    python benchmarks/precond_bench.py [--out DIR] [--tag _v1] [--interval 10] [--warmup 2]
+        [--rounds 3] [--workloads soap_llama1b ...] [--smoke]
 
 `--smoke` runs a few small tensors on the CPU (Triton's interpreter) to check the script:
 no timing claims. Writes `precond_<date><tag>.json` and `.md` under --out (default
@@ -196,7 +197,7 @@ def _stepper(ps, grads, opt):
     return step
 
 
-def run(workload, shapes, device, interval, floor_ms, rows, smoke):
+def run(workload, shapes, device, interval, floor_ms, rows, smoke, warmup=2, rounds=3):
     for name, build in builds(workload, interval).items():
         if isinstance(build, str):
             rows.append(dict(workload=workload, impl=name, error=build))
@@ -214,12 +215,13 @@ def run(workload, shapes, device, interval, floor_ms, rows, smoke):
             step()
             _sync(device)
             first = time.perf_counter() - t0
-            for _ in range(2 * interval - 1):  # (warm-up: two whole intervals)
+            for _ in range(warmup * interval - 1):  # (warm-up: whole intervals)
                 step()
             _sync(device)
             held = _allocated(device) - base
-            ms = _interval_ms(step, device, interval, rounds=1 if smoke else 3)
+            ms = _interval_ms(step, device, interval, rounds=1 if smoke else rounds)
             finite = all(bool(torch.isfinite(p).all()) for p in ps)
+            again = _first_step_again(build, shapes, device)
         except Exception as e:  # one failing anchor must not hide the others
             rows.append(dict(workload=workload, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             print(json.dumps(rows[-1]), flush=True)
@@ -233,6 +235,7 @@ def run(workload, shapes, device, interval, floor_ms, rows, smoke):
                 floor_ms=round(floor_ms, 3),
                 pct_of_floor=round(100 * floor_ms / ms, 1),
                 first_step_s=round(first, 2),
+                again_s=round(again, 2),
                 held_B_per_param=round(held / n, 2) if device.type == "cuda" else None,
                 finite=finite,
                 interval=interval,
@@ -245,11 +248,25 @@ def run(workload, shapes, device, interval, floor_ms, rows, smoke):
             torch.cuda.empty_cache()
 
 
+def _first_step_again(build, shapes, device) -> float:
+    """The wall time of the first step of a second optimizer ``build`` makes, on fresh
+    parameters (``run``'s ``again s``)."""
+    ps = make(shapes, device, 1)
+    step = _stepper(ps, [p.grad for p in ps], build(ps))
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--interval", type=int, default=10, help="steps between two refreshes of the factors")
+    ap.add_argument("--warmup", type=int, default=2, help="whole intervals before the timed ones")
+    ap.add_argument("--rounds", type=int, default=3, help="timed intervals (their median)")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--smoke", action="store_true", help="small tensors on the CPU, to check the script")
     args = ap.parse_args(argv)
@@ -261,8 +278,8 @@ def main(argv=None):
     rows: list = []
     for workload in args.workloads:
         floor_ms = products_floor_flops(shapes, workload) / (tf * 1e12) * 1e3
-        run(workload, shapes, device, interval, floor_ms, rows, args.smoke)
-    write(args, rows, tf, argv, device)
+        run(workload, shapes, device, interval, floor_ms, rows, args.smoke, args.warmup, args.rounds)
+        write(args, rows, tf, argv, device)  # (after each workload: a run cut short keeps its rows)
 
 
 def write(args, rows, tf, argv, device):
@@ -287,15 +304,16 @@ def write(args, rows, tf, argv, device):
         f"Command: `{meta['command']}`",
         "",
         "| workload | impl | ms/step (over intervals) | products floor ms | % of floor | first step s "
-        "| held B/param |",
-        "|---|---|---|---|---|---|---|",
+        "| again s | held B/param |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | | | |")
             continue
         held = "" if r["held_B_per_param"] is None else r["held_B_per_param"]
-        cells = [r["workload"], r["impl"], r["ms"], r["floor_ms"], r["pct_of_floor"], r["first_step_s"], held]
+        cells = [r["workload"], r["impl"], r["ms"], r["floor_ms"], r["pct_of_floor"], r["first_step_s"]]
+        cells += [r.get("again_s", ""), held]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
