@@ -6,7 +6,7 @@
 Where two files hold the same (workload, impl), the later file's row is kept.
 
 Reads what ``optim_bench.py`` (and ``state_bench.py``, in its format), ``loss_bench.py``,
-``post_training_bench.py`` and ``first_step.py`` wrote and emits one list of rows with
+``post_training_bench.py``, ``precond_bench.py`` (in the optimizers' format) and ``first_step.py`` wrote and emits one list of rows with
 ``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median), ``peak_mib`` where
 memory matters (optimizer state: ``state_bytes_per_param``), ``device``, and the source
 file. ``--onto`` starts from an earlier ``latest.json``, whose rows the files' replace or
@@ -42,7 +42,7 @@ def optim_rows(doc: dict, source: str) -> list[dict]:
         else:
             row.update(ms=r["ms"], wall_ms=r.get("wall_ms"))
         keys = ("pct_of_floor", "floor_ms", "pass_floor_ms", "pct_of_pass_floor", "state_bytes_per_param",
-                "device_ms", "pct_of_floor_device")  # fmt: skip
+                "device_ms", "pct_of_floor_device", "held_B_per_param", "first_step_s")  # fmt: skip
         row.update({k: r[k] for k in keys if k in r})
         out.append(row)
     return out
