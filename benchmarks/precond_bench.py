@@ -21,9 +21,10 @@ on fresh parameters (what is left once compiles are done: the first factors' dec
 before the optimizer was made (the parameters and gradients already there). Every step
 gets the same gradients (heavyball consumes `p.grad`).
 
-The products' floor of a step: for SOAP the two statistics (`G Gᵀ`, `Gᵀ G`) and the two
-two-sided projections (onto the eigenbases and back), for Shampoo the statistics and the
-two-sided preconditioning, for PSGD Kron the preconditioning `Q_Lᵀ Q_L M Q_Rᵀ Q_R`; a side
+The products' floor of a step: for SOAP the two statistics (`G Gᵀ`, `Gᵀ G`) and three
+two-sided maps (the gradient and the first moment onto the eigenbases, the direction back),
+for Shampoo the statistics and the two-sided preconditioning, for PSGD Kron the
+preconditioning `Q_Lᵀ Q_L M Q_Rᵀ Q_R`; a side
 without a factor (a dimension over the limit, a vector) costs nothing; at the fp32 GEMM rate
 measured in this run (4096³, TF32 off). The decompositions (`eigh`, `qr`) and PSGD's fit are
 not in it: their time is in the rows' difference from it.
@@ -126,9 +127,11 @@ def products_floor_flops(shapes, workload: str) -> float:
     """The floor's flops of one step (the module's docstring), per 2-D view ``[shape[0],
     prod(rest)]`` with a factor on each side of at most ``MAX_DIM`` (heavyball's and kron's
     own limits differ: the floor is the SOAP/Shampoo convention for all)."""
-    # (products: statistics on each factored side, then two-sided maps: SOAP 2, Shampoo 1, Kron 2)
-    maps = {"soap_llama1b": 2, "shampoo_llama1b": 1, "psgdkron_llama1b": 2}[workload]
-    stats = 0 if workload == "psgdkron_llama1b" else 1
+    # (products a factored side takes, each ``2 k² · other`` flops: SOAP its statistic and its
+    # side of three two-sided maps (the gradient and the first moment onto the eigenbasis,
+    # the direction back); Shampoo its statistic and its root's product; PSGD Kron ``Q`` and
+    # ``Qᵀ`` of ``Qᵀ Q M``)
+    per_side = {"soap_llama1b": 4, "shampoo_llama1b": 2, "psgdkron_llama1b": 2}[workload]
     total = 0.0
     for s in shapes:
         if len(s) < 2:
@@ -136,7 +139,7 @@ def products_floor_flops(shapes, workload: str) -> float:
         m, n = s[0], int(torch.Size(s[1:]).numel())
         sides = [x for x in ((m, n), (n, m)) if x[0] <= MAX_DIM]  # (factor size, the other)
         for k, other in sides:
-            total += (stats + 2 * maps) * 2 * k * k * other
+            total += per_side * 2 * k * k * other
     return total
 
 
