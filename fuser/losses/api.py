@@ -26,7 +26,7 @@ from fuser.codegen.source import KernelSource
 from fuser.ir.loss import Z_Y, lower_loss
 from fuser.losses import tokens
 from fuser.losses.checks import check_tensors, live_rows
-from fuser.rules.loss import T_Y, is_token_rule, reads_teacher
+from fuser.rules.loss import is_token_rule, reads_teacher_target, teacher_target_as_input
 from fuser.rules.rule import Rule
 from fuser.runtime.loss.choice import (
     SCALED_DTYPES,
@@ -135,6 +135,7 @@ class CompiledLoss:
         self._token_values: dict[str, TokenValues] = {}
         self._shard_sizes: dict[tuple, tuple[int, ...]] = {}
         self._hyper_rows: dict[tuple, torch.Tensor] = {}
+        self._target_input: CompiledLoss | None = None
         self.__name__ = rule.name
         self.__doc__ = f"Fused linear + loss `{rule.name}`:\n\n{rule.text}\n\n{CompiledLoss.__doc__}"
 
@@ -420,6 +421,12 @@ class CompiledLoss:
         rows = tokens.input_rows(self.rule, inputs, target, call.device)
         shards = None if group is None else self._vocab_slices(call, group)
         slices = None if shards is None else shards[0]
+        f = self
+        if reads_teacher_target(self.rule) and (memory == "lean" or shards is not None):
+            f = self._target_input_loss()  # (t[y] to the staged kernels as a per-token input)
+            offset = 0 if shards is None else sum(shards[0][: shards[1]])
+            t_y = tokens.teacher_at_target(teacher, y, call.ignore_index, offset, group)
+            rows = torch.cat([rows, t_y[None]])
 
         def count_rows(flat):
             vocab = call.vocab if slices is None else sum(slices)
@@ -430,11 +437,11 @@ class CompiledLoss:
                 count, call.hid, call.vocab if slices is None else sum(slices), self.chunk_size
             )
             if shards is None and memory == "lean":
-                return self._vocab_tokens_run(call, count, teacher is not None)
+                return f._vocab_tokens_run(call, count, teacher is not None)
             if shards is None:
                 return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk)
             sizes, rank = shards
-            sources, layout, zy_first = self.sharded_kernel_sources("fp32")
+            sources, layout, zy_first = f.sharded_kernel_sources("fp32")
             return ShardedTokens(
                 sources, layout, zy_first, call.device, call.hyper, call.ignore_index, chunk, group,
                 sum(sizes[:rank]), sum(sizes),
@@ -446,11 +453,21 @@ class CompiledLoss:
         # buffer is what main_grad's users keep memory for)
         eager = single and memory != "lean" and (not main_grad or memory == "fast")
         outs, _ = tokens.run_token_rule(
-            self.rule, x, weight, bias, y, rows, target.shape,
+            f.rule, x, weight, bias, y, rows, target.shape,
             main_grad=main_grad, want_grad=want_grad, count_rows=count_rows, make_run=make_run,
             teacher=teacher, reduction=reduction if single else "none", eager=eager,
         )  # fmt: skip
         return outs[0] if single else outs
+
+    def _target_input_loss(self) -> CompiledLoss:
+        """This loss with its rule's ``t[y]`` read as a per-token input
+        (``teacher_target_as_input``), compiled with the same options, made once."""
+        if self._target_input is None:
+            self._target_input = CompiledLoss(
+                teacher_target_as_input(self.rule), chunk_size=self.chunk_size, block=self.block,
+                num_warps=self.num_warps, schedule=self.schedule, tiles=self.tiles,
+            )  # fmt: skip
+        return self._target_input
 
     def _vocab_tokens_run(self, call: _Call, count: int, teacher: bool) -> VocabTokens:
         """A token rule's run under ``memory="lean"``: forward chunks and backward slices
@@ -725,9 +742,8 @@ def kernel_sources(
     its fp32 plan whatever ``dtype``, and for 16-bit ``dtype`` ``token_residue_sources``."""
     f = CompiledLoss(rule, **options)
     if is_token_rule(rule):  # (a token rule's kernels take fp32 logits for every dtype)
-        if reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):  # (t[y]: one device only)
-            return [f.token_source()]
-        return [f.token_source(), *f.sharded_kernel_sources("fp32")[0], *f.token_residue_sources(dtype)]
+        staged = f._target_input_loss() if reads_teacher_target(rule) else f  # (t[y] as an input there)
+        return [f.token_source(), *staged.sharded_kernel_sources("fp32")[0], *f.token_residue_sources(dtype)]
     staged = _staged_sources(f, dtype)
     sweeps, grad = f.matmul_kernel_sources(dtype)
     lean = [*sweeps, grad]

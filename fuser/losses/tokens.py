@@ -6,14 +6,16 @@ Such a rule runs in the ``chunks`` schedule with fp32 logits (``runtime.loss.tok
 ``"chunks"``, with or without ``process_group=`` (``ShardedTokens``). ``memory="lean"`` runs
 it in vocabulary chunks on one device (``VocabTokens``: no fp32 ``[V, H]`` buffer, no chunk
 of every column's logits). The other schedules, ``memory="lean"`` with ``process_group=``
-and ``t[y]`` under ``memory="lean"`` say they do not run yet before anything runs.
+say they do not run yet before anything runs. Where the rows of a schedule's kernels hold a
+slice of the vocabulary (``process_group=``, ``memory="lean"``), a rule's ``t[y]`` comes to
+them as one more per-token input (``teacher_at_target``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fuser.rules.loss import T_Y, reads_teacher
+from fuser.rules.loss import reads_teacher
 from fuser.runtime.loss.tokens import ReducedTokenLoss, TokenLoss
 
 # The schedules (compile option) and memory settings that run token rules.
@@ -48,11 +50,6 @@ def check_options(rule, schedule: str, memory: str, reduction, group=None) -> No
             f"{rule.name} reads per-token inputs or returns several outputs, which memory='lean' with "
             "process_group= does not run yet: leave memory out (the chunks schedule) with process_group="
         )
-    if memory == "lean" and reads_teacher(rule) and any(e.has(T_Y) for _, e in rule.outputs):
-        raise ValueError(
-            f"{rule.name} reads the teacher's logit at the target, t[y], which memory='lean' does not "
-            "take yet: leave memory out (the chunks schedule)"
-        )
     outputs = tuple(n for n, _ in rule.outputs)
     if outputs != ("loss",) and reduction not in (None, "none"):
         raise ValueError(
@@ -76,11 +73,6 @@ def teacher_tensors(rule, hidden, weight, teacher_hidden, teacher_weight, teache
         raise TypeError(
             f"{rule.name} reads the teacher's logits t: pass teacher_hidden= ([T, H_t], hidden's "
             "leading shape) and teacher_weight= ([V, H_t]), with teacher_bias= optional"
-        )
-    if group is not None and any(e.has(T_Y) for _, e in rule.outputs):
-        raise ValueError(
-            f"{rule.name} reads the teacher's logit at the target, t[y], which process_group= does not "
-            "take yet (t alone it takes: pass this rank's rows of teacher_weight, as of weight)"
         )
     th, tw, tb = teacher_hidden, teacher_weight, teacher_bias
     lead, vocab = list(hidden.shape[:-1]), weight.shape[0]
@@ -107,6 +99,33 @@ def teacher_tensors(rule, hidden, weight, teacher_hidden, teacher_weight, teache
             f"the teacher's tensors must be on hidden's device {hidden.device}, not {sorted(devices)}"
         )
     return th.reshape(-1, th.shape[-1]), tw, tb
+
+
+# Tokens a block of ``teacher_at_target``'s fp32 products (their rows of the teacher's weight).
+TARGET_ROWS = 1024
+
+
+def teacher_at_target(teacher, target, ignore_index: int, col_offset: int = 0, group=None) -> torch.Tensor:
+    """``t[y]`` of every token, fp32 ``[T]``: the teacher's hidden row times its weight's row at
+    the target (plus its bias there), upcast and summed in fp32 as the logits are, ``TARGET_ROWS``
+    tokens at a time; 0 where the target is ignored. ``teacher``'s weight may hold the columns
+    ``[col_offset, col_offset + V_r)`` alone (a rank's slice): the ranks of ``group`` each give
+    the tokens whose target they hold, summed across them."""
+    th, tw, tb = teacher
+    n, cols = target.shape[0], tw.shape[0]
+    local = target - col_offset
+    mine = (local >= 0) & (local < cols) & (target != ignore_index)
+    rows = local.clamp(0, max(cols - 1, 0))
+    out = torch.zeros(n, dtype=torch.float32, device=th.device)
+    for s in range(0, n if cols else 0, TARGET_ROWS):
+        e = min(s + TARGET_ROWS, n)
+        out[s:e] = (th[s:e].float() * tw.index_select(0, rows[s:e]).float()).sum(-1)
+    if tb is not None and cols:
+        out += tb.float().index_select(0, rows)
+    out = torch.where(mine, out, 0.0)
+    if group is not None:
+        torch.distributed.all_reduce(out, group=group)
+    return out
 
 
 def input_rows(rule, inputs: dict, target: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ takes ``teacher_hidden=`` and ``teacher_weight=`` at the call, and no gradient r
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import keyword
 import textwrap
@@ -165,6 +166,25 @@ def is_token_rule(rule: Rule) -> bool:
 def reads_teacher(rule: Rule) -> bool:
     """Whether a loss rule reads the teacher's logits ``t`` or ``t[y]``."""
     return rule.kind == "loss" and any(e.has(T, T_Y) for _, e in rule.outputs)
+
+
+def reads_teacher_target(rule: Rule) -> bool:
+    """Whether a loss rule reads ``t[y]``, the teacher's logit at the target."""
+    return rule.kind == "loss" and any(e.has(T_Y) for _, e in rule.outputs)
+
+
+def teacher_target_as_input(rule: Rule) -> Rule:
+    """``rule`` reading ``t[y]`` as one more per-token input, its last, named apart from the
+    rule's own names: the form in which the staged kernels (vocabulary-parallel, lean) take it,
+    since their rows hold a slice of the vocabulary; the caller gives each token's value
+    (``fuser.losses.tokens.teacher_at_target``)."""
+    taken = {*rule.inputs, *(n for n, _ in rule.hyper), *(n for n, _ in rule.outputs)}
+    name = "t_at_target"
+    while name in taken:
+        name += "_"
+    value = symbol(name)
+    outputs = tuple((n, e.xreplace({T_Y: value})) for n, e in rule.outputs)
+    return dataclasses.replace(rule, outputs=outputs, inputs=(*rule.inputs, name))
 
 
 def build_loss_rule(

@@ -81,6 +81,14 @@ def worker(rank, world, split):
     jsd = fuser.compile(fuser.losses.DISTILL_JSD, **small)
     teacher = dict(teacher_hidden=tx, teacher_weight=tw, teacher_bias=tb, beta=0.3, hard_weight=0.4)
     cases.append(("distill_jsd", jsd, teacher, None, torch.float32))
+    # t[y] reaches each rank's kernels as a per-token input, summed from the rank holding y.
+    at_target = fuser.compile(
+        fuser.loss("lse_t = logsumexp(t)\nce = exp(t[y] - lse_t) * (logsumexp(z) - z[y])", name="vp_t_y",
+                   outputs=("ce",)),
+        **small,
+    )  # fmt: skip
+    heads = dict(teacher_hidden=tx, teacher_weight=tw, teacher_bias=tb)
+    cases.append(("teacher t[y]", at_target, heads, bias, torch.float32))
     errors = {}
     for name, f, kw, b, dtype in cases:
         h, wt = hidden.to(dtype), weight.to(dtype)

@@ -262,6 +262,38 @@ def test_a_rule_of_t_and_t_y_and_a_traced_one():
         check(out, ref, x, w, rx, rw, tx, tw)
 
 
+def test_t_y_under_lean_with_a_teacher_bias():
+    """``memory="lean"`` gives a rule's ``t[y]`` to its vocabulary-sliced kernels as a per-token
+    input (the teacher's row at the target, its bias there): per-token outputs and gradients
+    with non-uniform upstream weights as float64's, the ignored tokens 0."""
+    rule = fuser.loss(
+        """
+        lse_t = logsumexp(t)
+        logp_t = t[y] - lse_t
+        weighted = exp(logp_t) * (logsumexp(z) - z[y])
+        """,
+        name="teacher_weighted_ce",
+        outputs=("logp_t", "weighted"),
+    )
+    x, w, tx, tw, y = draw()
+    tb = torch.randn(V, dtype=torch.float64).float()
+    f = fuser.compile(rule, block=16, chunk_size=3)
+    logp_t, weighted = f(x, w, y, teacher_hidden=tx, teacher_weight=tw, teacher_bias=tb, memory="lean")
+    up = torch.rand(2, T, dtype=torch.float64) + 0.5
+    (logp_t * up[0].float()).sum().backward(retain_graph=True)
+    (weighted * up[1].float()).sum().backward()
+    rx, rw = (t.detach().double().requires_grad_() for t in (x, w))
+    z, t = rx @ rw.T, tx.detach().double() @ tw.detach().double().T + tb.double()
+    keep, yc = y != IGNORE, y.clamp(min=0)[:, None]
+    want_t = torch.where(keep, t.log_softmax(-1).gather(1, yc)[:, 0], 0.0)
+    want_w = torch.where(keep, want_t.exp() * -z.log_softmax(-1).gather(1, yc)[:, 0], 0.0)
+    ((want_t * up[0]).sum() + (want_w * up[1]).sum()).backward()
+    assert rel(logp_t, want_t) < FP32 and rel(weighted, want_w) < FP32
+    assert (logp_t[~keep] == 0).all() and (weighted[~keep] == 0).all()
+    assert rel(x.grad, rx.grad) < FP32 and rel(w.grad, rw.grad) < FP32
+    assert tx.grad is None and tw.grad is None
+
+
 def test_teacher_errors():
     """Misuse says what is wrong: the teacher missing at the call, given to a rule without
     ``t``, shapes that do not match, ``t`` outside a reduction, options the teacher does not
@@ -280,11 +312,6 @@ def test_teacher_errors():
         f(x, w, y, teacher_hidden=tx, teacher_weight=tw, teacher_bias=torch.zeros(5))
     with pytest.raises(TypeError, match="share a float dtype"):
         fuser.losses.distill(x, w, tx, tw.double(), y)
-    reads_t_y = fuser.compile(fuser.loss("loss = logsumexp(z) - z[y] + (t[y] - logsumexp(t))", name="t_y"))
-    with pytest.raises(ValueError, match=r"t\[y\], which process_group= does not take yet"):
-        reads_t_y(x, w, y, teacher_hidden=tx, teacher_weight=tw, process_group=object())
-    with pytest.raises(ValueError, match=r"t\[y\], which memory='lean' does not take yet"):
-        reads_t_y(x, w, y, teacher_hidden=tx, teacher_weight=tw, memory="lean")
     with pytest.raises(fuser.RuleError, match=r"line 2, column 1: loss uses t outside a reduction"):
         fuser.loss("lse = logsumexp(z)\nloss = lse - z[y] + t", name="bad")
     with pytest.raises(
