@@ -5,8 +5,9 @@
 
 Where two files hold the same (workload, impl), the later file's row is kept.
 
-Reads what ``optim_bench.py`` (and ``state_bench.py``, in its format), ``loss_bench.py``,
-``post_training_bench.py``, ``precond_bench.py`` (in the optimizers' format) and ``first_step.py`` wrote and emits one list of rows with
+Reads what ``optim_bench.py`` (and ``state_bench.py`` and ``precond_bench.py``, in its
+format), ``loss_bench.py``, ``post_training_bench.py`` and ``first_step.py`` wrote and emits
+one list of rows with
 ``workload``, ``impl`` (fuser's start with ``fuser``), ``ms`` (median), ``peak_mib`` where
 memory matters (optimizer state: ``state_bytes_per_param``), ``device``, and the source
 file. ``--onto`` starts from an earlier ``latest.json``, whose rows the files' replace or

@@ -498,6 +498,14 @@ def dpo(rows, smoke, tflops=None):
 
     fuser_row = run("fuser token_logprobs + DPO", fuser_step, not smoke)
     rows.append(fuser_row)
+
+    def fast_step():
+        loss = dpo_loss(x, w, xr, wr, y, beta=DPO_BETA, memory="fast")
+        loss.backward()
+        return loss.detach()
+
+    fast_row = run("fuser token_logprobs + DPO, memory=fast", fast_step, not smoke)
+    rows.append(fast_row)
     if smoke:
         return
     fuser_ms = fuser_row.get("fwd_bwd_ms")
@@ -517,7 +525,9 @@ def dpo(rows, smoke, tflops=None):
         row = _row("dpo", "Liger LigerFusedLinearDPOLoss", error="import: " + _err(e))
     if fuser_ms and row.get("fwd_bwd_ms"):
         row["x_fuser"] = round(row["fwd_bwd_ms"] / fuser_ms, 3)  # goal >= 1.3
-        fuser_row["x_liger"] = round(fuser_ms / row["fwd_bwd_ms"], 3)  # goal <= 1 / 1.3
+        for r in (fuser_row, fast_row):
+            if r.get("fwd_bwd_ms"):
+                r["x_liger"] = round(r["fwd_bwd_ms"] / row["fwd_bwd_ms"], 3)  # goal <= 1 / 1.3
     rows.append(row)
 
     keep = y != -100
@@ -618,7 +628,7 @@ def logprobs_rl(args, tflops, rows):
         )
     print(json.dumps(rows[-1]), flush=True)
 
-    for memory, suffix in (("auto", ""), ("lean", ", memory=lean")):
+    for memory, suffix in (("auto", ""), ("lean", ", memory=lean"), ("fast", ", memory=fast")):
 
         def fuser_tokens(x, w, y, memory=memory):
             return fuser.losses.token_logprobs(

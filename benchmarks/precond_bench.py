@@ -17,7 +17,8 @@ events, the median of `--rounds` intervals, after `--warmup` intervals), so that
 decompositions count at their share. `first step s` is the wall time of the first step of
 each optimizer in this process (heavyball compiles its step then; fuser loads or compiles
 its kernels); `again s` the first step of a second optimizer of the same kind made after it
-on fresh parameters (what is left once compiles are done: the first factors' decompositions). `held B/param` is `torch.cuda.memory_allocated` after the warm-up less
+on fresh parameters (what is left once compiles are done: the first factors'
+decompositions). `held B/param` is `torch.cuda.memory_allocated` after the warm-up less
 before the optimizer was made (the parameters and gradients already there). Every step
 gets the same gradients (heavyball consumes `p.grad`).
 

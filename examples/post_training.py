@@ -92,9 +92,9 @@ def grpo_loss_one_rule(hidden, weight, completion, mask, advantages, old_logp, r
 
 
 # --8<-- [start:preference]
-def sequence_logps(hidden, weight, target, *, average=False):
+def sequence_logps(hidden, weight, target, *, average=False, memory="auto"):
     """Sum (or mean) of each sequence's log-probs over its counted tokens: [N, S] -> [N]."""
-    logp = fuser.losses.token_logprobs(hidden, weight, target)  # 0 where target is -100
+    logp = fuser.losses.token_logprobs(hidden, weight, target, memory=memory)  # 0 at -100
     total = logp.sum(-1)
     return total / (target != -100).sum(-1).clamp(min=1) if average else total
 
@@ -114,8 +114,9 @@ def dpo_loss(
     *,
     beta=0.1,
     label_smoothing=0.0,
+    memory="auto",  # "fast": the policy's fp32 logits kept for backward, one product fewer
 ):
-    logps = sequence_logps(hidden, weight, target)
+    logps = sequence_logps(hidden, weight, target, memory=memory)
     with torch.no_grad():
         ref_logps = sequence_logps(ref_hidden, ref_weight, target)
     chosen, rejected = (logps - ref_logps).chunk(2)  # log-ratios to the reference

@@ -272,7 +272,11 @@ def _post_training_smoke(tmp_path):
     (result,) = tmp_path.glob("post_training_*_smoke.json")
     recorded = json.loads(result.read_text())
     rows = {(r["workload"], r["name"]): r for r in recorded["rows"]}
-    assert set(rows) == {("distill_jsd", "fuser distill kind=jsd"), ("dpo", "fuser token_logprobs + DPO")}
+    assert set(rows) == {
+        ("distill_jsd", "fuser distill kind=jsd"),
+        ("dpo", "fuser token_logprobs + DPO"),
+        ("dpo", "fuser token_logprobs + DPO, memory=fast"),
+    }
     for r in rows.values():
         assert "error" not in r, r
         assert "fwd_bwd_ms" not in r  # no timing claims from the interpreter

@@ -438,8 +438,9 @@ class CompiledLoss:
             )
             if shards is None and memory == "lean":
                 return f._vocab_tokens_run(call, count, teacher is not None)
-            if shards is None:
-                return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk)
+            if shards is None:  # (memory="fast": every token's logits kept for backward)
+                keep = memory == "fast"
+                return TokenRun(self.token_source(), call.device, call.hyper, call.ignore_index, chunk, keep)
             sizes, rank = shards
             sources, layout, zy_first = f.sharded_kernel_sources("fp32")
             return ShardedTokens(

@@ -305,14 +305,16 @@ def token_logprobs(
     ``softcap * tanh(z / softcap)`` with ``softcap``), fp32 of ``target``'s shape, 0 where
     ``target`` is ``ignore_index``; with ``entropy=True`` also the entropy of
     ``softmax(z / temperature)`` per token: ``(logp, entropy)``. Both are differentiable (a
-    gradient for either, both or one of them), never hold the full logits, and come from
+    gradient for either, both or one of them), hold no full logits (but under
+    ``memory="fast"``, below), and come from
     logits accumulated and kept in fp32 whatever the inputs' dtype: ``logp <= 0`` and
     ``entropy >= 0`` hold in fp32. With ``process_group``, ``weight`` is this rank's slice of
     the vocabulary (as ``cross_entropy`` takes it) and every rank gets every token's values;
     targets are checked as ``cross_entropy``'s are. ``memory="lean"`` (one device) keeps each
     token's reductions from forward and recomputes the logits in backward one slice of
     vocabulary rows at a time: no fp32 ``[V, H]`` buffer and no chunk of every column's
-    logits, one more logits product.
+    logits, one more logits product. ``memory="fast"`` (one device) keeps every token's fp32
+    logits (``T × V × 4`` bytes) from forward to backward, which computes none again.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
@@ -387,11 +389,11 @@ def distill(
     none is ignored, and ``hard_weight`` must be 0). ``reduction``: ``"mean"`` over the
     tokens not ignored (0 when all are), ``"sum"``, or ``"none"`` (fp32 per token of
     ``hidden``'s leading shape, 0 where ignored). Gradients reach the student's ``hidden``,
-    ``weight`` and ``bias`` only; both heads' logits are accumulated and kept in fp32 and
-    never hold ``[T, V]`` at once (chunks of tokens, each rule a fuser loss rule:
-    ``DISTILL_JSD``, ``DISTILL_KL``, ``DISTILL_REVERSE_KL``). ``memory="lean"`` keeps each
-    token's reductions from forward and recomputes both heads' logits in backward one slice
-    of vocabulary rows at a time (no fp32 ``[V, H]`` buffer, one more product of each head).
+    ``weight`` and ``bias`` only; both heads' logits are accumulated and kept in fp32, in
+    chunks of tokens (each rule a fuser loss rule: ``DISTILL_JSD``, ``DISTILL_KL``,
+    ``DISTILL_REVERSE_KL``). ``memory="lean"`` recomputes both heads' logits in backward one
+    slice of vocabulary rows at a time (no fp32 ``[V, H]`` buffer, one more product of each);
+    ``memory="fast"`` (one device, ``reduction="none"``) keeps every token's, of both heads.
     """
     target, ignore_index = _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index)
     hyper = dict(temperature=temperature, hard_weight=hard_weight)

@@ -3,7 +3,8 @@ its argument checks, then ``fuser.runtime.loss.tokens.TokenLoss``.
 
 Such a rule runs in the ``chunks`` schedule with fp32 logits (``runtime.loss.tokens``);
 ``memory="auto"`` and ``"fast"`` pick it, as does the compile option ``schedule="auto"`` or
-``"chunks"``, with or without ``process_group=`` (``ShardedTokens``). ``memory="lean"`` runs
+``"chunks"``, with or without ``process_group=`` (``ShardedTokens``); on one device ``"fast"``
+keeps every token's logits from forward to backward (``TokenRun.keep``). ``memory="lean"`` runs
 it in vocabulary chunks on one device (``VocabTokens``: no fp32 ``[V, H]`` buffer, no chunk
 of every column's logits). The other schedules, ``memory="lean"`` with ``process_group=``
 say they do not run yet before anything runs. Where the rows of a schedule's kernels hold a

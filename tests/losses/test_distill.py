@@ -167,11 +167,13 @@ def test_reductions_with_biases_across_blocks_and_chunks(reduction):
     assert rel(b.grad, rb.grad) < FP32
 
 
-def test_lean_memory_recomputes_both_heads_by_vocabulary_slices(monkeypatch):
-    """``memory="lean"`` with a teacher: backward recomputes the student's and the teacher's
-    logits 16 vocabulary rows at a time (three slices of 37), both heads with a bias, per
-    token under a non-uniform upstream gradient: values and the student's gradients within
-    fp32's error of float64, none to the teacher."""
+@pytest.mark.parametrize("memory", ["lean", "fast"])
+def test_lean_and_fast_memory_with_both_heads(memory, monkeypatch):
+    """A teacher under ``memory="lean"`` (backward recomputes the student's and the teacher's
+    logits 16 vocabulary rows at a time: three slices of 37) and ``memory="fast"`` (both
+    heads' logits of every token kept from forward), both heads with a bias, per token under
+    a non-uniform upstream gradient: values and the student's gradients within fp32's error
+    of float64, none to the teacher."""
     import fuser.losses.api
 
     monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 16)
@@ -180,7 +182,7 @@ def test_lean_memory_recomputes_both_heads_by_vocabulary_slices(monkeypatch):
     f = fuser.compile(DISTILL_JSD, block=16, chunk_size=3)
     hyper = dict(beta=0.6, temperature=0.9, hard_weight=0.2)
     teacher = dict(teacher_hidden=tx, teacher_weight=tw, teacher_bias=tb)
-    out = f(x, w, y, b, reduction="none", memory="lean", **teacher, **hyper)
+    out = f(x, w, y, b, reduction="none", memory=memory, **teacher, **hyper)
     (rx, rw, rb), ref = reference(x, w, tx, tw, y, reduction="none", bias=b, teacher_bias=tb, **hyper)
     g = torch.rand(T, dtype=torch.float64) + 0.5
     (out * g.float()).sum().backward()
@@ -189,7 +191,7 @@ def test_lean_memory_recomputes_both_heads_by_vocabulary_slices(monkeypatch):
     assert rel(b.grad, rb.grad) < FP32
     # (distill's memory= reaches the same run: its mean, against float64 again)
     x.grad = w.grad = None
-    mean = fuser.losses.distill(x, w, tx, tw, y, kind="kl", temperature=0.9, memory="lean")
+    mean = fuser.losses.distill(x, w, tx, tw, y, kind="kl", temperature=0.9, memory=memory)
     mean.backward()
     (rx, rw), ref = reference(x, w, tx, tw, y, kind="kl", temperature=0.9)
     ref.backward()

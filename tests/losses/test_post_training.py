@@ -322,6 +322,42 @@ def test_lean_memory_recomputes_the_logits_by_vocabulary_slices(dtype, monkeypat
     assert loaded and set(loaded) <= listed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_memory_keeps_the_logits_for_backward(dtype, monkeypatch):
+    """``memory="fast"``: forward takes each chunk's logits (3 tokens) into one buffer of
+    every token's, and backward takes no product of them again; both outputs and every
+    gradient against float64 (fp32's error, bf16's for bf16 gradients). A second backward
+    through the graph (``retain_graph``) computes them again and gets the same gradients."""
+    products = []
+    real = tokens.fp32_logits
+    monkeypatch.setattr(tokens, "fp32_logits", lambda *a: products.append(1) or real(*a))
+    hidden, weight, target = draw(dtype)
+    bias = (torch.randn(V) * 0.5).to(dtype)
+    x, w, b = leaves_of(hidden, weight, bias)
+    f = fuser.compile(fuser.losses.TOKEN_LOGPROBS_ENTROPY, block=16, chunk_size=3)
+    logp, ent = f(x, w, target, b, memory="fast", temperature=0.8)
+    check_signs(logp, ent)
+    forward = len(products)
+    g1, g2 = torch.randn(T), torch.rand(T) + 0.5
+    (logp * g1 + ent * g2).sum().backward(retain_graph=True)
+    live = int((target != IGNORE).sum())  # (ignored rows are left out of every product)
+    assert forward == -(-live // 3) >= 2 and len(products) == forward
+    (rx, rw, rb), rlogp, rent = reference(hidden, weight, target, bias=bias, temperature=0.8)
+    (rlogp * g1.double() + rent * g2.double()).sum().backward()
+    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    grad = FP32 if dtype == torch.float32 else 2e-2
+    first = [t.grad.clone() for t in (x, w, b)]
+    for got, want in ((x, rx), (w, rw), (b, rb)):
+        assert got.grad.dtype == dtype and rel(got.grad, want.grad) < grad
+    assert (x.grad[target == IGNORE] == 0).all()
+    for t in (x, w, b):
+        t.grad = None
+    (logp * g1 + ent * g2).sum().backward()
+    assert len(products) == 2 * forward
+    for t, want in zip((x, w, b), first):
+        assert rel(t.grad, want) < 1e-6
+
+
 def test_logp_alone_and_its_shape():
     """``entropy=False`` returns one tensor of target's shape ([B, S] here)."""
     hidden, weight, target = draw(ignore=False, t=6)
@@ -485,11 +521,12 @@ def test_example_runs(capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("memory", ["auto", "lean"])
+@pytest.mark.parametrize("memory", ["auto", "lean", "fast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_token_logprobs_on_the_gpu(dtype, memory, monkeypatch):
     """On CUDA (cuBLAS products with fp32 outputs, several chunks of tokens, an odd vocabulary
-    whose rows are no multiple of 16 bytes; ``lean``: four vocabulary slices in backward):
+    whose rows are no multiple of 16 bytes; ``lean``: four vocabulary slices in backward;
+    ``fast``: every token's logits kept for backward):
     both outputs and both gradients against float64 on the same inputs. fp32 inputs may take
     TF32 products (10 mantissa bits), hence 1e-3."""
     monkeypatch.setattr(fuser.losses.api, "vocab_cols", lambda *a, **k: 1280)

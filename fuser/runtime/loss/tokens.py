@@ -48,47 +48,73 @@ from fuser.runtime.loss.staged import ShardedChunked, Staged
 
 class TokenRun:
     """Everything a token rule's call needs besides its tensors: the row kernel (fp32
-    logits), the hyperparameter row, the ignore index and the chunk length."""
+    logits), the hyperparameter row, the ignore index and the chunk length; ``keep``: a
+    forward that backward follows keeps every token's logits (``memory="fast"``)."""
 
     def __init__(
-        self, source: KernelSource, device: torch.device, hyper: torch.Tensor, ignore_index: int, chunk: int
+        self,
+        source: KernelSource,
+        device: torch.device,
+        hyper: torch.Tensor,
+        ignore_index: int,
+        chunk: int,
+        keep: bool = False,
     ):
         self.kernel = load_kernel(source, device)
         self.hyper = hyper
         self.ignore_index = int(ignore_index)
         self.chunk = chunk
+        self.keep = keep
 
-    def run(self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None, teacher=None) -> None:
+    def kept_buffers(self, n_tokens: int, vocab: int, teacher: bool) -> tuple:
+        """The fp32 ``[T, V]`` buffers a kept forward fills (the student's, and the teacher's
+        or ``None``) for ``run``'s ``kept``."""
+        student = logits_buffer(n_tokens, vocab, self.hyper)
+        return student, logits_buffer(n_tokens, vocab, self.hyper) if teacher else None
+
+    def run(
+        self, x, weight, bias, target, inputs, out, *, gx=None, gw=None, gb=None, teacher=None, kept=None,
+        filled=False,
+    ) -> None:  # fmt: skip
         """Every output into ``out`` (fp32 ``[k, T]``); ``inputs`` (fp32 ``[m, T]``, or
         ``[m + k, T]`` with the upstream gradients after the rule's inputs). With any of
         ``gx`` (rows of the inputs' dtype), ``gw``, ``gb`` (fp32, added into) also the
         gradients of ``sum_i dout_i * output_i``. ``teacher``: the teacher's ``(hidden,
-        weight, bias)`` for a kernel that reads its logits (``bias`` may be ``None``)."""
+        weight, bias)`` for a kernel that reads its logits (``bias`` may be ``None``).
+        ``kept`` (``kept_buffers``): every token's logits go there, chunk by chunk, or with
+        ``filled`` are read from there, a forward's (no product): the gradient is written
+        over them and its two products then run over every token at once."""
         n_tokens, vocab = x.shape[0], weight.shape[0]
         if n_tokens == 0:
             return
         grad = gx is not None or gw is not None or gb is not None
-        buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
-        tbuf = None if teacher is None else logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)
+        if kept is None:
+            buf = logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)  # (fp32, on the device)
+            tbuf = None if teacher is None else logits_buffer(min(self.chunk, n_tokens), vocab, self.hyper)
         ones = torch.ones(1, dtype=torch.float32, device=x.device)
         flat_in = inputs.reshape(-1) if inputs.numel() else ones
         flat_out = out.reshape(-1)
         for s in range(0, n_tokens, self.chunk):
             e = min(s + self.chunk, n_tokens)
-            xc, logits = x[s:e], buf[: e - s]
-            fp32_logits(logits, xc, weight, bias)
-            extra = ()
-            if teacher is not None:  # (the same stride as the student's: one buffer shape)
-                tx, tw, tb = teacher
-                fp32_logits(tbuf[: e - s], tx[s:e], tw, tb)
-                extra = (tbuf[: e - s],)
+            xc = x[s:e]
+            if kept is None:
+                logits, tlogits = buf[: e - s], None if tbuf is None else tbuf[: e - s]
+            else:
+                logits, tlogits = kept[0][s:e], None if kept[1] is None else kept[1][s:e]
+            if not filled:
+                fp32_logits(logits, xc, weight, bias)
+                if teacher is not None:  # (the same stride as the student's: one buffer shape)
+                    fp32_logits(tlogits, teacher[0][s:e], teacher[1], teacher[2])
+            extra = () if teacher is None else (tlogits,)
             self.kernel(
                 (e - s,), logits, logits.stride(0), target[s:e], flat_out[s:], ones, ones, 0, self.hyper,
                 vocab, self.ignore_index, int(grad), flat_in[s:] if inputs.numel() else ones, n_tokens,
                 *extra,
             )  # fmt: skip
-            if grad:
+            if grad and kept is None:
                 _chunk_grads(logits, xc, weight, target[s:e], 0, gx[s:e] if gx is not None else None, gw, gb)
+        if grad and kept is not None:  # (both products over every token: K = T for grad_weight)
+            _chunk_grads(kept[0], x, weight, target, 0, gx, gw, gb)
 
 
 def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> None:
@@ -267,11 +293,13 @@ class TokenLoss(torch.autograd.Function):
     ):  # fmt: skip
         out = new_outputs(k, x.shape[0], x.device)
         teacher = None if tx is None else (tx, tw, tb)
-        red = None
+        red = ctx.kept = None
         if isinstance(run, VocabTokens):
             red = run.forward(x, weight, bias, target, inputs, out, teacher)
         else:
-            run.run(x, weight, bias, target, inputs, out, teacher=teacher)
+            if want_grad and run.keep:
+                ctx.kept = run.kept_buffers(x.shape[0], weight.shape[0], tx is not None)
+            run.run(x, weight, bias, target, inputs, out, teacher=teacher, kept=ctx.kept)
         ctx.run, ctx.main_grad, ctx.k, ctx.teacher = run, main_grad, k, tx is not None
         if want_grad:
             ctx.save_for_backward(x, weight, bias, target, inputs, tx, tw, tb, red)
@@ -306,7 +334,9 @@ class TokenLoss(torch.autograd.Function):
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
         out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
-        ctx.run.run(x, weight, bias, target, full, out, gx=gx, gw=gw, gb=gb, teacher=teacher)
+        kept, ctx.kept = ctx.kept, None  # (a second backward, retain_graph=True, recomputes them)
+        flags = dict(gx=gx, gw=gw, gb=gb, teacher=teacher, kept=kept, filled=kept is not None)
+        ctx.run.run(x, weight, bias, target, full, out, **flags)
         if main_grad:
             gw = main_grad_return(weight)
         elif gw is not None and gw.dtype != weight.dtype:
