@@ -65,6 +65,11 @@ SCHEDULE_ROWS = [
     (call(**SM80), "chunks"),
     (call(**CPU), "chunks"),
     (call(LLAMA8B), "chunks"),  # (whole's fp32 logits, 4 GiB, outweigh a chunk and the buffer)
+    # ... but memory='fast' keeps them (within 6 GiB, without main_grad): whole
+    (call(LLAMA8B, memory="fast"), "whole"),
+    (call(LLAMA8B, memory="fast", **SM80), "whole"),
+    (call(H2048, memory="fast", **SM80), "chunks"),  # (8 GiB of logits)
+    (call(dict(n_tokens=2048, hidden=4096, vocab=128256), memory="fast"), "chunks"),  # (one chunk)
     (call(dtype="fp32", form=CE_FP32), "chunks"),
     # ... nor for calls it cannot run: no form, reduction='none', a bias
     (call(form=NO_FORM), "chunks"),
@@ -77,7 +82,7 @@ SCHEDULE_ROWS = [
     (call(H8192, main_grad=True), "vocab"),
     (call(main_grad=True, **SM80), "vocab"),
     (call(main_grad=True, **CPU), "vocab"),
-    # main_grad with memory='fast': the schedules of a call without it
+    # main_grad with memory='fast': the schedules of a call without it, but whole
     (call(main_grad=True, memory="fast"), "scaled"),
     (call(LLAMA8B, main_grad=True, memory="fast"), "chunks"),
     # fp16 (gradients in backward): lean in place of chunks on sm_90 with H up to 1024

@@ -54,6 +54,10 @@ LEAN_MAIN_GRAD_MAX_HIDDEN = 4096
 # auto takes the lean schedule over chunks for fp16 (gradients in backward) on sm_90 on up to
 # this H, where it was measured (H200; results/loss_fp16_2026-11-28.jsonl).
 LEAN_FP16_MAX_HIDDEN = 1024
+# memory="fast" takes whole over chunks (no main_grad) where every token's fp32 logits take
+# at most this: T=8192, H=4096, V=128256 in bf16, 44.81 ms at 4.96 GiB of extra peak against
+# chunks' 47.69 at 3.03 (H200; results/loss_2026-12-03_whole.md).
+FAST_WHOLE_BUDGET = 6 * 1024**3
 # sm_90 takes warp-specialised programs for the scaled kernel and the lean gradient kernel up
 # to these H; above, they were slower (H100; results/loss_warp_specialized_2026-11-28.md).
 SCALED_WARP_SPECIALIZED_MAX_HIDDEN = 2048
@@ -202,7 +206,8 @@ def _schedule(call: LossCall) -> str:
     against it), or the one ``memory`` names, or (auto) chunks with ``vocab_parallel`` or
     without gradients, else ``choose_schedule``'s pick by memory, with ``scaled`` in place of
     chunks where it pays, and ``fused`` in place of vocab (into ``main_grad``) or of chunks
-    (fp16), where those were measured faster (``measured_faster``)."""
+    (fp16), where those were measured faster (``measured_faster``); ``memory="fast"`` takes
+    ``whole`` over the chunks left where its logits fit (``_fast_whole``)."""
     if call.schedule == "scaled":
         why = scaled_refusal(call)
         if why:
@@ -230,7 +235,16 @@ def _schedule(call: LossCall) -> str:
         # (fp16 takes its gradients in backward, where chunks computes the logits twice, as
         # the lean schedule does, and also writes them)
         return "fused"
+    if chosen == "chunks" and call.memory == "fast" and not call.main_grad and _fast_whole(call):
+        return "whole"
     return chosen
+
+
+def _fast_whole(call: LossCall) -> bool:
+    """Whether ``memory="fast"`` keeps every token's fp32 logits (``whole``) where ``chunks``
+    was chosen: more than one chunk, and logits within ``FAST_WHOLE_BUDGET``."""
+    whole = call.n_tokens * call.vocab * LOGIT_SIZE
+    return call.n_tokens > _chunk(call) and whole <= FAST_WHOLE_BUDGET
 
 
 def choose_schedule(
