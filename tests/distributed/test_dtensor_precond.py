@@ -1,4 +1,4 @@
-"""The matrix-preconditioned built-ins (SOAP, Shampoo) on DTensor parameters
+"""The matrix-preconditioned built-ins (SOAP, Shampoo, PSGDKron) on DTensor parameters
 sharded by rows (2 gloo processes): each full gradient matrix is gathered once a step onto
 the rank that owns its matrix work (one all_to_all for all of them), that rank alone runs
 it, and every rank gets its rows back (one more all_to_all), so each rank's shards follow
@@ -27,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa
 
 # Wide, tall (shards of 6 and 5 rows), a matrix over the factor size limit of 8 (no factor
 # for SOAP; 4 blocks for Shampoo; diagonal factors for PSGDKron), a 1-D tensor, one whose
-# second shard is empty, a replicated matrix.
+# second shard is empty, a replicated matrix, and another of the first's shape (PSGDKron's
+# first scale is one for both, from both gradients).
 LAYOUTS = [
     ((6, 11), Shard(0)),
     ((11, 5), Shard(0)),
@@ -35,8 +36,10 @@ LAYOUTS = [
     ((7,), Shard(0)),
     ((1, 6), Shard(0)),
     ((5, 4), Replicate()),
+    ((6, 11), Shard(0)),
 ]
 STEPS = 4  # then one more after loading the state dict
+FACTORS = {"SOAP": "GG", "Shampoo": "factor_matrices", "PSGDKron": "Q"}  # a factor state's key
 OPTIMIZERS = {
     # factors from step 1, refreshed (QR) at steps 2 and 4
     "SOAP": lambda ps: fuser.optim.SOAP(
@@ -46,6 +49,9 @@ OPTIMIZERS = {
     "Shampoo": lambda ps: fuser.optim.Shampoo(
         ps, lr=0.01, momentum=0.5, max_preconditioner_dim=8, precondition_frequency=2
     ),
+    # a fit every step (heavyball's schedule), its first scale from all first gradients of
+    # a shape, triangular factors up to 8
+    "PSGDKron": lambda ps: fuser.optim.PSGDKron(ps, lr=0.01, weight_decay=0.01, max_size_triangular=8),
 }
 
 
@@ -84,6 +90,14 @@ def _next_step(name, mesh, params, grads, load) -> list[torch.Tensor]:
     this rank's shards after its next step."""
     again = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = OPTIMIZERS[name](again)
+    # (a step at lr 0 first, which changes no parameter: DCP's set_optimizer_state_dict
+    # would step a stateless optimizer on zero gradients, from which PSGDKron cannot take
+    # its first scale)
+    for p in again:
+        p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
     load(torch.nn.ParameterList(again), opt)
     for p, g, (_, pl) in zip(again, grads, LAYOUTS):
         p.grad = distribute_tensor(g, mesh, [pl])
@@ -108,6 +122,7 @@ def worker(rank, world, name, path, whole_sd):
         opt.step()
         collectives.append(fuser.stats()["collectives"] - before)
     marks = [opt.state[p].get("whole_on_rank") for p in params]
+    holds = [FACTORS[name] in opt.state[p] for p in params]
     sd = opt.state_dict()
     states = {pid: {k: _local(v) for k, v in st.items()} for pid, st in sd["state"].items()}
     kinds = {pid: {k: _kinds(v) for k, v in st.items()} for pid, st in sd["state"].items()}
@@ -128,25 +143,29 @@ def worker(rank, world, name, path, whole_sd):
         kinds=kinds,
         collectives=collectives,
         marks=marks,
+        holds=holds,
     )
 
 
-def single_process(name, steps):
-    """The optimizer on whole tensors in one process (one thread, as the ranks run) after
-    ``steps`` steps."""
+def single_process(name):
+    """The optimizer on whole tensors in one process (one thread, as the ranks run): its
+    state dict and parameters after ``STEPS`` steps (copies), and its parameters after one
+    more."""
     full, grads = data()
     params = [torch.nn.Parameter(t.clone()) for t in full]
     opt = OPTIMIZERS[name](params)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for step_grads in grads[:steps]:
+        for step, step_grads in enumerate(grads):
+            if step == STEPS:
+                sd, before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
             opt.step()
     finally:
         torch.set_num_threads(threads)
-    return opt, params
+    return sd, before, [p.detach() for p in params]
 
 
 def _assert_state(got, want, rank, world, pl, what):
@@ -167,24 +186,24 @@ def _assert_state(got, want, rank, world, pl, what):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
     path = str(tmp_path / "dcp")
-    opt, params = single_process(name, STEPS)
-    _, then = single_process(name, STEPS + 1)
-    ranks = run_ranks(worker, name, path, opt.state_dict())
+    sd, params, then = single_process(name)
+    ranks = run_ranks(worker, name, path, sd)
     world = len(ranks)
     # each sharded parameter to the rank owning the fewest elements so far (66, 55, 90,
-    # 7, 6 elements), whose states are whole; the other rank holds the marker
-    owners = [0, 1, 1, 0, 0, None]
+    # 7, 6, 66 elements), which alone holds its factors; SOAP's and Shampoo's other rank
+    # holds the marker (PSGDKron's its shards of exp_avg and update)
+    owners = [0, 1, 1, 0, 0, None, 0]
     for rank, got in enumerate(ranks):
-        assert got["marks"] == [None if o in (None, rank) else o for o in owners], (rank, got["marks"])
+        assert got["holds"] == [o in (None, rank) for o in owners], (rank, got["holds"])
+        if name != "PSGDKron":
+            assert got["marks"] == [None if o in (None, rank) else o for o in owners], (rank, got["marks"])
     for rank, got in enumerate(ranks):
-        # an all_to_all to the owners and one back, for the 5 row-sharded parameters
-        assert got["collectives"] == [2] * STEPS, got["collectives"]
         for i, ((shape, pl), p) in enumerate(zip(LAYOUTS, params)):
             what = f"{name}, rank {rank}, parameter {i} {shape} {pl}"
-            assert torch.equal(got["params"][i], rows_of(p.detach(), pl, rank, world)), what
+            assert torch.equal(got["params"][i], rows_of(p, pl, rank, world)), what
             for how, shards in zip(("DCP's state dict", "whole state dict"), got["nexts"]):
-                assert torch.equal(shards[i], rows_of(then[i].detach(), pl, rank, world)), f"{what}, {how}"
-            st = opt.state[p]
+                assert torch.equal(shards[i], rows_of(then[i], pl, rank, world)), f"{what}, {how}"
+            st = sd["state"][i]
             assert set(got["states"][i]) == set(st), what
             for key, value in st.items():
                 per_element = torch.is_tensor(value) and value.shape == p.shape
@@ -193,30 +212,44 @@ def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
                 _assert_state(
                     got["states"][i][key], value, rank, world, pl if per_element else None, (what, key)
                 )
-    _load_checkpoint_into_one_process(name, path, opt, params)
+        # an all_to_all to the owners and one back, for all row-sharded parameters
+        assert got["collectives"] == [2] * STEPS, got["collectives"]
+    _load_checkpoint_into_one_process(name, path, sd, params, then)
 
 
-def _load_checkpoint_into_one_process(name, path, reference, reference_params):
+def _load_checkpoint_into_one_process(name, path, reference, reference_params, then):
     """The 2 ranks' checkpoint loaded by DCP into an optimizer on whole tensors whose
     states differ (one step from other gradients): it then holds the reference's states,
     and its next step is the reference's."""
     import torch.distributed.checkpoint as dcp
 
-    params = [torch.nn.Parameter(p.detach().clone()) for p in reference_params]
+    params = [torch.nn.Parameter(p.clone()) for p in reference_params]
     opt = OPTIMIZERS[name](params)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     for p, q in zip(params, reference_params):
-        p.data.copy_(q.detach())
+        p.data.copy_(q)
     template = opt.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
     opt.load_state_dict(template)
-    for i, (p, q) in enumerate(zip(params, reference_params)):
-        for key, value in reference.state[q].items():
-            _assert_state(_local(opt.state[p][key]), value, 0, 1, None, (name, i, key))
+    loaded, want = opt.state_dict()["state"], reference["state"]
+    for i in range(len(params)):
+        assert set(loaded[i]) == set(want[i]), (name, i)
+        for key, value in want[i].items():
+            _assert_state(_local(loaded[i][key]), value, 0, 1, None, (name, i, key))
+    for p, g in zip(params, data()[1][STEPS]):
+        p.grad = g
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    for i, (p, want) in enumerate(zip(params, then)):
+        assert torch.equal(p.detach(), want), (name, i, "the step after loading")
 
 
 def refused_worker(rank, world, names):
