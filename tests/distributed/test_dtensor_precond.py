@@ -5,7 +5,14 @@ it, and every rank gets its rows back (one more all_to_all), so each rank's shar
 the same optimizer on the whole tensors in one process. The owner keeps the factors;
 state_dict() publishes states of a parameter's shape as DTensors like it and the factors
 replicated, which torch.distributed.checkpoint saves on 2 ranks and loads into one
-process, and a state dict of whole tensors loads on the ranks."""
+process, and a state dict of whole tensors loads on the ranks.
+
+Bit for bit: an owner batches its own parameters' matrix work only, and on CPU MKL's
+torch.bmm, eigh and qr round some sizes (9x9 products, odd sizes from 7) differently at
+another place of a batch. These layouts keep such batches as in one process (the one
+factor of size 7 is alone in its batch, both (6, 11) matrices are on rank 0), so equality
+is exact whatever the seed, and a wrong row, a missing gather or a stale factor shows; two
+9x7 matrices on different owners would differ by that rounding (docs/distributed.md)."""
 
 from __future__ import annotations
 
