@@ -45,16 +45,21 @@ LAYOUTS = [
     ((5, 4), Replicate()),
     ((6, 11), Shard(0)),
 ]
-STEPS = 4  # then one more after loading the state dict
+STEPS = 3  # then one more after loading the state dict
 FACTORS = {"SOAP": "GG", "Shampoo": "factor_matrices", "PSGDKron": "Q"}  # a factor state's key
 OPTIMIZERS = {
-    # factors from step 1, refreshed (QR) at steps 2 and 4
+    # factors from step 1, refreshed (QR) at step 3
     "SOAP": lambda ps: fuser.optim.SOAP(
         ps, lr=0.01, precondition_frequency=2, max_precondition_dim=8, precondition_1d=True
     ),
-    # roots at steps 2 and 4, blocks of 8, momentum
+    # grafting only at step 1, roots from step 2, refreshed every step; blocks of 8, momentum
     "Shampoo": lambda ps: fuser.optim.Shampoo(
-        ps, lr=0.01, momentum=0.5, max_preconditioner_dim=8, precondition_frequency=2
+        ps,
+        lr=0.01,
+        momentum=0.5,
+        max_preconditioner_dim=8,
+        precondition_frequency=1,
+        start_preconditioning_step=2,
     ),
     # a fit every step (heavyball's schedule), its first scale from all first gradients of
     # a shape, triangular factors up to 8
@@ -92,19 +97,19 @@ def _kinds(value):
     return type(value).__name__
 
 
-def _next_step(name, mesh, params, grads, load) -> list[torch.Tensor]:
+def _next_step(name, mesh, params, grads, load, warm=False) -> list[torch.Tensor]:
     """A new optimizer on copies of ``params``, its state from ``load(model, optimizer)``:
-    this rank's shards after its next step."""
+    this rank's shards after its next step. ``warm``: a step at lr 0 first, which changes
+    no parameter (DCP's set_optimizer_state_dict would step a stateless optimizer on zero
+    gradients, from which PSGDKron cannot take its first scale)."""
     again = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = OPTIMIZERS[name](again)
-    # (a step at lr 0 first, which changes no parameter: DCP's set_optimizer_state_dict
-    # would step a stateless optimizer on zero gradients, from which PSGDKron cannot take
-    # its first scale)
-    for p in again:
-        p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-    opt.step()
+    if warm:
+        for p in again:
+            p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        opt.step()
     load(torch.nn.ParameterList(again), opt)
     for p, g, (_, pl) in zip(again, grads, LAYOUTS):
         p.grad = distribute_tensor(g, mesh, [pl])
@@ -139,7 +144,9 @@ def worker(rank, world, name, path, whole_sd):
     model = torch.nn.ParameterList(params)
     named = get_optimizer_state_dict(model, opt)
     nexts = [
-        _next_step(name, mesh, params, grads[STEPS], lambda m, o: set_optimizer_state_dict(m, o, named)),
+        _next_step(
+            name, mesh, params, grads[STEPS], lambda m, o: set_optimizer_state_dict(m, o, named), True
+        ),
         # (copied: the ranks' arguments share memory with the test process's tensors)
         _next_step(name, mesh, params, grads[STEPS], lambda m, o: o.load_state_dict(copy.deepcopy(whole_sd))),
     ]
