@@ -301,6 +301,19 @@ def row_shard(p: torch.Tensor):
     return p.device_mesh.get_group(dim), (first, end)
 
 
+def dim0_split(p: torch.Tensor, reader: str):
+    """(process group, [first, end) of ``p``'s dim 0 held by each rank of that group) for a
+    DTensor sharded by its dim 0 (``Shard(0)`` on one mesh dimension, ``torch.chunk``'s
+    split, any number of dimensions); ``None`` for a plain or replicated tensor. Raises for
+    other layouts, naming ``reader``."""
+    found = _dim0_shard(p, reader, 1)
+    if found is None:
+        return None
+    dim = found[0]
+    parts = p.device_mesh.size(dim)
+    return p.device_mesh.get_group(dim), [_chunk(p.shape[0], parts, c) for c in range(parts)]
+
+
 def split_axis(p: torch.Tensor) -> str | None:
     """Which axis of ``p``'s 2-D view its shards split, for rules that read rows and
     columns: ``"row"`` (``Shard(0)`` of 2 or more dimensions: each rank holds whole rows),

@@ -19,10 +19,11 @@ import torch
 
 from fuser.optim.factory import FuserOptimizer, Options, parse_options
 from fuser.rules.rule import Rule
-from fuser.runtime.distributed import local
+from fuser.runtime.distributed import from_local_like, local, local_pair
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import check_state_formats
 from fuser.runtime.state import validate
+from fuser.runtime.wholes import OWNER, Owners, gather, owned, published, scatter, whole_values
 
 # --- reading a param group ---------------------------------------------------------------
 
@@ -275,21 +276,107 @@ class RuleKernel:
         self.engine.forget()
 
 
-def whole_tensor_gradients(opt) -> list[tuple]:
-    """``(p, gradient, group index)`` of every parameter of ``opt`` with a gradient, checked
-    (``validate``) before anything changes; a DTensor parameter refused, since the matrix
-    work of SOAP and Shampoo needs each whole tensor on one device."""
+def whole_tensor_gradients(opt) -> tuple[list[tuple], Callable[[], None]]:
+    """``(p, tensor, gradient, group index)`` of every parameter of ``opt`` with a gradient
+    whose matrix work runs on this rank, checked (``validate``) before anything changes,
+    and the call that ends the step. ``tensor`` and ``gradient`` are whole: ``p`` itself
+    for a plain parameter; for a DTensor parameter, buffers of ``opt``'s that hold it and
+    its gradient whole. A DTensor sharded by dim 0 (``Shard(0)``) is gathered onto the rank
+    of its shard group that owns it (``runtime.wholes``: one all_to_all per shard group for
+    all of them) and left out on the others, which keep the marker ``{OWNER: rank}`` as
+    its state; a replicated one is copied on every rank. The call writes each rank's rows
+    of the stepped tensors back into its shards (one more all_to_all). Other layouts
+    raise, before anything changes."""
+    attr = opt.options.grad_attr
     found = []
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"]:
-            g = getattr(p, opt.options.grad_attr, None)
+            g = getattr(p, attr, None)
             if g is not None:
-                found.append((p, g, gi))
+                found.append((p, local_pair(p, g, attr)[0], gi))
     validate(opt, found)
-    for p, _, _ in found:
-        if local(p) is not p:
-            raise RuntimeError(
-                f"{type(opt).__name__}'s matrix work runs on whole tensors: a DTensor (FSDP2) parameter "
-                f"of shape {tuple(p.shape)} is not supported yet"
-            )
+    owners = opt.__dict__.setdefault("_owners", Owners(f"{type(opt).__name__}'s matrix work"))
+    owners.update([p for group in opt.param_groups for p in group["params"]])
+    items, wholes, parts, into, copies = [], [], [], [], []
+    for p, g, gi in found:
+        if local(p) is p:
+            items.append((p, p, g, gi))
+            continue
+        w = owners.get(p)
+        if w is None:  # replicated: every rank steps its copy
+            tensor, grad = _whole_buffers(opt, p, g)
+            tensor.copy_(local(p))
+            grad.copy_(local(g))
+            copies.append((p, tensor))
+            items.append((p, tensor, grad, gi))
+            continue
+        wholes.append(w)
+        parts.append([local(p), local(g)])
+        into.append(list(_whole_buffers(opt, p, g)) if w.mine else [])
+        if w.mine:
+            items.append((p, *into[-1], gi))
+        else:
+            opt.state[p] = {OWNER: w.owner}
+    gather(wholes, parts, into)
+
+    def finish() -> None:
+        scatter(wholes, [t[0] if t else None for t in into], [local(w.p) for w in wholes])
+        for p, tensor in copies:
+            local(p).copy_(tensor)
+
+    return items, finish
+
+
+def _whole_buffers(opt, p, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """``opt``'s whole tensor of a DTensor parameter ``p`` and of its gradient, kept from
+    step to step (the kernels' tables stay valid): the tensor's ``grad_attr`` is the
+    gradient."""
+    buffers = opt.__dict__.setdefault("_whole_tensors", {})
+    found = buffers.get(p)
+    if found is None or found[1].dtype != g.dtype:
+        device = local(p).device
+        tensor = torch.empty(p.shape, dtype=p.dtype, device=device)
+        grad = torch.empty(p.shape, dtype=g.dtype, device=device)
+        setattr(tensor, opt.options.grad_attr, grad)
+        found = buffers[p] = (tensor, grad)
     return found
+
+
+def published_state_dict(opt, sd: dict) -> dict:
+    """``sd`` (torch's state dict of ``opt``) with the states of its DTensor parameters as
+    state dicts keep them (``runtime.wholes.published``; a replicated parameter's states
+    of its shape as DTensors like it). A collective of every shard group where ``opt``
+    has DTensor parameters sharded by dim 0."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    owners = opt.__dict__.setdefault("_owners", Owners(f"{type(opt).__name__}'s matrix work"))
+    owners.update(params)
+    ids = [pid for group in sd["param_groups"] for pid in group["params"]]
+    for pid, p in zip(ids, params):
+        if local(p) is p:
+            continue
+        w = owners.get(p)
+        if w is not None:
+            st = published(w, opt.state.get(p, {}))
+        else:
+            st = {
+                k: from_local_like(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
+                for k, v in opt.state.get(p, {}).items()
+            }
+        if st:
+            sd["state"][pid] = st
+    return sd
+
+
+def own_loaded_states(opt) -> None:
+    """After torch's ``load_state_dict``: each DTensor parameter's state as ``opt`` keeps
+    it (``runtime.wholes.owned``; whole plain tensors for a replicated one). A collective
+    where the states hold DTensors."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    owners = opt.__dict__.setdefault("_owners", Owners(f"{type(opt).__name__}'s matrix work"))
+    owners.update(params)
+    for p in params:
+        if local(p) is p or p not in opt.state:
+            continue
+        w = owners.get(p)
+        st = opt.state[p]
+        opt.state[p] = owned(w, st) if w is not None else whole_values(st)

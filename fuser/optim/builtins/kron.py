@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 import fuser
 from fuser.optim.builtins._base import BuiltinOptimizer, check_betas, check_lr, check_nonneg
+from fuser.runtime.distributed import DTensor, check, like_param, local, local_pair
 from fuser.runtime.plans import TORCH_DTYPES
+from fuser.runtime.wholes import Owners, gather, published, scatter
 
 # heavyball's trust_region_clip_ (lerp 0.9, scale 1.5): tanh near zero, log growth beyond,
 # then clamped to [-2, 2].
@@ -333,13 +335,15 @@ def schedule(prob):
 @dataclass(frozen=True)
 class Member:
     """A tensor of a step's batch: its place in the param groups, its group, the momentum
-    it preconditions and what the factors fit (the momentum or the gradient)."""
+    it preconditions, what the factors fit (the momentum or the gradient) and where ``P m``
+    goes, all whole (a DTensor's on the rank that owns it)."""
 
     index: int
     p: torch.Tensor
     group: dict
     m: torch.Tensor
     target: torch.Tensor
+    update: torch.Tensor
 
 
 def check_gradient(p: torch.Tensor, g: torch.Tensor, attr: str) -> None:
@@ -372,6 +376,15 @@ class PSGDKron(BuiltinOptimizer):
     ``running_lower_bound`` (one per factor), ``step``. A fit that would leave a factor not
     finite keeps the old one, with a warning. heavyball keywords of features fuser lacks are
     refused with a ValueError naming them unless left at the value that disables them.
+
+    DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, ``torch.chunk``'s split):
+    ``exp_avg`` and ``update`` are DTensors like the parameter; the rows of the momentum
+    (and of the gradient, where the factors fit it) reach the rank of the shard group that
+    owns the parameter by one ``all_to_all`` per shard group and step, that rank alone
+    keeps the factors, fits them and computes ``P m``, and one more ``all_to_all`` gives
+    every rank its rows of it. ``state_dict()`` (a collective then) holds the factors
+    replicated. A replicated DTensor is handled by every rank; other layouts raise a
+    RuntimeError.
     """
 
     rule = psgd_kron
@@ -411,6 +424,7 @@ class PSGDKron(BuiltinOptimizer):
         self._grad_source = grad_attr
         self._exp_avg_dtype = state_dtype or torch.float32
         self._seed = int(seed)
+        self._owners = Owners("PSGDKron's matrix work")
         # the kernel reads the preconditioned update (state ``update``), kept in fp32
         self._init_builtin(params, defaults, None, grad_attr, stochastic_rounding, seed, static)
 
@@ -434,15 +448,18 @@ class PSGDKron(BuiltinOptimizer):
 
     def _items(self) -> list:
         """(index, p, gradient, group) of every parameter with a gradient, checked before
-        anything changes."""
-        items, index = [], 0
+        anything changes (a DTensor's gradient laid out like it)."""
+        items, index, attr = [], 0, self._grad_source
         for group in self.param_groups:
             for p in group["params"]:
-                g = getattr(p, self._grad_source, None)
+                g = getattr(p, attr, None)
                 if g is not None:
-                    check_gradient(p, g, self._grad_source)
+                    check(p, g, f"parameter of shape {tuple(p.shape)}", attr)
+                    g = local_pair(p, g, attr)[0]
+                    check_gradient(p, g, attr)
                     items.append((index, p, g, group))
                 index += 1
+        self._owners.update([p for group in self.param_groups for p in group["params"]])
         return items
 
     def _step(self, closure=None):
@@ -466,20 +483,20 @@ class PSGDKron(BuiltinOptimizer):
             group["step_count"] = group.get("step_count", 0) + 1
         for p, qs in news.items():
             self._new_state(p, qs)
-        grads = [g.detach().float() for _, _, g, _ in items]
+        grads = [local(g).detach().float() for _, _, g, _ in items]
         if self._momentum:
             self._momentum_step(items, grads)
+        members, wholes, updates = self._members(items, grads)
         batches: dict = {}
-        for (index, p, _, group), g32 in zip(items, grads):
-            m = self.state[p]["exp_avg"].float() if self._momentum else g32
-            target = m if group["momentum_into_precond_update"] else g32
-            shape = tuple(p.shape) or (1,)
-            key = (shape, p.device, self._kinds(group, p), group["precond_update_power_iterations"])
-            batches.setdefault(key, []).append(Member(index, p, group, m, target))
+        for x in members:
+            shape = tuple(x.p.shape) or (1,)
+            kinds, iterations = self._kinds(x.group, x.p), x.group["precond_update_power_iterations"]
+            batches.setdefault((shape, x.m.device, kinds, iterations), []).append(x)
         kept = []  # (batch, which fits were finite): one host sync for the warning, after all
         for (shape, device, _, iterations), batch in batches.items():
             kept.append((batch, self._batch_step(shape, device, iterations, batch, fit)))
-        if fit and not bool(torch.stack([ok.all().cpu() for _, ok in kept]).all()):
+        scatter(wholes, updates, [local(self.state[w.p]["update"]) for w in wholes])
+        if fit and kept and not bool(torch.stack([ok.all().cpu() for _, ok in kept]).all()):
             bad = [tuple(x.p.shape) for batch, ok in kept for x, fine in zip(batch, ok.tolist()) if not fine]
             warnings.warn(
                 f"PSGDKron: the preconditioner's fit was not finite for parameters of shape {bad}; "
@@ -488,13 +505,37 @@ class PSGDKron(BuiltinOptimizer):
                 stacklevel=4,
             )
 
+    def _members(self, items, grads) -> tuple[list, list, list]:
+        """The batches' members, whole: a DTensor sharded by rows only on the rank that owns
+        it, its momentum (and gradient, where the factors fit that) gathered there (one
+        all_to_all per shard group), with a buffer for its ``P m``. Also those DTensors'
+        owners and the buffers (None where not this rank's), for the way back."""
+        members, wholes, parts, into, updates = [], [], [], [], []
+        for (index, p, _, group), g32 in zip(items, grads):
+            st = self.state[p]
+            m = local(st["exp_avg"]).float() if self._momentum else g32
+            target = m if group["momentum_into_precond_update"] else g32
+            w = self._owners.get(p)
+            if w is None:
+                members.append(Member(index, p, group, m, target, local(st["update"])))
+                continue
+            wholes.append(w)
+            parts.append([m] if target is m else [m, target])
+            like = dict(size=p.shape, dtype=torch.float32, device=m.device)
+            into.append([torch.empty(**like) for _ in parts[-1]] if w.mine else [])
+            updates.append(torch.empty(**like) if w.mine else None)
+            if w.mine:
+                members.append(Member(index, p, group, into[-1][0], into[-1][-1], updates[-1]))
+        gather(wholes, parts, into)
+        return members, wholes, updates
+
     def _momentum_step(self, items, grads) -> None:
         """Each ``exp_avg`` to the debiased average of the gradients so far (heavyball's
         ``exp_avg``): one ``foreach`` lerp per param group and device."""
         lists: dict = {}
         for (_, p, _, group), g32 in zip(items, grads):
             eas, gs = lists.setdefault((id(group), p.device), (group, [], []))[1:]
-            eas.append(self.state[p]["exp_avg"])
+            eas.append(local(self.state[p]["exp_avg"]))
             gs.append(g32.to(self._exp_avg_dtype))
         for group, eas, gs in lists.values():
             beta = group["beta"] if group["beta"] is not None else group["betas"][0]
@@ -506,20 +547,28 @@ class PSGDKron(BuiltinOptimizer):
         gradients."""
         fresh: dict = {}
         for _, p, g, group in items:
-            if "Q" not in self.state.get(p, {}):
-                fresh.setdefault((id(group), p.shape, p.dtype, p.device), []).append((p, g, group))
+            if "update" not in self.state.get(p, {}):
+                fresh.setdefault((id(group), p.shape, p.dtype, local(p).device), []).append((p, g, group))
         news = {}
         for members in fresh.values():
-            group = members[0][2]
-            scale = init_scale(group, torch.cat([g.detach().reshape(-1) for _, g, _ in members]))
+            group, gs = members[0][2], None
+            if group["precond_init_scale"] is None:  # (from the whole gradients: DTensors' gathered)
+                whole = [g.full_tensor() if isinstance(g, DTensor) else g for _, g, _ in members]
+                gs = torch.cat([g.detach().reshape(-1) for g in whole])
+            scale = init_scale(group, gs)
             for p, _, _ in members:
-                news[p] = initial_factors(p.shape, self._kinds(group, p), scale, p.device)
+                w = self._owners.get(p)  # (a DTensor sharded by rows: factors on its owner only)
+                mine = w is None or w.mine
+                news[p] = (
+                    initial_factors(p.shape, self._kinds(group, p), scale, local(p).device) if mine else None
+                )
         return news
 
     def _new_state(self, p: torch.Tensor, qs: list) -> None:
         st = self.state[p]
-        st["Q"] = qs
-        st["running_lower_bound"] = [torch.zeros((), device=p.device) for _ in qs]
+        if qs is not None:
+            st["Q"] = qs
+            st["running_lower_bound"] = [torch.zeros((), device=local(p).device) for _ in qs]
         fmt = torch.preserve_format
         if self._momentum:
             st["exp_avg"] = torch.zeros_like(p, dtype=self._exp_avg_dtype, memory_format=fmt)
@@ -540,8 +589,8 @@ class PSGDKron(BuiltinOptimizer):
                 st["running_lower_bound"] = [lb[j].clone() for lb in lbs]
         if u is None:
             u = precondition(qs, m)
-        for j, st in enumerate(states):
-            st["update"].copy_(u[j].reshape(st["update"].shape))
+        for j, x in enumerate(batch):
+            x.update.copy_(u[j].reshape(x.update.shape))
         return finite
 
     def _fit(self, shape, device, iterations: int, batch: list, states: list, qs: list) -> tuple:
@@ -575,8 +624,24 @@ class PSGDKron(BuiltinOptimizer):
         sd = super().state_dict(compressed)
         for st in sd["state"].values():
             st.pop("update", None)
+        self._publish_factors(sd)
         sd["psgd"] = dict(prob_step=self._prob_step, cumulative_prob=self._cumulative_prob)
         return sd
+
+    def _publish_factors(self, sd: dict) -> None:
+        """The factors of each DTensor parameter sharded by rows, from its owner, into
+        ``sd`` as plain tensors on every rank of its shard group (a collective there)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._owners.update(params)
+        for i, p in enumerate(params):
+            w = self._owners.get(p)
+            if w is None:
+                continue
+            st = self.state.get(p, {})
+            factors = {k: st[k] for k in ("Q", "running_lower_bound") if k in st}
+            factors = published(w, factors if w.mine else {})
+            if factors:
+                sd["state"].setdefault(i, {}).update(factors)
 
     def load_state_dict(self, state_dict) -> None:
         restored = self._checked(state_dict)  # raises before anything loads
@@ -584,15 +649,21 @@ class PSGDKron(BuiltinOptimizer):
         super().load_state_dict(state_dict)
         self._prob_step = int(psgd.get("prob_step", 0))
         self._cumulative_prob = float(psgd.get("cumulative_prob", 0.0))
+        self._owners.update([p for group in self.param_groups for p in group["params"]])
         for p, st in restored.items():  # at full precision: torch casts them to the parameter's dtype
-            mine = self.state[p]
-            mine["Q"] = [q.to(device=p.device, dtype=torch.float32, copy=True) for q in st["Q"]]
-            mine["running_lower_bound"] = [
-                torch.as_tensor(lb).to(device=p.device, dtype=torch.float32, copy=True).reshape(())
-                for lb in st["running_lower_bound"]
-            ]
+            mine, device, w = self.state[p], local(p).device, self._owners.get(p)
+            mine.pop("Q", None)
+            mine.pop("running_lower_bound", None)
+            if w is None or w.mine:  # (a DTensor sharded by rows: its owner keeps the factors)
+                mine["Q"] = [q.to(device=device, dtype=torch.float32, copy=True) for q in st["Q"]]
+                mine["running_lower_bound"] = [
+                    torch.as_tensor(lb).to(device=device, dtype=torch.float32, copy=True).reshape(())
+                    for lb in st["running_lower_bound"]
+                ]
             if self._momentum:
-                mine["exp_avg"] = st["exp_avg"].to(device=p.device, dtype=self._exp_avg_dtype, copy=True)
+                ea = like_param(st["exp_avg"], p)  # (laid out like p: scattered, or gathered)
+                kw = dict(dtype=self._exp_avg_dtype, copy=True)
+                mine["exp_avg"] = ea.to(**kw) if isinstance(ea, DTensor) else ea.to(device=device, **kw)
             mine["update"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _checked(self, state_dict) -> dict:

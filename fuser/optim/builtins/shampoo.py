@@ -34,6 +34,8 @@ from fuser.optim.builtins._base import (
     RuleKernel,
     Variants,
     check_lr,
+    own_loaded_states,
+    published_state_dict,
     whole_tensor_gradients,
 )
 from fuser.runtime.plans import parse_options
@@ -259,9 +261,15 @@ class Shampoo(BuiltinOptimizer):
     each parameter for its kernels. Not supported (a ValueError): ``distributed_config``,
     ``precision_config``, ``preconditioner_dtype``, ``use_pytorch_compile``,
     ``track_root_inv_residuals``; fuser's ``state_dtype`` other than fp32,
-    ``stochastic_rounding`` and ``master_weights``. Nor yet DTensor parameters (a
-    RuntimeError), CUDA-graph capture (the step reads its count on the host) or
-    GradScaler's in-step unscaling (unscale first).
+    ``stochastic_rounding`` and ``master_weights``. Nor yet CUDA-graph capture (the step
+    reads its count on the host) or GradScaler's in-step unscaling (unscale first).
+
+    DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, ``torch.chunk``'s split) are
+    stepped whole, each by one rank of its shard group, as SOAP's are: one ``all_to_all``
+    per shard group and step brings the rows of the parameters and their gradients to
+    their owners, one more takes the stepped rows back; the owner keeps the states whole.
+    ``state_dict()`` (a collective then) holds the states of the parameter's shape as
+    DTensors like it, ``step`` and the factor and root matrices replicated.
     """
 
     rule = shampoo_update
@@ -322,6 +330,7 @@ class Shampoo(BuiltinOptimizer):
         self.use_protected_eigh = bool(use_protected_eigh)
         self._kernels: dict = {}
         self._work: dict = {}  # p -> its buffers between phases
+        self._tensors: dict = {}  # p -> the tensor its kernels update (a DTensor's whole tensor)
         self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
 
     def __str__(self) -> str:
@@ -356,7 +365,7 @@ class Shampoo(BuiltinOptimizer):
 
     def _elementwise(self, st: dict, key: str, p: torch.Tensor) -> torch.Tensor:
         if key not in st:
-            st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            st[key] = torch.zeros_like(self._t(p), dtype=torch.float32, memory_format=torch.preserve_format)
         return st[key]
 
     # --- the step ----------------------------------------------------------------------------
@@ -367,26 +376,31 @@ class Shampoo(BuiltinOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = whole_tensor_gradients(self)
-        for p, _, gi in found:
+        found, finish = whole_tensor_gradients(self)
+        self._tensors = {p: t for p, t, _, _ in found}  # what the kernels update, by parameter
+        for p, _, _, gi in found:
             if not self.state[p]:
                 self.state[p].update(self._new_state(p, self.param_groups[gi]))
         items = []  # (group, p, fp32 gradient with L2 decay, step t)
-        for p, g, gi in found:
+        for p, t, g, gi in found:
             group, st = self.param_groups[gi], self.state[p]
             g = g.float()
             if group["weight_decay"] != 0.0 and not group["use_decoupled_weight_decay"]:
-                g = g + group["weight_decay"] * p.float()
+                g = g + group["weight_decay"] * t.float()
             st["step"] += 1
             items.append((group, p, g, int(st["step"].item())))
-        if not items:
-            return loss
-        self._update_factors(items)
-        moments = self._moments(items)
-        self._refresh_roots(items)
-        directions = self._directions(items, *moments)
-        self._apply(items, directions)
+        if items:
+            self._update_factors(items)
+            moments = self._moments(items)
+            self._refresh_roots(items)
+            directions = self._directions(items, *moments)
+            self._apply(items, directions)
+        finish()
         return loss
+
+    def _t(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the kernels update for ``p``: itself, or a DTensor's whole tensor."""
+        return self._tensors.get(p, p)
 
     def _update_factors(self, items: list) -> None:
         """Every factor's ``G_(i) G_(i)ᵀ``, batched by (size, rest, β₂)."""
@@ -518,14 +532,14 @@ class Shampoo(BuiltinOptimizer):
             launch, states = [], {}
             for members in groups.values():
                 group = members[0][0]
-                launch.append(([p for _, p, _ in members], _hyper(group, key)))
+                launch.append(([self._t(p) for _, p, _ in members], _hyper(group, key)))
                 for _, p, u in members:
                     buf = self._buffers(p)["u"]
                     buf.copy_(u)
                     named = dict(u=buf)
                     if key[0]:
                         named["momentum_buffer"] = self._elementwise(self.state[p], "momentum_buffer", p)
-                    states[p] = named
+                    states[self._t(p)] = named
             self._kernel(key, self._rule_for(key)).run(launch, states)
 
     def _kernel(self, key, rule, grad_attr: str | None = None) -> RuleKernel:
@@ -549,7 +563,7 @@ class Shampoo(BuiltinOptimizer):
     # --- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return torch.optim.Optimizer.state_dict(self)
+        return published_state_dict(self, torch.optim.Optimizer.state_dict(self))
 
     def load_state_dict(self, state_dict) -> None:
         saved = state_dict["state"]
@@ -563,6 +577,7 @@ class Shampoo(BuiltinOptimizer):
         for pid, (p, _) in pairs:
             if pid in saved:
                 self.state[p] = {k: _fp32_copy(v, p.device) for k, v in saved[pid].items()}
+        own_loaded_states(self)
         self._use_variant(self._key(self.param_groups[0]))
         self.refresh()
 

@@ -33,6 +33,8 @@ from fuser.optim.builtins._base import (
     RuleKernel,
     Variants,
     check_lr,
+    own_loaded_states,
+    published_state_dict,
     whole_tensor_gradients,
 )
 from fuser.runtime.plans import parse_options
@@ -169,6 +171,16 @@ class SOAP(BuiltinOptimizer):
     fuser's keywords: ``grad_attr`` (``"main_grad"``), ``seed`` and ``static``;
     ``state_dtype`` only fp32, ``stochastic_rounding`` and ``master_weights`` only off
     (not supported yet: the matrix work reads and writes the states in torch).
+
+    DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, ``torch.chunk``'s split):
+    each is stepped whole by one rank of its shard group, which keeps its states whole
+    (the others hold ``{"whole_on_rank": rank}``); its rows and its gradient's reach that
+    rank by one ``all_to_all`` per shard group and step, and the stepped rows come back
+    by another. ``state_dict()`` and
+    ``load_state_dict()`` are then collectives of the shard group; the state dict holds
+    the states of the parameter's shape as DTensors like it and the factors and bases
+    as replicated plain tensors, which torch.distributed.checkpoint reshards. A replicated
+    DTensor is stepped by every rank; other layouts raise a RuntimeError.
     """
 
     rule = soap
@@ -239,6 +251,7 @@ class SOAP(BuiltinOptimizer):
         self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
         self._kernels = {}
         self._work = {}  # p -> its kernels' buffers
+        self._tensors = {}  # p -> the tensor its kernels update (a DTensor's whole tensor)
 
     def __str__(self) -> str:
         return "SOAP"
@@ -249,10 +262,11 @@ class SOAP(BuiltinOptimizer):
         self.param_groups[-1].setdefault("step", 0)
 
     def state_dict(self) -> dict:
-        return torch.optim.Optimizer.state_dict(self)
+        return published_state_dict(self, torch.optim.Optimizer.state_dict(self))
 
     def load_state_dict(self, state_dict) -> None:
         torch.optim.Optimizer.load_state_dict(self, state_dict)
+        own_loaded_states(self)
         # torch casts loaded states to each parameter's dtype; SOAP keeps them in fp32.
         for state in self.state.values():
             for key, value in state.items():
@@ -319,16 +333,17 @@ class SOAP(BuiltinOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = whole_tensor_gradients(self)
+        found, finish = whole_tensor_gradients(self)
+        self._tensors = {p: t for p, t, _, _ in found}  # what the kernels update, by parameter
         items = []  # (group, p, fp32 gradient: the one to descend)
-        for p, g, gi in found:
+        for p, _, g, gi in found:
             g = g.float()
             items.append((self.param_groups[gi], p, -g if self.maximize else g))
 
         # Parameters seen for the first time: their factors from this gradient, then eigh.
         new = [(group, p, g) for group, p, g in items if len(self.state[p]) == 0]
         for group, p, g in new:
-            self.state[p].update(self._new_state(p, g, group))
+            self.state[p].update(self._new_state(self._tensors[p], g, group))
         self._precondition(new, [group["step"] for group, _, _ in new])
 
         for group in self.param_groups:
@@ -336,6 +351,7 @@ class SOAP(BuiltinOptimizer):
         update = [(group, p, g) for group, p, g in items if group["step"] > 1]
         self._adam(update)
         self._precondition(update, [group["step"] - 1 for group, _, _ in update])
+        finish()
         return loss
 
     def _buffers(self, p: torch.Tensor) -> dict:
@@ -381,9 +397,10 @@ class SOAP(BuiltinOptimizer):
             work["u"].copy_(self._unview(u, g, group))
         for key in dict.fromkeys(self._key(ms[0][0]) for ms in members):
             mine = [ms for ms in members if self._key(ms[0][0]) == key]
+            tensors = self._tensors
             self._kernel(key).run(
-                [([p for _, p, _ in ms], self._hyper(ms[0][0])) for ms in mine],
-                {p: dict(exp_avg=self.state[p]["exp_avg"], u=w["u"]) for _, p, w in _items_of(mine)},
+                [([tensors[p] for _, p, _ in ms], self._hyper(ms[0][0])) for ms in mine],
+                {tensors[p]: dict(exp_avg=self.state[p]["exp_avg"], u=w["u"]) for _, p, w in _items_of(mine)},
             )
 
     def _hyper(self, group: dict) -> dict:
