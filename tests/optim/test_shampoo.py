@@ -4,8 +4,10 @@ the step grafted block by block to Adam's (or AdaGrad's) norm, decoupled weight 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
+import weakref
 
 import pytest
 import torch
@@ -255,6 +257,29 @@ def test_state_dict_resumes_the_same_trajectory():
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     st = other.state[b[0]]
     assert st["factor_matrices"][0][0].dtype == torch.float32 and int(st["step"]) == 4
+
+
+def test_shampoo_holds_its_states_alone_between_steps(monkeypatch):
+    """A step's buffers (the grafting direction, the filtered gradient, the direction) are
+    freed when it ends, root refreshes included: between steps only the states stay."""
+    made = []
+    buffers = fuser.optim.Shampoo._buffers
+
+    def recorded(self, p):
+        work = buffers(self, p)
+        made.extend(weakref.ref(t) for t in work.values())
+        return work
+
+    monkeypatch.setattr(fuser.optim.Shampoo, "_buffers", recorded)
+    params = [torch.randn(5, 3), torch.randn(5)]
+    opt = fuser.optim.Shampoo(params, lr=0.1, precondition_frequency=2, max_preconditioner_dim=4)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        gc.collect()
+        assert all(r() is None for r in made)
+    assert len(made) >= 6 and all("grafting" in opt.state[p] for p in params)
 
 
 def test_a_failed_root_keeps_the_previous_one(monkeypatch):

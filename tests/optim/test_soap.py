@@ -5,8 +5,10 @@ bases from eigh once and then a QR power iteration every precondition_frequency 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -249,6 +251,29 @@ def test_soap_reads_grad_attr():
         for opt in opts:
             opt.step()
     assert torch.equal(a, b) and b.grad is None
+
+
+def test_soap_holds_its_states_alone_between_steps(monkeypatch):
+    """A step's buffers (the projected gradient and first moment, the direction) are freed
+    when it ends, refresh steps included: between steps only the states stay."""
+    made = []
+    buffers = fuser.optim.SOAP._buffers
+
+    def recorded(self, p):
+        work = buffers(self, p)
+        made.extend(weakref.ref(t) for t in work.values())
+        return work
+
+    monkeypatch.setattr(fuser.optim.SOAP, "_buffers", recorded)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 3, generator=gen, requires_grad=True)
+    opt = fuser.optim.SOAP([a], precondition_frequency=2)
+    for _ in range(4):
+        a.grad = torch.randn(5, 3, generator=gen)
+        opt.step()
+        gc.collect()
+        assert all(r() is None for r in made)
+    assert len(made) >= 9 and set(opt.state[a]) >= {"exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.parametrize(

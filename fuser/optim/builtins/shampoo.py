@@ -257,10 +257,10 @@ class Shampoo(BuiltinOptimizer):
     ``grafting`` (the second moment of Adam, AdaGrad, RMSprop), ``momentum_buffer``
     (``momentum > 0``). Differences from Meta's: the step is counted per parameter (Meta
     counts per param group), and the standard ``state_dict`` works (Meta's needs
-    ``distributed_state_dict``). Between steps it also holds three fp32 buffers the size of
-    each parameter for its kernels. Not supported (a ValueError): ``distributed_config``,
-    ``precision_config``, ``preconditioner_dtype``, ``use_pytorch_compile``,
-    ``track_root_inv_residuals``; fuser's ``state_dtype`` other than fp32,
+    ``distributed_state_dict``). A step's kernels take three fp32 buffers the size of each
+    parameter, freed when it ends (between steps only the states stay). Not supported (a
+    ValueError): ``distributed_config``, ``precision_config``, ``preconditioner_dtype``,
+    ``use_pytorch_compile``, ``track_root_inv_residuals``; fuser's ``state_dtype`` other than fp32,
     ``stochastic_rounding`` and ``master_weights``. Nor yet CUDA-graph capture (the step
     reads its count on the host) or GradScaler's in-step unscaling (unscale first).
 
@@ -396,6 +396,7 @@ class Shampoo(BuiltinOptimizer):
             directions = self._directions(items, *moments)
             self._apply(items, directions)
         finish()
+        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
         return loss
 
     def _t(self, p: torch.Tensor) -> torch.Tensor:

@@ -158,9 +158,9 @@ class SOAP(BuiltinOptimizer):
     there: the identity); 1-D parameters have one only with ``precondition_1d``.
     ``merge_dims`` merges neighbouring dimensions while their product fits in
     ``max_precondition_dim`` (4-D tensors with ``data_format="channels_last"`` seen as
-    NCHW first). States are fp32 whatever the parameter's dtype; between steps SOAP also
-    holds three fp32 buffers per parameter for its kernels (the projected gradient and
-    first moment, the direction).
+    NCHW first). States are fp32 whatever the parameter's dtype. A step's kernels take three
+    fp32 buffers per parameter (the projected gradient and first moment, the direction),
+    freed when it ends, as are their tables: between steps SOAP holds its states alone.
 
     As in the reference, each parameter keeps the ``precondition_frequency`` and
     ``shampoo_beta`` of its first step in its state. Differences from the reference:
@@ -352,6 +352,7 @@ class SOAP(BuiltinOptimizer):
         self._adam(update)
         self._precondition(update, [group["step"] - 1 for group, _, _ in update])
         finish()
+        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
         return loss
 
     def _buffers(self, p: torch.Tensor) -> dict:
