@@ -73,10 +73,11 @@ def gemm_tflops(device) -> float:
     return 2 * m**3 / (ms * 1e-3) / 1e12
 
 
-def _cpu_ms(fn, rep=3):
+def _cpu_ms(fn, rep=3, warmup=True):
     import time
 
-    fn()
+    if warmup:
+        fn()
     t0 = time.perf_counter()
     for _ in range(rep):
         fn()
@@ -158,8 +159,7 @@ def ns_alone(shapes, device) -> float:
     workspace.acquire()
     for sg in work.groups:
         sg.x.normal_()
-    timer = event_ms if device.type == "cuda" else _cpu_ms
-    ms = timer(work)
+    ms = event_ms(work) if device.type == "cuda" else _cpu_ms(work, rep=1)
     workspace.release()
     return ms
 
@@ -242,14 +242,20 @@ def run(workload, shapes, builds, device, floor_ms, err, rows):
             with environ(ONE_SLICE if name.endswith("one slice") else {}):
                 opt.step()  # the first step builds tables (and slices) and compiles
             held = memory.held()
-            ms = event_ms(opt.step, rep=10) if device.type == "cuda" else _cpu_ms(opt.step, rep=1)
-            wall = wall_ms(opt.step, steps=10) if device.type == "cuda" else ms
+            before = fuser.stats()["launches"]
+            if device.type == "cuda":
+                ms = event_ms(opt.step, rep=10)
+                wall = wall_ms(opt.step, steps=10)
+            else:  # (the interpreter: one step after the first, timed and its launches counted)
+                ms = wall = _cpu_ms(opt.step, rep=1, warmup=False)
         except Exception as e:  # an anchor that fails must not hide the others
             rows.append(dict(workload=workload, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             print(json.dumps(rows[-1]), flush=True)
             continue
-        before = fuser.stats()["launches"]
-        peak = memory.peak(opt.step)
+        peak = None
+        if device.type == "cuda":  # (one more step: its launches and the most it allocates)
+            before = fuser.stats()["launches"]
+            peak = memory.peak(opt.step)
         n = sum(p.numel() for p in stepped)
         row = dict(
             workload=workload,

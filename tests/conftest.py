@@ -4,10 +4,15 @@ import random
 import secrets
 import tempfile
 
+import interpreter_calls
 import numpy
 import pytest
 import torch
 from seeds import set_case_seed
+
+# A kernel's calls of its own helpers skip the interpreter's second patch of triton.language
+# (interpreter_calls.py; bit-identical results, tests/test_interpreter_calls.py).
+interpreter_calls.install()
 
 # Kernels written by the tests go to a throwaway cache unless the caller chose one.
 os.environ.setdefault("FUSER_CACHE_DIR", tempfile.mkdtemp(prefix="fuser-test-cache-"))

@@ -287,8 +287,9 @@ def _post_training_smoke(tmp_path):
     assert "## `distill_jsd`" in md and "## `dpo`" in md
 
 
-# The benchmarks' CPU smoke runs (each a subprocess through the interpreter, 6-32 s): half a
-# run, all in 2 runs (tests/README.md, sweeps).
+# The benchmarks' CPU smoke runs (each a subprocess through the interpreter, 5-22 s): half a
+# run, all in 2 runs (tests/README.md, sweeps): muon and shaped (~35 s), post_training and
+# state (~27 s).
 SMOKES = dict(muon=_muon_smoke, post_training=_post_training_smoke, shaped=_shaped_smoke, state=_state_smoke)
 
 

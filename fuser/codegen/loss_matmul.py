@@ -389,11 +389,33 @@ def _tidy(e: sympy.Expr) -> sympy.Expr:
 
 def _softmax_terms(rest: sympy.Expr, softmax: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr] | None:
     """``(A, C)`` with ``rest = A * softmax + C``, both free of ``z``, or ``None``."""
-    scale = _tidy(sympy.diff(rest, Z) / sympy.diff(softmax, Z))
+    ratio = sympy.diff(rest, Z) / sympy.diff(softmax, Z)
+    if _varies_with(ratio, Z):  # (no form of A is free of z: simplify, seconds, cannot find one)
+        return None
+    scale = _tidy(ratio)
+    if scale == 0 or Z in scale.free_symbols:
+        return None
     const = _tidy(rest - scale * softmax)
-    if scale == 0 or any(Z in e.free_symbols for e in (scale, const)):
+    if Z in const.free_symbols:
         return None
     return scale, const
+
+
+def _varies_with(e: sympy.Expr, x: sympy.Symbol) -> bool:
+    """Whether ``e`` takes two values at two values of ``x``, every other symbol fixed (at
+    values of its own, the same each call), in 30-digit arithmetic: then every expression
+    equal to ``e`` has ``x`` in it. ``False`` says nothing (a value that is not a finite
+    real number, a function evalf cannot evaluate, or equal values)."""
+    others = sorted(e.free_symbols - {x}, key=lambda s: s.name)
+    fixed = {s: sympy.Float(0.61 + 0.37 * i, 30) for i, s in enumerate(others)}
+    values = []
+    for at in ("0.29", "0.83"):
+        v = e.xreplace({**fixed, x: sympy.Float(at, 30)}).evalf(30)
+        if not (v.is_Number and v.is_finite and v.is_real):
+            return False
+        values.append(v)
+    a, b = values
+    return abs(a - b) > 1e-20 * max(abs(a), abs(b), 1)
 
 
 def linear_sums(plan: LossPlan) -> dict[int, tuple[sympy.Expr, sympy.Expr]]:

@@ -1,10 +1,11 @@
 """``fuser precompile``'s kernel options cover what a job with the same keywords loads.
 
-After one precompile (real compiles, one target), an optimizer built with each combination
-of options, stepped on CPU with ``load_kernel`` recording instead of loading, asks only for
-kernels whose binaries are in the store under the loader's own keys; so does a compiled
-loss, plain and vocabulary-parallel. Options left out are misses, and a second run is all
-hits.
+After one precompile (real compiles, one target, one dtype plan a run: the two in 2 runs),
+an optimizer built with each combination of options, stepped on CPU with ``load_kernel``
+recording instead of loading, asks only for kernels whose binaries are in the store under
+the loader's own keys; so does a compiled loss, plain and vocabulary-parallel. Options left
+out are misses, and a second run is all hits. What both plans together render (each
+kernel once) is checked every run, without compiling.
 """
 
 import re
@@ -37,10 +38,24 @@ heavy_ball = fuser.rule("""
 plain_ce = fuser.loss("loss = logsumexp(z) - z[y]", name="plain_ce")
 '''
 
-PLANS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float16)]  # (parameters, gradients)
+# (parameters, gradients) of each dtype plan of the precompile: one plan's real compiles a
+# run, both in 2 runs (tests/README.md, sweeps); what both plans together render, every run
+PLANS = {"bf16": ("bf16:fp32", torch.bfloat16, torch.float32), "fp16": ("fp16", torch.float16, torch.float16)}
 STATE_DTYPES = ["fp32", "param"]
-ARGS = ["--target", TARGET, "--dtype", "bf16:fp32", "--dtype", "fp16", "--state-dtype", "fp32",
-        "--state-dtype", "param", "--stochastic-rounding", "--vocab-parallel"]  # fmt: skip
+OPTIONS = ["--state-dtype", "fp32", "--state-dtype", "param", "--stochastic-rounding", "--vocab-parallel"]
+# For both dtypes, the row kernel and 2 staged loss kernels of fp32 logits (3; every dtype's
+# calls launch them); per dtype, the last staged kernel of its own (``fused`` and ``scaled``
+# run it), the lean schedule's 6 matmul kernels (one sweep, the gradient without and with
+# tensor descriptors, and warp-specialised, the forward's tile sums through descriptors,
+# and warp-specialised), the scaled schedule's kernel (three ways: its tiles, through
+# descriptors, warp-specialised) and its 5 kernels around it (per token, per chunk, the
+# gradient's terms), the target column's residue's 2 more (its row sums' second phase is
+# the scaled schedule's), the 3 that write a 16-bit grad_weight with the residue's rows in
+# it and the 2 that scale a forward's gradients by grad_output: 22 for bf16 besides those
+# 3; 15 for fp16, which the scaled schedule refuses (its 3 + 3 gradient-term kernels, less
+# the residue's second phase, then its own; the lean forward's tile sums take the
+# per-token kernels) and whose gradients are all taken in backward
+OWN_LOSS_KERNELS = {"bf16": 22, "fp16": 15}
 
 
 def _rows(out: str) -> list[list[str]]:
@@ -73,80 +88,103 @@ def _missing(sources) -> list[str]:
     return [s.entry for s in sources if stored_binary(s, TARGET) is None]
 
 
-def test_options_cover_the_kernels_a_job_loads(cache_root, tmp_path, capsys, monkeypatch):
+def _rendered(module, plans: list[str]) -> dict:
+    """The distinct kernels (by digest: what precompile compiles once) that ``fuser
+    precompile`` with these ``--dtype`` plans and ``OPTIONS`` renders, by rule name."""
+    parsed = [clitools.parse_plan(p) for p in plans]
+    kernels = {}
+    for rule in (module.heavy_ball, module.plain_ce):
+        for variant in clitools.variants(rule, parsed, STATE_DTYPES, True, True):
+            kernels.update({s.digest: rule.name for s in clitools.kernel_sources(rule, variant)})
+    return kernels
+
+
+def _loss_sources(loss, dtype: str) -> tuple[list, list]:
+    """A compiled loss's kernels of ``dtype`` that every schedule but the scaled one
+    launches, and the scaled schedule's."""
+    sweeps, grad = loss.matmul_kernel_sources(dtype)
+    _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
+    ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
+    _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
+    sum_tiles = choice.scaled_tiles(dtype, True)
+    sources = [
+        *loss.tile_sums_sources(dtype, sum_tiles),
+        loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
+        loss.row_source(),  # (fp32 logits for every dtype)
+        *loss.sharded_kernel_sources("fp32")[0],
+        loss.sharded_kernel_sources(dtype)[0][-1],  # (fused and scaled, on the reductions)
+        *sweeps,
+        grad,
+        grad_tma,
+        grad_ws,
+        *loss.residue_sources(dtype),
+        *loss.weight_grad_sources(dtype),
+        *api.grad_scale_sources(dtype),
+    ]
+    scaled = [
+        loss.scaled_kernel_source(dtype),
+        loss.scaled_kernel_source(dtype, choice.SCALED_TILES_TMA),
+        loss.scaled_kernel_source(dtype, warp_specialized(choice.SCALED_TILES_TMA)),
+        *loss.scaled_token_sources(dtype),
+    ]
+    assert loss.residue_sources(dtype)  # (16-bit logits: the target column's residue)
+    return sources, scaled
+
+
+@pytest.mark.sweep(runs=2)
+@pytest.mark.parametrize("dtype", sorted(PLANS))
+def test_options_cover_the_kernels_a_job_loads(dtype, cache_root, tmp_path, capsys, monkeypatch):
     path = tmp_path / "job_rules.py"
     path.write_text(RULES)
-    assert cli.main(["precompile", str(path), *ARGS]) == 0, capsys.readouterr().err
-    rows = _rows(capsys.readouterr().out)
-    # 2 plans x 2 state dtypes for the optimizer; for both dtypes, the row kernel and 2
-    # staged loss kernels of fp32 logits (3; every dtype's calls launch them); per dtype,
-    # the last staged kernel of its own (``fused`` and ``scaled`` run it), the lean
-    # schedule's 6 matmul kernels (one sweep, the gradient without and
-    # with tensor descriptors, and warp-specialised, the forward's tile sums through
-    # descriptors, and warp-specialised), the scaled schedule's kernel (three ways: its
-    # tiles, through descriptors, warp-specialised) and its 5 kernels around it (per token,
-    # per chunk, the gradient's terms), the target column's residue's 2 more (its row sums'
-    # second phase is the scaled schedule's), the 3 that write a 16-bit grad_weight with
-    # the residue's rows in it and the 2 that scale a forward's gradients by grad_output:
-    # 22 for bf16 besides those 3; 15 for fp16, which the scaled schedule refuses (its 3 + 3 gradient-term
-    # kernels, less the residue's second phase, then its own; the lean forward's tile sums
-    # take the per-token kernels) and whose gradients are all taken in backward
-    assert len(rows) == 4 + 3 + 22 + 15 and {r[5] for r in rows} == {"compiled"}
-    assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
-    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * 40
-    assert {r[3] for r in rows if r[0] == "heavy_ball"} == {
-        "p:bf16-g:fp32-m:fp32", "p:bf16-g:fp32-m:bf16", "p:fp16-g:fp16-m:fp32", "p:fp16-g:fp16-m:fp16",
-    }  # fmt: skip
-
     module = clitools.load_module(str(path))
-    for param_dtype, grad_dtype in PLANS:
-        for state_dtype in STATE_DTYPES:
-            loads = _step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype,
-                                state_dtype=state_dtype, stochastic_rounding=True, seed=7)  # fmt: skip
-            assert _missing(loads) == [], (param_dtype, grad_dtype, state_dtype)
-        # Not precompiled: without stochastic rounding, or with gradients like the parameters.
-        assert _missing(_step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype))
+    # Both plans in one precompile: each kernel of each, the 3 on fp32 logits once; 2 plans
+    # x 2 state dtypes for the optimizer.
+    both = _rendered(module, [plan for plan, _, _ in PLANS.values()])
+    assert sorted(both.values()).count("heavy_ball") == 4
+    assert len(both) == 4 + 3 + sum(OWN_LOSS_KERNELS.values())
+    mine = _rendered(module, [PLANS[dtype][0]])
+    assert set(mine) < set(both)
+
+    plan, param_dtype, grad_dtype = PLANS[dtype]
+    args = ["precompile", str(path), "--target", TARGET, "--dtype", plan, *OPTIONS]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    rows = _rows(capsys.readouterr().out)
+    assert len(rows) == len(mine) == 2 + 3 + OWN_LOSS_KERNELS[dtype] and {r[5] for r in rows} == {"compiled"}
+    assert {r[4] for r in rows if r[0] == "heavy_ball"} == {"stochastic rounding"}
+    assert [r[4] for r in rows if r[0] == "plain_ce"] == ["-"] * (3 + OWN_LOSS_KERNELS[dtype])
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    p, g = short[param_dtype], short[grad_dtype]
+    assert {r[3] for r in rows if r[0] == "heavy_ball"} == {f"p:{p}-g:{g}-m:fp32", f"p:{p}-g:{g}-m:{p}"}
+
+    for state_dtype in STATE_DTYPES:
+        loads = _step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype,
+                            state_dtype=state_dtype, stochastic_rounding=True, seed=7)  # fmt: skip
+        assert _missing(loads) == [], (param_dtype, grad_dtype, state_dtype)
+    # Not precompiled: without stochastic rounding, the other plan, or gradients like the
+    # parameters.
+    assert _missing(_step_loads(monkeypatch, module.heavy_ball, param_dtype, grad_dtype))
+    (other,) = set(PLANS) - {dtype}
+    _, other_p, other_g = PLANS[other]
+    assert _missing(_step_loads(monkeypatch, module.heavy_ball, other_p, other_g, stochastic_rounding=True))
     assert _missing(_step_loads(monkeypatch, module.heavy_ball, torch.bfloat16, torch.bfloat16,
                                 stochastic_rounding=True))  # fmt: skip
 
     loss = fuser.compile(module.plain_ce)
-    for dtype in ("bf16", "fp16"):
-        sweeps, grad = loss.matmul_kernel_sources(dtype)
-        _, grad_tma = loss.matmul_kernel_sources(dtype, grad_tiles=loss._gradient_tiles(dtype, True))
-        ws_tiles = warp_specialized(loss._gradient_tiles(dtype, True))
-        _, grad_ws = loss.matmul_kernel_sources(dtype, grad_tiles=ws_tiles)
-        sum_tiles = choice.scaled_tiles(dtype, True)
-        sources = [
-            *loss.tile_sums_sources(dtype, sum_tiles),
-            loss.tile_sums_sources(dtype, warp_specialized(sum_tiles))[0],
-            loss.row_source(),  # (fp32 logits for every dtype)
-            *loss.sharded_kernel_sources("fp32")[0],
-            loss.sharded_kernel_sources(dtype)[0][-1],  # (fused and scaled, on the reductions)
-            *sweeps,
-            grad,
-            grad_tma,
-            grad_ws,
-            *loss.residue_sources(dtype),
-            *loss.weight_grad_sources(dtype),
-            *api.grad_scale_sources(dtype),
-        ]
-        scaled = [
-            loss.scaled_kernel_source(dtype),
-            loss.scaled_kernel_source(dtype, choice.SCALED_TILES_TMA),
-            loss.scaled_kernel_source(dtype, warp_specialized(choice.SCALED_TILES_TMA)),
-            *loss.scaled_token_sources(dtype),
-        ]
-        assert loss.residue_sources(dtype)  # (16-bit logits: the target column's residue)
-        assert _missing(sources) == []
-        if dtype == "bf16":
-            assert _missing(scaled) == []
-        else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one
-            # and the lean forward takes the two per-token ones)
-            assert len(_missing(scaled)) == 5
-    assert _missing([loss.matmul_kernel_sources("fp32")[1]])  # (fp32 inputs were not asked for)
+    sources, scaled = _loss_sources(loss, dtype)
+    assert _missing(sources) == []
+    if dtype == "bf16":
+        assert _missing(scaled) == []
+    else:  # (the scaled schedule refuses fp16: of its 8 kernels, the residue shares one
+        # and the lean forward takes the two per-token ones)
+        assert len(_missing(scaled)) == 5
+    # the other dtype's kernels but the 3 on fp32 logits, and fp32 inputs', were not asked for
+    others = {s.digest: s for s in _loss_sources(loss, other)[0]}
+    assert set(_missing(others.values())) == {s.entry for d, s in others.items() if d not in mine}
+    assert len(set(others) - set(mine)) == len(others) - 3
+    assert _missing([loss.matmul_kernel_sources("fp32")[1]])
 
     before = files_state(cache_root)
-    assert cli.main(["precompile", str(path), *ARGS]) == 0
+    assert cli.main(args) == 0
     again = _rows(capsys.readouterr().out)
     assert len(again) == len(rows) and {r[5] for r in again} == {"hit"}
     assert files_state(cache_root) == before

@@ -64,6 +64,9 @@ def _serve(rank: int, world: int, port: int, backend: str, tasks, done) -> None:
     """A pool's rank: joins the group once, then runs each task ``(fn, args, env, out)`` it
     is sent, writing ``fn``'s result (or its traceback) into the folder ``out``."""
     try:
+        import interpreter_calls  # (tests/: the parent's sys.path; as in the test process)
+
+        interpreter_calls.install()
         _init_group(rank, world, port, backend)
     except BaseException:
         done.put((rank, traceback.format_exc()))
