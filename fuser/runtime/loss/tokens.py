@@ -297,7 +297,7 @@ class TokenLoss(torch.autograd.Function):
         if isinstance(run, VocabTokens):
             red = run.forward(x, weight, bias, target, inputs, out, teacher)
         else:
-            if want_grad and run.keep:
+            if want_grad and getattr(run, "keep", False):  # (TokenRun on one device)
                 ctx.kept = run.kept_buffers(x.shape[0], weight.shape[0], tx is not None)
             run.run(x, weight, bias, target, inputs, out, teacher=teacher, kept=ctx.kept)
         ctx.run, ctx.main_grad, ctx.k, ctx.teacher = run, main_grad, k, tx is not None
