@@ -299,7 +299,8 @@ class TokenLoss(torch.autograd.Function):
         else:
             if want_grad and getattr(run, "keep", False):  # (TokenRun on one device)
                 ctx.kept = run.kept_buffers(x.shape[0], weight.shape[0], tx is not None)
-            run.run(x, weight, bias, target, inputs, out, teacher=teacher, kept=ctx.kept)
+            keep = {} if ctx.kept is None else dict(kept=ctx.kept)  # (TokenRun's alone)
+            run.run(x, weight, bias, target, inputs, out, teacher=teacher, **keep)
         ctx.run, ctx.main_grad, ctx.k, ctx.teacher = run, main_grad, k, tx is not None
         if want_grad:
             ctx.save_for_backward(x, weight, bias, target, inputs, tx, tw, tb, red)
@@ -335,7 +336,9 @@ class TokenLoss(torch.autograd.Function):
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
         out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
         kept, ctx.kept = ctx.kept, None  # (a second backward, retain_graph=True, recomputes them)
-        flags = dict(gx=gx, gw=gw, gb=gb, teacher=teacher, kept=kept, filled=kept is not None)
+        flags = dict(gx=gx, gw=gw, gb=gb, teacher=teacher)
+        if kept is not None:
+            flags.update(kept=kept, filled=True)
         ctx.run.run(x, weight, bias, target, full, out, **flags)
         if main_grad:
             gw = main_grad_return(weight)
