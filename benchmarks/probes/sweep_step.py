@@ -1,5 +1,6 @@
 """Launch shape of the flat step kernels: fuser's AdamW on TinyLlama-1.1B's 201 tensors
-in five storage layouts, for each (BLOCK, SUB, warps), in this process on this GPU.
+in five storage layouts, for each (BLOCK, SUB, warps[, register cap]), in this process on
+this GPU.
 
 Layouts, as `state_bench.py` names their workloads (bf16 parameters and gradients):
 `q8` (8-bit m and v, `adamw_q8_llama1b`), `m24` (the same with
@@ -7,12 +8,13 @@ Layouts, as `state_bench.py` names their workloads (bf16 parameters and gradient
 `adamw_bf16p_fp32s_llama1b`), `bf16` (`state_dtype="param"`, `adamw_bf16_llama1b`); and
 `fp32`: fp32 parameters, gradients and states (`optim_bench.py`'s `adamw_fp32_llama1b`).
 The launch shape is rendered into the kernel from `FUSER_OPTIM_BLOCK`, `FUSER_OPTIM_SUB`
-and `FUSER_OPTIM_WARPS` (part of the plan cache's key), so each setting compiles its own
+and `FUSER_OPTIM_WARPS`, a setting's optional fourth field is `FUSER_OPTIM_MAXNREG` (0: no
+cap; left out: the default), all part of the kernel's key, so each setting compiles its own
 kernels. Per setting: median and minimum of CUDA events around one
 step (20 steps after 3).
 
     PYTHONPATH=. python benchmarks/probes/sweep_step.py [--out DIR] [--tag _x]
-        [--layouts q8,m24,fp32s,bf16,fp32] [--settings 2048:2048:4,8192:512:4,...]
+        [--layouts q8,m24,fp32s,bf16,fp32] [--settings 2048:2048:4,8192:512:2:0,...]
 
 Writes `sweep_step_<date><tag>.json` and `.md` under --out (default benchmarks/results).
 """
@@ -48,7 +50,7 @@ LAYOUTS = {
 # BLOCK:SUB:WARPS. The first two are the launch shapes before the loop over passes
 # (8-bit layouts took 4 warps, the others 8); 8192:512:4 is the default since.
 SETTINGS = "2048:2048:4,2048:2048:8,512:512:4,4096:512:4,8192:512:4,16384:512:4,8192:1024:8,4096:256:2"
-ENV = ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_SUB", "FUSER_OPTIM_WARPS")
+ENV = ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_SUB", "FUSER_OPTIM_WARPS", "FUSER_OPTIM_MAXNREG")
 
 
 def time_step(opt, steps: int = 20, warmup: int = 3) -> tuple[float, float]:
@@ -74,15 +76,19 @@ def params(dtype: torch.dtype) -> list[torch.Tensor]:
     return ps
 
 
-def run(layouts: list[str], settings: list[tuple[str, str, str]]) -> list[dict]:
+def run(layouts: list[str], settings: list[tuple[str, ...]]) -> list[dict]:
     saved = {k: os.environ.get(k) for k in ENV}
     rows = []
     try:
         for layout in layouts:
             ps = params(torch.float32 if layout == "fp32" else torch.bfloat16)
-            for block, sub, warps in settings:
+            for block, sub, warps, *cap in settings:
                 os.environ.update(dict(zip(ENV, (block, sub, warps))))
+                os.environ.pop("FUSER_OPTIM_MAXNREG", None)
+                if cap:
+                    os.environ["FUSER_OPTIM_MAXNREG"] = cap[0]
                 row = dict(layout=layout, BLOCK=int(block), SUB=int(sub), warps=int(warps))
+                row["maxnreg"] = cap[0] if cap else "default"
                 opt = fuser.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **LAYOUTS[layout])
                 row["ms"], row["min_ms"] = (round(t, 4) for t in time_step(opt))
                 print(row, flush=True)
@@ -112,11 +118,11 @@ def write(rows: list[dict], meta: dict, out: str, tag: str) -> None:
         "",
         "AdamW on TinyLlama-1.1B's 201 tensors; ms per step (CUDA events, median and minimum of 20).",
         "",
-        "| layout | BLOCK | SUB | warps | median ms | min ms |",
-        "|---|---|---|---|---|---|",
+        "| layout | BLOCK | SUB | warps | register cap | median ms | min ms |",
+        "|---|---|---|---|---|---|---|",
     ]
-    cols = ("layout", "BLOCK", "SUB", "warps", "ms", "min_ms")
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    cols = ("layout", "BLOCK", "SUB", "warps", "maxnreg", "ms", "min_ms")
+    lines += ["| " + " | ".join(str(r.get(c, "default")) for c in cols) + " |" for r in rows]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

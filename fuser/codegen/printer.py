@@ -41,12 +41,15 @@ class TritonPrinter(PythonCodePrinter):
     """Print sympy expressions as Triton code.
 
     ``names`` maps each symbol to the variable that holds it in the kernel, so rule names
-    never collide with the kernel's own variables; ``fp64`` prints for fp64 scalars.
+    never collide with the kernel's own variables; ``fp64`` prints for fp64 scalars;
+    ``fast_sqrt`` prints the hardware's approximate square root (an ulp or two) where a
+    correctly rounded one would take several instructions more for nothing the stored
+    values can show (8-bit states).
     """
 
     printmethod = "_tritoncode"
 
-    def __init__(self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False):
+    def __init__(self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False, fast_sqrt: bool = False):
         super().__init__(
             {
                 "fully_qualified_modules": False,
@@ -57,7 +60,7 @@ class TritonPrinter(PythonCodePrinter):
         )
         self.names = dict(names or {})
         # tl.sqrt_rn is fp32-only; fp64 square roots are correctly rounded anyway.
-        self.sqrt = "tl.sqrt" if fp64 else "tl.sqrt_rn"
+        self.sqrt = "tl.sqrt" if fp64 or fast_sqrt else "tl.sqrt_rn"
 
     def doprint_expr(self, expr) -> str:
         return self._print(sympy.sympify(expr))

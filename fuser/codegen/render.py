@@ -461,7 +461,10 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
         read=read,
         used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in touched],
         p64=TritonPrinter(scalar_names, fp64=True),
-        p32=TritonPrinter(body_names),
+        # With 8-bit states a step's values carry 2**-8 of their block's scale: sqrt_rn's
+        # last ulp shows in none of them, and its slow-path check is 8 of a q8 AdamW's 74
+        # instructions per element on sm_90 (benchmarks/NOTES.md, 8-bit states).
+        p32=TritonPrinter(body_names, fast_sqrt=any(sl.dtype in QFORMATS for sl in plan.slots)),
         guards={n: body_names[c] for n, c in _zero_guards(plan, phase, scalars_in_body, read).items()},
     )
 
@@ -599,7 +602,7 @@ def _element_load(ctx: _PhaseContext, sl, fast: bool) -> str:
         fp8 = sl.dtype.startswith("fp8")  # (no `other`: an int would not convert)
         codes = f"tl.load({sl.name}_ptr + offs{'' if fast else ', mask=mask' if fp8 else ints})"
         scales = f"tl.load({scale_slot(sl.name)}_ptr + offs // QB{floats})"
-        return f"_q8_decode({codes}, {scales}, {QFORMAT_CODE[sl.dtype]})"
+        return f"_q8_decode({codes}, {scales}, {QFORMAT_CODE[sl.dtype]}, INTERPRETED)"
     value = f"tl.load({sl.name}_ptr + offs{floats}).to(tl.float32)"
     if sl.role == "grad":
         return f"{value} * inv_scale"

@@ -1,9 +1,9 @@
 """8-bit blockwise states and split master weights, in torch: what ``state_dict()`` and
 ``load_state_dict()`` use to move between the stored form and fp32. The step's kernels
 compute the same formulas in Triton (``templates/helpers.py.jinja``: ``_q8_encode``,
-``_q8_decode``, ``_master_join``), with the GPU's fast division and square root (a few
-ulp): their codes can differ from these by one, next to a rounding boundary only. Both
-round half to even.
+``_q8_decode``, ``_master_join``), with the GPU's fast reciprocal, division and square
+root (a few ulp; the rule's own square roots too, beside 8-bit states): their codes can
+differ from these by one, next to a rounding boundary only. Both round half to even.
 
 Formats (FlashOptim, Gonzalez Ortiz et al., arXiv:2602.23349, Algorithms 2-3), each over
 blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
