@@ -49,7 +49,9 @@ class TritonPrinter(PythonCodePrinter):
 
     printmethod = "_tritoncode"
 
-    def __init__(self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False, fast_sqrt: bool = False):
+    def __init__(
+        self, names: dict[sympy.Symbol, str] | None = None, *, fp64: bool = False, fast_sqrt: bool = False
+    ):
         super().__init__(
             {
                 "fully_qualified_modules": False,

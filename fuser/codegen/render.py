@@ -205,8 +205,9 @@ def default_launch(plan: OptimPlan) -> tuple[int, int, int]:
     - 16-bit parameters, fp32 states: 1024 over 4 warps, 8.28 against 8.40 ms;
     - 8-bit states: 512 over 2 warps, 4.18 against 4.26 ms (256 over 2); Lion 3.27
       against 3.30 ms;
-    - 8-bit states and an int8 split master: 256 over 2 warps, 5.07 against 5.22 ms
-      (512 over 2: 5.11 ms);
+    - 8-bit states and an int8 split master: 512 over 2 warps. On the H100 256 over 2
+      read 5.07 ms, 512 over 2 5.11; on an H200, with the kernels of fewer instructions,
+      512 over 2 reads 4.03 ms against 4.49 (sweep_step_2026-12-03_h200_q8_v2.md);
     - other split masters (int16, or beside fp32 states): 512 over 4 warps, 1% ahead of
       256 over 2.
 
@@ -220,7 +221,7 @@ def default_launch(plan: OptimPlan) -> tuple[int, int, int]:
     if _is_compressed(plan):
         if not all(_one_byte(sl) for sl in elements if sl.role in ("state", "master")):
             return 8192, 512, 4
-        return (8192, 256, 2) if _master_bits(plan) else (8192, 512, 2)
+        return 8192, 512, 2
     if any(sl.role == "matrix" for sl in plan.slots):
         return 8192, 512, 4  # (phases of a matrix function's rule: not measured otherwise)
     if all(DTYPE_BYTES[sl.dtype] == 2 for sl in elements):

@@ -9,15 +9,16 @@ Formats (FlashOptim, Gonzalez Ortiz et al., arXiv:2602.23349, Algorithms 2-3), e
 blocks of ``block`` consecutive elements of a tensor's flat view with scale s:
 
 - ``int8``: s = max|x|, y = 2(x/s) / (1 + |x/s|) (softsign), q = round(127 y);
-  x = s * y / (2 - |y|) with y = q / 127.
+  x = s * y / (2 - |y|) with y = q / 127, that is s q / (254 - |q|).
 - ``uint8``: r = sqrt(max(x, 0)), s = max r, q = round(255 r / s); x = (s q / 255)^2.
 - ``int8_linear``: s = max|x|, q = round(127 x / s); x = s q / 127.
 - ``uint8_linear``: s = max(max(x, 0)), q = round(255 x / s); x = s q / 255.
 - ``fp8e4m3``, ``fp8e5m2``: s = max|x|, q = fp8(M x / s) rounded to nearest, M the
   format's largest finite number (448, 57344); x = s q / M.
 
-In fp32, x / s is x times the block's 1 / s, and q / 127 is q times fp32(1 / 127): one
-division per block, and one per element only for softsign.
+In fp32, x / s is x times the block's 1 / s, the linear formats' 127, 255 or M multiplied
+into that factor; q / 255 is q times fp32(1 / 255): one division per block, and one
+reciprocal per element only for softsign.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ CODE_DTYPES = {
 
 # fp32 constants, as the kernels' literals round to them: each product below is one fp32
 # multiplication in both.
-_F32_127 = torch.tensor(127.0)
-_F32_255 = torch.tensor(255.0)
 _INV_127 = torch.tensor(1 / 127, dtype=torch.float32)
+_TOP = {"uint8": 255.0, "uint8_linear": 255.0, "int8_linear": 127.0, **FP8_MAX}
 _INV_255 = torch.tensor(1 / 255, dtype=torch.float32)
 
 
@@ -70,17 +70,19 @@ def encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.T
         a = v.abs()
     s = a.amax(dim=1)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))[:, None]
+    if fmt != "int8":
+        inv = inv * _TOP[fmt]  # as the kernel: the code's largest value in the block's factor
     if fmt in FP8_MAX:
         m = FP8_MAX[fmt]
-        q = ((v * inv) * m).clamp(-m, m).to(CODE_DTYPES[fmt])
+        q = (v * inv).clamp(-m, m).to(CODE_DTYPES[fmt])
         return q.reshape(-1)[: x.numel()].view(x.shape), s
     y = (v if fmt in SIGNED else a) * inv
     if fmt == "int8":
-        y = 2 * y / (1 + y.abs())
+        y = (254 * y) * (1 / (1 + y.abs()))  # 127 * softsign
     if fmt in SIGNED:
-        q = torch.round(y * _F32_127).clamp(-127, 127)
+        q = torch.round(y).clamp(-127, 127)
     else:
-        q = torch.round(y * _F32_255).clamp(max=255)
+        q = torch.round(y).clamp(max=255)
     codes = q.reshape(-1)[: x.numel()].to(CODE_DTYPES[fmt]).view(x.shape)
     return codes, s
 
@@ -92,8 +94,7 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int) -> t
     if fmt in FP8_MAX:
         x = c * torch.tensor(1 / FP8_MAX[fmt], dtype=torch.float32) * s
     elif fmt == "int8":
-        y = c * _INV_127
-        x = y / (2 - y.abs()) * s
+        x = c * (1 / (254 - c.abs())) * s  # y / (2 - |y|) for y = c / 127
     elif fmt == "uint8":
         r = c * _INV_255 * s
         x = r * r

@@ -60,7 +60,7 @@ def test_a_changed_launch_variable_renders_new_kernels_in_the_same_process(monke
         (dict(state_dtype="param"), (8192, 1024, 8)),  # every element tensor 16-bit
         (dict(state_dtype="fp32"), (8192, 1024, 4)),  # bf16 parameters, fp32 states
         (dict(state_dtype="q8"), (8192, 512, 2)),  # every state one byte
-        (dict(state_dtype="q8", master_weights="bf16+int8"), (8192, 256, 2)),
+        (dict(state_dtype="q8", master_weights="bf16+int8"), (8192, 512, 2)),
         (dict(state_dtype="q8", master_weights="bf16+int16"), (8192, 512, 4)),
         (dict(master_weights="bf16+int8"), (8192, 512, 4)),  # fp32 states
         (dict(state_dtype=dict(exp_avg="int8")), (8192, 512, 4)),  # v stays fp32
