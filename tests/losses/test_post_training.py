@@ -327,10 +327,13 @@ def test_fast_memory_keeps_the_logits_for_backward(dtype, monkeypatch):
     """``memory="fast"``: forward takes each chunk's logits (3 tokens) into one buffer of
     every token's, and backward takes no product of them again; both outputs and every
     gradient against float64 (fp32's error, bf16's for bf16 gradients). A second backward
-    through the graph (``retain_graph``) computes them again and gets the same gradients."""
+    through the graph (``retain_graph``) computes them again and gets the same gradients.
+    bf16's ``grad_weight`` comes from fp32 blocks of 7 rows (a budget of 7 rows), each rounded
+    once: within one rounding of ``auto``'s, which adds chunk by chunk in fp32."""
     products = []
     real = tokens.fp32_logits
     monkeypatch.setattr(tokens, "fp32_logits", lambda *a: products.append(1) or real(*a))
+    monkeypatch.setattr(tokens, "BLOCK_BUDGET", 4 * H * 7)
     hidden, weight, target = draw(dtype)
     bias = (torch.randn(V) * 0.5).to(dtype)
     x, w, b = leaves_of(hidden, weight, bias)
@@ -356,6 +359,11 @@ def test_fast_memory_keeps_the_logits_for_backward(dtype, monkeypatch):
     assert len(products) == 2 * forward
     for t, want in zip((x, w, b), first):
         assert rel(t.grad, want) < 1e-6
+    if dtype == torch.bfloat16:
+        w.grad = None
+        logp, ent = f(x, w, target, b, memory="auto", temperature=0.8)
+        (logp * g1 + ent * g2).sum().backward()
+        assert rel(first[1], w.grad) < 2.0**-8
 
 
 def test_logp_alone_and_its_shape():

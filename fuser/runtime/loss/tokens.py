@@ -34,6 +34,7 @@ from fuser.cache import load_kernel
 from fuser.codegen.source import KernelSource
 from fuser.runtime.loss.chunked import (
     BACKWARD_ONCE,
+    BLOCK_BUDGET,
     accumulate_weight_grad,
     chunk_rows,
     eager_grads,
@@ -124,7 +125,8 @@ def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> Non
     fp32 value less that rounding) in fp32:
     into ``gx`` before its one rounding and into ``gw``'s target rows, as the cross-entropy
     schedules add it (every token of one target would otherwise carry its rounding error
-    into the same row)."""
+    into the same row). A 16-bit ``gw`` (the kept logits' one product over every token) is
+    written, not added into, through fp32 blocks of its rows, each rounded once."""
     if xc.dtype == torch.float32:
         if gx is not None:
             torch.mm(logits, weight, out=gx)
@@ -144,10 +146,32 @@ def _chunk_grads(logits, xc, weight, target, col_offset: int, gx, gw, gb) -> Non
         if logits.shape[1]:
             block.addcmul_(resid[:, None], weight.index_select(0, col[:, 0]).float())
         gx.copy_(block)
-    if gw is not None:
+    if gw is not None and gw.dtype != torch.float32:
+        _weight_grad_rows(gw, dl, xc, resid, target)
+    elif gw is not None:
         accumulate_weight_grad(gw, dl, xc)
         if logits.shape[1]:
             gw.index_add_(0, col[:, 0], resid[:, None] * xc.float())
+
+
+def _weight_grad_rows(gw, dl, x, resid, target) -> None:
+    """``gw = dl.T @ x`` plus each token's target-column residue in its target's row, ``gw``
+    of the inputs' 16-bit dtype, through fp32 blocks of ``BLOCK_BUDGET`` bytes: a block of
+    weight rows of the whole vocabulary's gradient in fp32 would be twice ``gw``'s size."""
+    vocab, hid = gw.shape
+    rows = max(1, BLOCK_BUDGET // max(4 * hid, 1))
+    keys, order = target.sort()  # (ignored tokens' targets lie outside [0, vocab): no rows)
+    edges = list(range(0, vocab, rows)) + [vocab]
+    at = torch.searchsorted(keys, torch.tensor(edges, device=keys.device, dtype=keys.dtype)).tolist()
+    block = torch.empty(min(rows, vocab), hid, dtype=torch.float32, device=gw.device)
+    for j, a in enumerate(edges[:-1]):
+        b = edges[j + 1]
+        part = block[: b - a]
+        product_fp32(part, dl[:, a:b].t(), x)
+        mine = order[at[j] : at[j + 1]]
+        if mine.numel():
+            part.index_add_(0, target[mine] - a, resid[mine, None] * x[mine].float())
+        gw[a:b].copy_(part)
 
 
 class _WithInputs:
@@ -329,13 +353,15 @@ class TokenLoss(torch.autograd.Function):
             gb = gb.to(bias.dtype) if gb is not None and gb.dtype != bias.dtype else gb
             return gx, gw, gb, *_NO_GRADS
         gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+        kept, ctx.kept = ctx.kept, None  # (a second backward, retain_graph=True, recomputes them)
         if main_grad:
             gw = weight.main_grad
+        elif need_w and kept is not None and x.dtype == weight.dtype != torch.float32:
+            gw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)  # (one product: written)
         else:
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
         out = torch.empty(ctx.k, n, dtype=torch.float32, device=x.device)
-        kept, ctx.kept = ctx.kept, None  # (a second backward, retain_graph=True, recomputes them)
         flags = dict(gx=gx, gw=gw, gb=gb, teacher=teacher)
         if kept is not None:
             flags.update(kept=kept, filled=True)
