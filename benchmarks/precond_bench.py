@@ -201,8 +201,10 @@ def _stepper(ps, grads, opt):
     return step
 
 
-def run(workload, shapes, device, interval, floor_ms, rows, smoke, warmup=2, rounds=3):
+def run(workload, shapes, device, interval, floor_ms, rows, smoke, warmup=2, rounds=3, impls=None):
     for name, build in builds(workload, interval).items():
+        if impls and not any(name.startswith(i) for i in impls):
+            continue
         if isinstance(build, str):
             rows.append(dict(workload=workload, impl=name, error=build))
             print(json.dumps(rows[-1]), flush=True)
@@ -273,6 +275,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="timed intervals (their median)")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--smoke", action="store_true", help="small tensors on the CPU, to check the script")
+    ap.add_argument(
+        "--impls", nargs="+", help="only implementations whose names start so (fuser, heavyball ...)"
+    )
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -282,7 +287,18 @@ def main(argv=None):
     rows: list = []
     for workload in args.workloads:
         floor_ms = products_floor_flops(shapes, workload) / (tf * 1e12) * 1e3
-        run(workload, shapes, device, interval, floor_ms, rows, args.smoke, args.warmup, args.rounds)
+        run(
+            workload,
+            shapes,
+            device,
+            interval,
+            floor_ms,
+            rows,
+            args.smoke,
+            args.warmup,
+            args.rounds,
+            impls=args.impls,
+        )
         write(args, rows, tf, argv, device)  # (after each workload: a run cut short keeps its rows)
 
 
