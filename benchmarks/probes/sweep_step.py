@@ -6,7 +6,8 @@ Layouts, as `state_bench.py` names their workloads (bf16 parameters and gradient
 `q8` (8-bit m and v, `adamw_q8_llama1b`), `m24` (the same with
 `master_weights="bf16+int8"`, `adamw_q8_master24_llama1b`), `fp32s` (fp32 states,
 `adamw_bf16p_fp32s_llama1b`), `bf16` (`state_dtype="param"`, `adamw_bf16_llama1b`); and
-`fp32`: fp32 parameters, gradients and states (`optim_bench.py`'s `adamw_fp32_llama1b`).
+`fp32`: fp32 parameters, gradients and states (`optim_bench.py`'s `adamw_fp32_llama1b`);
+`lamb`: `fuser.optim.LAMB` in fp32 (`lamb_fp32_llama1b`, two phases).
 The launch shape is rendered into the kernel from `FUSER_OPTIM_BLOCK`, `FUSER_OPTIM_SUB`
 and `FUSER_OPTIM_WARPS`, a setting's optional fourth field is `FUSER_OPTIM_MAXNREG` (0: no
 cap; left out: the default), all part of the kernel's key, so each setting compiles its own
@@ -46,7 +47,9 @@ LAYOUTS = {
     "fp32s": dict(),
     "bf16": dict(state_dtype="param"),
     "fp32": dict(),  # fp32 parameters, gradients and states (`adamw_fp32_llama1b`)
+    "lamb": dict(),  # fuser.optim.LAMB, fp32 (`lamb_fp32_llama1b`)
 }
+FP32_LAYOUTS = ("fp32", "lamb")
 # BLOCK:SUB:WARPS. The first two are the launch shapes before the loop over passes
 # (8-bit layouts took 4 warps, the others 8); 8192:512:4 is the default since.
 SETTINGS = "2048:2048:4,2048:2048:8,512:512:4,4096:512:4,8192:512:4,16384:512:4,8192:1024:8,4096:256:2"
@@ -81,7 +84,8 @@ def run(layouts: list[str], settings: list[tuple[str, ...]]) -> list[dict]:
     rows = []
     try:
         for layout in layouts:
-            ps = params(torch.float32 if layout == "fp32" else torch.bfloat16)
+            ps = params(torch.float32 if layout in FP32_LAYOUTS else torch.bfloat16)
+            make = fuser.optim.LAMB if layout == "lamb" else fuser.optim.AdamW
             for block, sub, warps, *cap in settings:
                 os.environ.update(dict(zip(ENV, (block, sub, warps))))
                 os.environ.pop("FUSER_OPTIM_MAXNREG", None)
@@ -89,7 +93,7 @@ def run(layouts: list[str], settings: list[tuple[str, ...]]) -> list[dict]:
                     os.environ["FUSER_OPTIM_MAXNREG"] = cap[0]
                 row = dict(layout=layout, BLOCK=int(block), SUB=int(sub), warps=int(warps))
                 row["maxnreg"] = cap[0] if cap else "default"
-                opt = fuser.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **LAYOUTS[layout])
+                opt = make(ps, lr=1e-3, weight_decay=0.01, **LAYOUTS[layout])
                 row["ms"], row["min_ms"] = (round(t, 4) for t in time_step(opt))
                 print(row, flush=True)
                 rows.append(row)
@@ -116,7 +120,8 @@ def write(rows: list[dict], meta: dict, out: str, tag: str) -> None:
         "",
         f"torch {meta['torch']}, triton {meta['triton']}. Command: `{meta['command']}`",
         "",
-        "AdamW on TinyLlama-1.1B's 201 tensors; ms per step (CUDA events, median and minimum of 20).",
+        "AdamW (LAMB for `lamb`) on TinyLlama-1.1B's 201 tensors; ms per step (CUDA events, median and "
+        "minimum of 20).",
         "",
         "| layout | BLOCK | SUB | warps | register cap | median ms | min ms |",
         "|---|---|---|---|---|---|---|",
