@@ -23,7 +23,7 @@ import traceback
 import warnings
 
 from fuser import clitools
-from fuser.clitools import DTYPES, MASTER_WEIGHTS, STATE_DTYPES, TargetError, one_line
+from fuser.clitools import DEVICE_PROFILES, DTYPES, MASTER_WEIGHTS, STATE_DTYPES, TargetError, one_line
 
 DEFAULT_TARGETS = ("cuda:80", "cuda:90")
 
@@ -61,6 +61,10 @@ def _kernel_options(p: argparse.ArgumentParser, repeat: bool) -> None:
     p.add_argument("--stochastic-rounding", action="store_true",
                    help="optimizers built with stochastic_rounding=True (instead of without; "
                    "precompile twice for both)")  # fmt: skip
+    p.add_argument("--device-profile", choices=DEVICE_PROFILES, default="",
+                   help="optimizers: the launch shapes a step on that GPU renders (its step "
+                   "kernels of some layouts differ from the defaults'); precompile once without "
+                   "and once with it for a cache both take")  # fmt: skip
     p.add_argument("--vocab-parallel", action="store_true",
                    help="loss rules: accepted for older scripts; the kernels of calls with "
                    "process_group= are always compiled (one-device calls use them too)")  # fmt: skip
@@ -206,7 +210,8 @@ def _render_all(args, found, plans, state_dtypes, failed: set[str]) -> list[tupl
     work = []
     for f in found:
         for variant in clitools.variants(f.rule, plans, state_dtypes, args.stochastic_rounding,
-                                         args.vocab_parallel, args.master_weights):  # fmt: skip
+                                         args.vocab_parallel, args.master_weights,
+                                         args.device_profile):  # fmt: skip
             try:
                 work.append((f.rule.name, variant, clitools.kernel_sources(f.rule, variant)))
             except Exception as e:  # noqa: BLE001 - every failure becomes one line per rule
@@ -266,6 +271,7 @@ def _unused_options(args, kinds: set[str]) -> str | None:
     optim = ["--state-dtype"] if args.state_dtypes else []
     optim += ["--stochastic-rounding"] if args.stochastic_rounding else []
     optim += ["--master-weights"] if args.master_weights else []
+    optim += ["--device-profile"] if args.device_profile else []
     if optim and "optim" not in kinds:
         return f"{optim[0]} applies to optimizer rules, and only loss rules were found"
     if args.vocab_parallel and "loss" not in kinds:
@@ -334,7 +340,8 @@ def show(args) -> int:
     status = 0
     for f in found:
         for variant in clitools.variants(f.rule, [plan], [args.state_dtypes], args.stochastic_rounding,
-                                         args.vocab_parallel, args.master_weights):  # fmt: skip
+                                         args.vocab_parallel, args.master_weights,
+                                         args.device_profile):  # fmt: skip
             try:
                 sources = clitools.kernel_sources(f.rule, variant)
             except Exception as e:  # noqa: BLE001

@@ -21,6 +21,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 QFORMATS = ("int8", "uint8", "int8_linear", "uint8_linear", "fp8e4m3", "fp8e5m2")
 STATE_DTYPES = (*DTYPES, "param", *QFORMATS, "q8")
 MASTER_WEIGHTS = ("bf16+int8", "bf16+int16")
+DEVICE_PROFILES = ("h200",)  # render.LAUNCH_PROFILES's keys (the CLI imports no codegen)
 
 
 class TargetError(Exception):
@@ -128,8 +129,9 @@ class Variant:
     Optimizers: parameters in ``dtype``, gradients in ``grad_dtype`` (``None``: ``dtype``),
     states per ``state_dtype`` (fuser.compile's keyword: ``None`` is fp32, ``"param"`` each
     parameter's dtype, an 8-bit format or ``"q8"``), ``stochastic_rounding`` and
-    ``master_weights``. Losses: ``hidden`` and ``weight`` in ``dtype``; ``vocab_parallel``
-    for the kernels of a call with ``process_group=``.
+    ``master_weights``; ``profile``: the launch shapes of a GPU that has its own
+    (``render.LAUNCH_PROFILES``, ``""`` the defaults). Losses: ``hidden`` and ``weight`` in
+    ``dtype``; ``vocab_parallel`` for the kernels of a call with ``process_group=``.
     """
 
     dtype: str = "fp32"
@@ -138,6 +140,7 @@ class Variant:
     stochastic_rounding: bool = False
     vocab_parallel: bool = False
     master_weights: str | None = None
+    profile: str = ""
 
     @property
     def options(self) -> str:
@@ -145,6 +148,7 @@ class Variant:
         names = ["stochastic rounding"] if self.stochastic_rounding else []
         names += [f"master {self.master_weights}"] if self.master_weights else []
         names += ["vocab-parallel"] if self.vocab_parallel else []
+        names += [f"{self.profile} launch shapes"] if self.profile else []
         return ", ".join(names) or "-"
 
     def __str__(self) -> str:
@@ -170,6 +174,7 @@ def variants(
     stochastic_rounding: bool = False,
     vocab_parallel: bool = False,
     master_weights: str | None = None,
+    profile: str = "",
 ) -> list[Variant]:
     """Every variant of ``rule`` to compile: for an optimizer, each dtype plan with each
     state dtype; for a loss, each plan's parameter dtype (its kernels include those of
@@ -177,7 +182,7 @@ def variants(
     if rule.kind == "loss":
         return [Variant(d) for d in dict.fromkeys(param for param, _ in plans)]
     return [
-        Variant(param, grad, sd, stochastic_rounding, master_weights=master_weights)
+        Variant(param, grad, sd, stochastic_rounding, master_weights=master_weights, profile=profile)
         for param, grad in plans
         for sd in state_dtypes
     ]
@@ -195,6 +200,7 @@ def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSourc
             state_dtype=variant.state_dtype,
             stochastic_rounding=variant.stochastic_rounding,
             master_weights=variant.master_weights,
+            profile=variant.profile,
         )
         return list(found)
     if rule.kind == "loss":

@@ -6,7 +6,8 @@ names the templates folder.
 
 Launch shapes: ``optim_launch_config`` picks a step kernel's BLOCK elements per program,
 walked SUB at a time, and its warps (the defaults from ``default_launch``, by the bytes of
-the step's element tensors); ``optim_max_registers`` its register cap. A tiled phase's
+the step's element tensors, and a GPU's ``LAUNCH_PROFILES``); ``optim_max_registers`` its
+register cap. A tiled phase's
 program walks ``optim_strip()`` tiles of ``optim_tile()`` down the rows; phases of column
 sums, and of per-tensor sums before the last, walk the same strips in one-warp tiles
 (``SLIM_ROWS``); the rows that no whole aligned tile covers go one at a time, masked
@@ -172,12 +173,30 @@ def quant_block() -> int:
     return qb
 
 
-def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
+# Launch shapes that differ from ``default_launch``'s on a GPU, by the ``device_profile``
+# naming it and the layout of the step's bytes. On an H200 every-tensor-fp32 steps walk 8192
+# elements 1024 at a time: AdamW 7.83 against 8.12 ms, LAMB 10.70 against 13.24 (its floor
+# 10.48), where an H100 read AdamW 10.45 at 2048 over 8 against 10.94
+# (sweep_step_2026-12-03_h200_lamb.md, sweep_step_2026-11-25_fp32.md).
+LAUNCH_PROFILES = {"h200": {"fp32": (8192, 1024, 8)}}
+
+
+def device_profile(device) -> str:
+    """The ``LAUNCH_PROFILES`` key of ``device`` (a torch device), ``""`` for the defaults."""
+    if getattr(device, "type", None) != "cuda":
+        return ""
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((key for key in LAUNCH_PROFILES if key in name.lower()), "")
+
+
+def optim_launch_config(plan: OptimPlan, profile: str = "") -> tuple[int, int, int]:
     """(BLOCK, SUB, num_warps) for a step kernel: each program updates BLOCK elements of
     one tensor, SUB at a time. ``FUSER_OPTIM_BLOCK`` / ``FUSER_OPTIM_SUB`` /
     ``FUSER_OPTIM_WARPS`` override them (for tuning runs; the values are part of the
-    kernel's cache key); the defaults are ``default_launch``'s."""
-    block, sub, warps = default_launch(plan)
+    kernel's cache key); the defaults are ``default_launch``'s, or ``profile``'s."""
+    block, sub, warps = default_launch(plan, profile)
     block = int(os.environ.get("FUSER_OPTIM_BLOCK") or block)
     sub = int(os.environ.get("FUSER_OPTIM_SUB") or min(sub, block))
     warps = int(os.environ.get("FUSER_OPTIM_WARPS") or warps)
@@ -188,8 +207,9 @@ def optim_launch_config(plan: OptimPlan) -> tuple[int, int, int]:
     return block, sub, warps
 
 
-def default_launch(plan: OptimPlan) -> tuple[int, int, int]:
-    """(BLOCK, SUB, num_warps) by the bytes of a step's element tensors.
+def default_launch(plan: OptimPlan, profile: str = "") -> tuple[int, int, int]:
+    """(BLOCK, SUB, num_warps) by the bytes of a step's element tensors (and a GPU's
+    ``LAUNCH_PROFILES`` entry, ``profile``).
 
     A few values per thread per pass keep a thread's registers few (about 50 for AdamW
     with 8-bit states, 255 at 16 values), so many programs share a multiprocessor, and
@@ -216,7 +236,7 @@ def default_launch(plan: OptimPlan) -> tuple[int, int, int]:
     if plan.tiled:
         return 8192, 512, TILE_WARPS
     if all(sl.dtype == "fp32" for sl in plan.slots if sl.role not in ("row", "col")):
-        return 2048, 2048, 8
+        return LAUNCH_PROFILES.get(profile, {}).get("fp32", (2048, 2048, 8))
     elements = [sl for sl in plan.slots if sl.role in ("param", "grad", "state", "master")]
     if _is_compressed(plan):
         if not all(_one_byte(sl) for sl in elements if sl.role in ("state", "master")):
@@ -264,16 +284,17 @@ def _finalize(op: str, raw: str, size: str = "numel") -> str:
     return raw
 
 
-def render_optim(plan: OptimPlan) -> list[KernelSource]:
-    """Render the step's kernels, one per phase, in launch order."""
-    return [render_phase(plan, ph) for ph in plan.phases]
+def render_optim(plan: OptimPlan, profile: str = "") -> list[KernelSource]:
+    """Render the step's kernels, one per phase, in launch order (``profile``: the GPU's
+    ``LAUNCH_PROFILES`` key)."""
+    return [render_phase(plan, ph, profile) for ph in plan.phases]
 
 
 def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     """A step kernel's launch shape as its constexprs (BLOCK and SUB, or a tile's BR x BC;
     QB with 8-bit states), and its warps."""
     plan, phase = ctx.plan, ctx.phase
-    block, sub, warps = optim_launch_config(plan)
+    block, sub, warps = optim_launch_config(plan, ctx.profile)
     tile, strip = optim_tile(), optim_strip()
     tuned = any(os.environ.get(f"FUSER_OPTIM_{k}") for k in ("TILE", "STRIP", "WARPS"))
     columns = any(plan.reductions[i].axis == COL for i, _ in phase.axis_reduce)
@@ -303,11 +324,11 @@ def _launch_constexprs(ctx: _PhaseContext) -> tuple[tuple, int]:
     return (("BLOCK", block), ("RBLOCK", REDUCE_BLOCK), ("INTERPRETED", False), *tiles, *quant), warps
 
 
-def render_phase(plan: OptimPlan, phase: Phase) -> KernelSource:
+def render_phase(plan: OptimPlan, phase: Phase, profile: str = "") -> KernelSource:
     """One phase's kernel: per-tensor scalars, the element work (an aligned unmasked path
     and a masked one), then the last phase's stores and scalar updates, or an earlier
     phase's reduction partials and their totals."""
-    ctx = _phase_context(plan, phase)
+    ctx = _phase_context(plan, phase, profile)
     loads = _scalar_loads(ctx, ctx.scalar_names, "t", "grp") + _global_reduction_loads(ctx)
     prologue = [f"{ctx.scalar_names[s]} = {ctx.p64.doprint_expr(e)}" for s, e in phase.prologue]
     casts = [f"f_{ctx.scalar_names[s]} = {ctx.scalar_names[s]}.to(tl.float32)" for s in ctx.scalars_in_body]
@@ -410,9 +431,10 @@ class _PhaseContext:
     p64: TritonPrinter
     p32: TritonPrinter
     guards: dict = field(default_factory=dict)  # slot name -> fp32 scalar (_zero_guards)
+    profile: str = ""  # the GPU's LAUNCH_PROFILES key
 
 
-def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
+def _phase_context(plan: OptimPlan, phase: Phase, profile: str = "") -> _PhaseContext:
     last = phase.index == len(plan.phases) - 1
     known = [r for r in plan.reductions if r.phase < phase.index]
 
@@ -467,6 +489,7 @@ def _phase_context(plan: OptimPlan, phase: Phase) -> _PhaseContext:
         # instructions per element on sm_90 (benchmarks/NOTES.md, 8-bit states).
         p32=TritonPrinter(body_names, fast_sqrt=any(sl.dtype in QFORMATS for sl in plan.slots)),
         guards={n: body_names[c] for n, c in _zero_guards(plan, phase, scalars_in_body, read).items()},
+        profile=profile,
     )
 
 

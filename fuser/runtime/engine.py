@@ -26,6 +26,7 @@ import torch
 import triton  # noqa: F401 - with the module, not inside the first step (~0.1-0.3 s)
 
 from fuser.cache import load_kernel
+from fuser.codegen.render import device_profile
 from fuser.counters import count
 from fuser.ir.optim import ACCUMULATE, MASTER_SLOT, hyper_columns, is_tiled, scalar_state_names, scale_slot
 from fuser.log import logger
@@ -449,7 +450,8 @@ def build_group(
     (``sharded``: lowered for DTensor shards of a rule of rows and columns), its matrix
     stacks from byte ``at`` of its device's workspace."""
     members = [m[1:] for m in indexed]
-    plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded)
+    profile = device_profile(device)
+    plan, sources = plan_and_sources(opt.rule, dplan, opt.options.stochastic_rounding, sharded, profile)
     kernels = [load_kernel(src, device) for src in sources]
     matrix = any(r.matrix for r in plan.reductions)
     entries = table_entries(opt, members, plan.tiled or matrix)

@@ -18,7 +18,7 @@ import torch
 
 from fuser.cache import rendered
 from fuser.codegen.matrix import matrix_kernel_sources
-from fuser.codegen.render import optim_strip, optim_tile, render_optim, template_dir
+from fuser.codegen.render import LAUNCH_PROFILES, optim_strip, optim_tile, render_optim, template_dir
 from fuser.codegen.source import KernelSource
 from fuser.ir.optim import (
     DTYPES,
@@ -203,15 +203,19 @@ LAUNCH_VARIABLES = (
 
 
 def plan_and_sources(
-    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool = False, sharded: bool = False
+    rule: Rule,
+    dtypes: tuple[tuple[str, str], ...],
+    stochastic_rounding: bool = False,
+    sharded: bool = False,
+    profile: str = "",
 ) -> tuple[StepLayout, list[KernelSource]]:
     """The step's layout and kernels, from this process's cache or the on-disk memo when
     this rule was rendered before with the same code and tuning variables (sympy costs
     ~0.1-0.2 s per rule), else lowered and rendered. ``sharded``: a rule of rows and
-    columns over DTensor shards (``lower_optim``)."""
-    return _plan_and_sources(
-        rule, dtypes, stochastic_rounding, tuple(os.environ.get(v) for v in LAUNCH_VARIABLES), sharded
-    )
+    columns over DTensor shards (``lower_optim``); ``profile``: the GPU's launch shapes
+    (``render.LAUNCH_PROFILES``, ``render.device_profile``; ``""`` the defaults)."""
+    launch = tuple(os.environ.get(v) for v in LAUNCH_VARIABLES)
+    return _plan_and_sources(rule, dtypes, stochastic_rounding, launch, sharded, profile)
 
 
 def forget_plans() -> None:
@@ -221,8 +225,9 @@ def forget_plans() -> None:
 
 @functools.lru_cache(maxsize=256)
 def _plan_and_sources(
-    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple, sharded: bool
-) -> tuple[StepLayout, list[KernelSource]]:
+    rule: Rule, dtypes: tuple[tuple[str, str], ...], stochastic_rounding: bool, launch: tuple, sharded: bool,
+    profile: str = "",
+) -> tuple[StepLayout, list[KernelSource]]:  # fmt: skip
     key = rendered.fingerprint(
         "optim",
         rule.name,
@@ -234,6 +239,7 @@ def _plan_and_sources(
         stochastic_rounding,
         list(launch),
         sharded,
+        *([profile] if profile else []),  # (the defaults' keys as before)
         templates=template_dir(),
     )
     memo = rendered.load(key)
@@ -251,7 +257,7 @@ def _plan_and_sources(
         plan.tiled,
         _strip_shape() if plan.tiled else (0, 0),
     )
-    sources = render_optim(plan)
+    sources = render_optim(plan, profile)
     rendered.store(key, _to_memo(layout, sources))
     return layout, sources
 
@@ -315,7 +321,7 @@ def _from_memo(memo: dict) -> tuple[StepLayout, list[KernelSource]]:
 
 
 def kernel_sources(
-    rule: Rule, dtype: str = "fp32", *, grad_dtype: str | None = None, **options
+    rule: Rule, dtype: str = "fp32", *, grad_dtype: str | None = None, profile: str = "", **options
 ) -> list[KernelSource]:
     """Every kernel an optimizer compiled from ``rule`` with ``options`` (``fuser.compile``'s
     keywords) launches when parameters are stored in ``dtype`` and gradients in
@@ -323,13 +329,16 @@ def kernel_sources(
     parameters). Of the options, ``state_dtype`` and ``stochastic_rounding`` change the
     kernels; ``grad_attr``, ``state_keys`` and ``seed`` do not. A rule with a matrix
     function adds every variant of the matrix kernels (``fuser.codegen.matrix``) with the
-    GPU's tiles."""
+    GPU's tiles. ``profile``: a GPU's launch shapes (``render.LAUNCH_PROFILES``), as a step
+    on that GPU renders them."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
     for what, value in (("dtype", dtype), ("grad_dtype", grad_dtype)):
         if value not in DTYPES:
             raise ValueError(f"{what} must be one of {DTYPES}, not {value!r}")
     opts = parse_options(**options)
     plan = dtype_plan(rule, opts, dtype, grad_dtype)
-    layout, sources = plan_and_sources(rule, plan, opts.stochastic_rounding)
+    if profile and profile not in LAUNCH_PROFILES:
+        raise ValueError(f"profile must be one of {sorted(LAUNCH_PROFILES)} or '', not {profile!r}")
+    layout, sources = plan_and_sources(rule, plan, opts.stochastic_rounding, profile=profile)
     matrices = matrix_kernel_sources() if any(r.matrix for r in layout.reductions) else []
     return [*sources, *matrices]

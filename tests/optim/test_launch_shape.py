@@ -18,9 +18,11 @@ from numerics import assert_fp32_close
 from test_reductions import check_centered_step, fresh, lamb_reference, set_grads
 
 import fuser
+from fuser import clitools
 from fuser.cache import precompile
 from fuser.cache.errors import CompileError
 from fuser.cache.keys import entry_key
+from fuser.codegen import render
 from fuser.codegen.render import COMPRESSED_MAX_REGISTERS
 from fuser.optim import builtins
 from fuser.optim.factory import kernel_sources
@@ -73,6 +75,35 @@ def test_default_launch_shapes_follow_the_bytes_of_an_element(monkeypatch, optio
     src = kernel_sources(fuser.optim.AdamW.rule, dtype, **options)[0]
     constexprs = dict(src.constexprs)
     assert (constexprs["BLOCK"], constexprs["SUB"], src.num_warps) == shape, options
+
+
+def test_a_gpu_profile_changes_the_launch_shapes_it_names_and_no_other(monkeypatch):
+    # The H200's profile walks 8192 elements 1024 at a time over 8 warps where every element
+    # tensor is fp32; other layouts keep the defaults. A profile is part of the rendering's
+    # key (its kernels are others), a CPU device has none, and the CLI offers each one.
+    for name in ("FUSER_OPTIM_BLOCK", "FUSER_OPTIM_SUB", "FUSER_OPTIM_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    rule = fuser.optim.LAMB.rule
+    for dtype, options, shape in (
+        ("fp32", {}, (8192, 1024, 8)),
+        ("bf16", dict(state_dtype="q8"), (8192, 512, 2)),
+    ):
+        plain = kernel_sources(rule, dtype, **options)
+        h200 = kernel_sources(rule, dtype, profile="h200", **options)
+        assert len(plain) == len(h200) == 2  # (LAMB's two phases)
+        for src in h200:
+            constexprs = dict(src.constexprs)
+            assert (constexprs["BLOCK"], constexprs["SUB"], src.num_warps) == shape
+        changed = {a.digest != b.digest for a, b in zip(plain, h200)}
+        assert changed == {dtype == "fp32"}
+    with pytest.raises(ValueError, match="profile must be one of"):
+        kernel_sources(rule, "fp32", profile="h900")
+    assert render.device_profile(torch.device("cpu")) == ""
+    assert clitools.DEVICE_PROFILES == tuple(sorted(render.LAUNCH_PROFILES))
+    variant = clitools.variants(rule, [("fp32", None)], profile="h200")[0]
+    assert [s.digest for s in clitools.kernel_sources(rule, variant)] == [
+        s.digest for s in kernel_sources(rule, "fp32", profile="h200")
+    ]
 
 
 @pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES, indirect=True)
