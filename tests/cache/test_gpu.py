@@ -104,7 +104,13 @@ print(fuser.stats()["compiles"])
 
 
 def test_builtin_adamw_from_a_precompiled_cache_compiles_nothing(cache_root, subprocess_env):
-    from fuser import cli
+    # (with this GPU's launch profile where it has one, as docs/cache.md says to precompile)
+    import torch
 
-    assert cli.main(["precompile", "--builtins", "--target", _target(), "--dtype", "fp32"]) == 0
+    from fuser import cli
+    from fuser.codegen.render import device_profile
+
+    profile = device_profile(torch.device("cuda"))
+    flags = ["--device-profile", profile] if profile else []
+    assert cli.main(["precompile", "--builtins", "--target", _target(), "--dtype", "fp32", *flags]) == 0
     assert _run(NO_COMPILE + ADAMW, subprocess_env) == ["0"]
