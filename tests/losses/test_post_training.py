@@ -249,7 +249,9 @@ def test_every_token_ignored():
 def test_bf16_inputs_keep_fp32_logits():
     """bf16 hidden, weight and bias: the log-probs are within fp32's error of float64 on the
     same bf16 values (rounding the logits to bf16 would be ~1e-3 off), gradients within
-    bf16's."""
+    bf16's. The entropy ``lse(u) - sum p u`` is a difference of numbers as large as the
+    scaled logits ``u``: its fp32 error is relative to them, not to itself, which these
+    large logits take near 0 for confident tokens (seed 279: 3.9e-6 of the largest entropy)."""
     hidden, weight, target = draw(torch.bfloat16, scale=3.0)
     bias = (torch.randn(V) * 0.5).to(torch.bfloat16)
     x, w, b = leaves_of(hidden, weight, bias)
@@ -260,7 +262,9 @@ def test_bf16_inputs_keep_fp32_logits():
     (rx, rw, rb), rlogp, rent = reference(hidden, weight, target, temperature=0.8, bias=bias)
     (rlogp.sum() + rent.sum()).backward()
     assert logp.dtype == torch.float32
-    assert rel(logp, rlogp) < FP32 and rel(ent, rent) < FP32
+    u = (rx @ rw.T + rb).detach() / 0.8
+    assert rel(logp, rlogp) < FP32
+    assert (ent.double() - rent).abs().max() < FP32 * max(rent.abs().max(), u.abs().max())
     for got, want in ((x, rx), (w, rw), (b, rb)):
         assert got.grad.dtype == torch.bfloat16 and rel(got.grad, want.grad) < 2e-2
 
