@@ -485,8 +485,8 @@ def _phase_context(plan: OptimPlan, phase: Phase, profile: str = "") -> _PhaseCo
         used_slots=[(j, sl) for j, sl in enumerate(plan.slots) if sl.name in touched],
         p64=TritonPrinter(scalar_names, fp64=True),
         # With 8-bit states a step's values carry 2**-8 of their block's scale: sqrt_rn's
-        # last ulp shows in none of them, and its slow-path check is 8 of a q8 AdamW's 74
-        # instructions per element on sm_90 (benchmarks/NOTES.md, 8-bit states).
+        # last ulp shows in none of them, and it took 13 more instructions an element than
+        # the approximate root in q8 AdamW on sm_90 (benchmarks/NOTES.md, 8-bit states).
         p32=TritonPrinter(body_names, fast_sqrt=any(sl.dtype in QFORMATS for sl in plan.slots)),
         guards={n: body_names[c] for n, c in _zero_guards(plan, phase, scalars_in_body, read).items()},
         profile=profile,
