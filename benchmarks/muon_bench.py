@@ -22,7 +22,9 @@ steps, `torch.cuda.memory_allocated` after its first step less before it was mad
 parameters and gradients already there); `peak` the most allocated above that during a
 later step (fuser: states plus its Newton–Schulz workspace, `FUSER_MATRIX_WORKSPACE`,
 default 1 GiB a slice). fuser's row `one slice` runs with the budget `unlimited`: the time
-slicing costs. fuser's update is checked
+slicing costs. `MiB allocated before the row` is what the earlier rows left allocated
+(after a garbage collection), before this row's parameters are made: a held or peak figure
+below zero means some of it was freed during the row. fuser's update is checked
 against the reference's on identical inputs first (relative error of one step's update;
 both use bf16 products, so they differ by bf16 rounding).
 
@@ -234,6 +236,11 @@ def check(shapes, device) -> float | None:
 
 def run(workload, shapes, builds, device, floor_ms, err, rows):
     for name, build in builds.items():
+        left = None
+        if device.type == "cuda":  # (what earlier rows left allocated: a held figure below 0 comes from it)
+            gc.collect()
+            torch.cuda.synchronize()
+            left = torch.cuda.memory_allocated()
         ps = make(shapes, device, 0)
         stepped = split(ps)[0] if workload.startswith("muon_hidden") else ps
         memory = Memory(device)
@@ -268,13 +275,14 @@ def run(workload, shapes, builds, device, floor_ms, err, rows):
             held_B_per_param=per_param(held, n),
             peak_B_per_param=per_param(peak, n),
             peak_MiB=None if peak is None else round(peak / 2**20, 1),
+            allocated_before_MiB=None if left is None else round(left / 2**20, 1),
             rel_err_vs_reference=err if name.startswith("fuser") else None,
             tensors=len(ps),
             device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         )
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del ps, opt
+        del ps, opt, stepped
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -353,12 +361,12 @@ def write(args, rows, tf, argv):
         f"Command: `{meta['command']}`",
         "",
         "| workload | impl | median ms (events) | wall ms/step | % of NS floor | fuser launches "
-        "| held B/param | peak B/param | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| held B/param | peak B/param | peak MiB | MiB allocated before the row |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['workload']} | {r['impl']} | error: {r['error']} | | | | | | | |")
         else:
             cells = [
                 r["workload"],
@@ -369,7 +377,7 @@ def write(args, rows, tf, argv):
                 r["fuser_launches"] or "",
                 *(
                     "" if r.get(k) is None else r[k]
-                    for k in ("held_B_per_param", "peak_B_per_param", "peak_MiB")
+                    for k in ("held_B_per_param", "peak_B_per_param", "peak_MiB", "allocated_before_MiB")
                 ),
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
