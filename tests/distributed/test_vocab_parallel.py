@@ -1,5 +1,5 @@
-"""Vocabulary-parallel losses on CPU: 2 gloo processes, each holding an uneven slice of the
-vocabulary, against a single-process unsharded run of the same rule.
+"""Vocabulary-parallel losses on CPU: the session's 2 gloo ranks (ranks.py), each holding an
+uneven slice of the vocabulary, against a single-process unsharded run of the same rule.
 
 Each worker runs every case twice: sharded (its weight/bias rows, ``process_group=``) and
 unsharded (the whole weight, no group). The loss, the gradient of ``hidden`` and the
@@ -10,14 +10,9 @@ several vocabulary blocks per shard are crossed.
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from seeds import session_seed
 
 WORLD = 2
@@ -114,88 +109,39 @@ def _close(a, b, what, tol=2e-5):
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.0e} * {scale:.3e}"
 
 
-def _worker(rank: int, port: int, out_dir: str, split: tuple[int, int]) -> None:
-    import datetime
-
+def _worker(rank: int, world: int, split: tuple[int, int]) -> list[str]:
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
+    g = torch.Generator().manual_seed(session_seed())
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.7
+    bias = torch.randn(V, generator=g) * 0.5
+    target = torch.randint(0, V, (T,), generator=g)
+    target[::4] = -100
+    target[1] = min(split[0], V - 1)  # the first column of rank 1
+    target[2] = split[0] - 1  # the last column of rank 0
+    lo = sum(split[:rank])
+    hi = lo + split[rank]
+    cases = _cases()
+    for name, f, kw, with_bias in cases:
+        b = bias if with_bias else None
+        ref = _run(f, hidden, weight, b, target, kw)
+        got = _run(
+            f, hidden, weight[lo:hi], b[lo:hi] if b is not None else None, target, kw, dist.group.WORLD
         )
-        torch.set_num_threads(1)
-        g = torch.Generator().manual_seed(session_seed())
-        hidden = torch.randn(T, H, generator=g)
-        weight = torch.randn(V, H, generator=g) * 0.7
-        bias = torch.randn(V, generator=g) * 0.5
-        target = torch.randint(0, V, (T,), generator=g)
-        target[::4] = -100
-        target[1] = min(split[0], V - 1)  # the first column of rank 1
-        target[2] = split[0] - 1  # the last column of rank 0
-        lo = sum(split[:rank])
-        hi = lo + split[rank]
-        for name, f, kw, with_bias in _cases():
-            b = bias if with_bias else None
-            ref = _run(f, hidden, weight, b, target, kw)
-            got = _run(
-                f,
-                hidden,
-                weight[lo:hi],
-                b[lo:hi] if b is not None else None,
-                target,
-                kw,
-                group=dist.group.WORLD,
-            )
-            _close(got[0], ref[0], f"{name}: loss")
-            _close(got[1], ref[1], f"{name}: grad hidden")
-            _close(got[2], ref[2][lo:hi], f"{name}: grad weight shard")
-            if b is not None:
-                _close(got[3], ref[3][lo:hi], f"{name}: grad bias shard")
-        dist.barrier()
-        with open(os.path.join(out_dir, f"ok{rank}"), "w") as fh:
-            fh.write("ok")
-    except BaseException:  # noqa: BLE001 - reported to the parent through a file
-        with open(os.path.join(out_dir, f"err{rank}"), "w") as fh:
-            fh.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        _close(got[0], ref[0], f"{name}: loss")
+        _close(got[1], ref[1], f"{name}: grad hidden")
+        _close(got[2], ref[2][lo:hi], f"{name}: grad weight shard")
+        if b is not None:
+            _close(got[3], ref[3][lo:hi], f"{name}: grad bias shard")
+    return [name for name, *_ in cases]
 
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_vocab_parallel_matches_unsharded(split):
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, out_dir, split)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        errors = []
-        for r in range(WORLD):
-            path = os.path.join(out_dir, f"err{r}")
-            if os.path.exists(path):
-                errors.append(f"rank {r}:\n" + open(path).read())
-        assert not errors, "\n".join(errors)
-        assert not hung, f"ranks {[procs.index(p) for p in hung]} hung past {TIMEOUT_S} s"
-        assert all(os.path.exists(os.path.join(out_dir, f"ok{r}")) for r in range(WORLD)), [
-            p.exitcode for p in procs
-        ]
+    # (the session's gloo ranks, tests/distributed/ranks.py: a rank's failed check is the failure)
+    checked = run_ranks(_worker, split, world=WORLD, timeout=TIMEOUT_S)
+    assert checked[0] and all(names == checked[0] for names in checked), checked
 
 
 def test_process_group_needs_initialized_distributed():
