@@ -105,7 +105,8 @@ def test_softcap_through_tensor_descriptors(dtype, h, descriptors):
     # a user rule: the cap's tanh once per logit, shared by a(z) and its derivative
     text, hyper, per_token = USER_RULES["softcap_zloss"]
     rule = fuser.loss(text, name="softcap_zloss", hyper=hyper)
-    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(101,))
+    # 46 live tokens in chunks of 40 and 6: 21 and 7 [16, 32] tiles, more than 4 programs
+    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(61,))
     f = fuser.compile(rule, chunk_size=40, tiles=TMA_TILES, schedule="scaled")
     got = run(f, hidden, weight, None, target, grad_out=torch.tensor(0.8))
     ref = reference(per_token, hidden, weight, None, target, grad_out=torch.tensor(0.8))
@@ -139,7 +140,8 @@ def test_kernel_through_tensor_descriptors(dtype, h, descriptors, monkeypatch):
     # the rows allow it, E stored through one (nothing past the last token and column)
     launched = record_launches(monkeypatch, scaled, "_mm_scaled")
     # chunks of 40 tokens: more [16, 32] tiles per chunk than programs, the last one short
-    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(101,))
+    # (46 live tokens: chunks of 40 and 6, 21 and 7 tiles for 4 programs)
+    hidden, weight, _, target = make_inputs(dtype, bias=False, h=h, shape=(61,))
     opts = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.7)
     f = fuser.compile(fuser.losses.CROSS_ENTROPY_FULL, chunk_size=40, tiles=TMA_TILES, schedule="scaled")
     got = run(f, hidden, weight, None, target, grad_out=torch.tensor(1.3), **opts)
@@ -312,12 +314,13 @@ def test_warp_specialized_where_measured():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repeated_targets_sum_into_their_weight_rows(dtype, piece, monkeypatch):
     # grad_weight's target term sums B * hidden over each run of one target (tokens sorted
-    # by target): runs of one to ~40 tokens, the first and the last vocabulary rows among
-    # them, across chunks, with ignored tokens (their key sorts past the vocabulary); with
-    # pieces of 3 tokens, every run but one is summed in pieces, their sums then in order
+    # by target): runs of one to ~20 tokens, the first and the last vocabulary rows among
+    # them, across chunks (46 live tokens: 40 and 6), with ignored tokens (their key sorts
+    # past the vocabulary); with pieces of 3 tokens, every run but one is summed in pieces
+    # (the last one short), their sums then in order
     if piece is not None:
         monkeypatch.setattr(loss_matmul, "TARGET_PIECE", piece)
-    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(101,), ignore="some")
+    hidden, weight, _, target = make_inputs(dtype, bias=False, shape=(61,), ignore="some")
     live = target != -100
     g = torch.Generator().manual_seed(torch.randint(2**62, ()).item())
     pool = torch.tensor([0, V - 1, 7, 100])
