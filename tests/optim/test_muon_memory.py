@@ -9,6 +9,7 @@ import types
 import pytest
 import sympy
 import torch
+from seeds import session_seed
 
 import fuser
 import fuser.optim
@@ -125,11 +126,21 @@ def assert_same_run(a, b):
 SHAPES = [(16, 24), (24, 16), (3, 8, 5), (16, 24), (33, 9)]
 
 
-def test_slices_under_a_tiny_budget_update_bit_identically(monkeypatch):
+@pytest.fixture(scope="module")
+def whole_run():
+    """(params, grads of two steps, the unsliced run on them): fresh draws from the session
+    seed, shared by the tests that compare a sliced run against the whole one (each runs
+    its own sliced run, on clones, and reads the whole one only)."""
+    gen = torch.Generator().manual_seed(session_seed(8642))
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return params, grads, muon_run(monkeypatch, "unlimited", params, grads)
+
+
+def test_slices_under_a_tiny_budget_update_bit_identically(monkeypatch, whole_run):
     """Two steps of two rules (nesterov and heavy-ball groups), one tensor a slice."""
-    params = [torch.randn(s) for s in SHAPES]
-    grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
-    whole = muon_run(monkeypatch, "unlimited", params, grads)
+    params, grads, whole = whole_run
     sliced = muon_run(monkeypatch, "1", params, grads)
     assert len(launch_groups(whole[1])) == 2  # one per rule (the nesterov and heavy-ball groups)
     groups = launch_groups(sliced[1])
@@ -162,12 +173,13 @@ def test_slices_keep_tensors_of_a_shape_together():
     assert plan_slices(shapes, 1 << 30, "cpu") == plan_slices(shapes, None, "cpu") == [list(range(6))]
 
 
-def test_a_moving_workspace_rewrites_the_tables(monkeypatch):
+def test_a_moving_workspace_rewrites_the_tables(monkeypatch, whole_run):
     """Each step's workspace at a new address, filled with NaN first: the updates are as
-    with one address (the tables follow it, and nothing reads what a step did not write)."""
-    params = [torch.randn(s) for s in SHAPES]
-    grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
-    still = muon_run(monkeypatch, "1", params, grads)
+    with one address (the tables follow it, and nothing reads what a step did not write).
+    The one-address run is the whole one, which the tiny budget's slices equal bit for bit
+    (the test above); the moved run keeps that budget, so its five slices share each
+    engine's workspace as before."""
+    params, grads, still = whole_run
     kept, acquire = [], Workspace.acquire
 
     def moving(self):
@@ -253,8 +265,11 @@ GLOBAL_MUON = fuser.rule(
 
 def test_a_global_reduction_keeps_one_slice(monkeypatch):
     cls = fuser.compile(GLOBAL_MUON)
+    # One step: the slices are planned at the first step and kept after it, and carrying
+    # momentum across slices is test_slices_under_a_tiny_budget_update_bit_identically's
+    # (here both runs are one slice, so a second step would run the same launch twice).
     params = [torch.randn(s) for s in SHAPES[:4]]
-    grads = [[torch.randn(s) for s in SHAPES[:4]] for _ in range(2)]
+    grads = [[torch.randn(s) for s in SHAPES[:4]]]
     runs = []
     for budget in ("unlimited", "1"):
         monkeypatch.setenv(WORKSPACE_ENV, budget)
