@@ -143,6 +143,7 @@ def main(argv=None):
         elements=n,
         command="python benchmarks/probes/stream_floor.py " + " ".join(argv or sys.argv[1:]),
     )
+    os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"stream_floor_{date}{args.tag}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
