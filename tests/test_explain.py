@@ -277,8 +277,12 @@ def test_multi_phase_optimizer_shows_every_kernel():
 
 
 def test_html_falls_back_to_escaped_pre_without_pygments(monkeypatch):
+    # IPython imports pygments itself: hidden before IPython's first import, it would leave a
+    # half-imported IPython in sys.modules and fail every later display test of the worker.
+    formatter = _formatter()
+    compiled = fuser.compile(ADAMW)
     monkeypatch.setitem(sys.modules, "pygments", None)
-    page = html_of(fuser.compile(ADAMW))
+    page = formatter.format(compiled)[0]["text/html"]
     assert "<pre>" in page and 'style="color:' not in page
     assert "offs &lt; n" in page and "offs < n" not in page
 
