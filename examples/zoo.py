@@ -1532,6 +1532,71 @@ _add(
     ),
 )
 
+# --- Matrix-preconditioned --------------------------------------------------------------------
+
+_SOAP_REFRESH = "(step > 1) and (mod(step - 1, precondition_frequency) == 0)"
+_SOAP = """
+    gp = transpose(QL) @ g @ QR
+    m1 = beta1 * m + (1 - beta1) * g
+    v1 = beta2 * v + (1 - beta2) * gp**2
+    u = QL @ ((transpose(QL) @ m1 @ QR) / (sqrt(v1) + eps)) @ transpose(QR)
+    s = maximum(step - 1, 1)
+    step_size = lr * sqrt(1 - beta2**s) / (1 - beta1**s)
+    p = where(step == 1, p, (p - step_size * u) * (1 - lr * weight_decay))
+    m = where(step == 1, m, m1)
+    L = shampoo_beta * L + (1 - shampoo_beta) * g @ transpose(g)
+    R = shampoo_beta * R + (1 - shampoo_beta) * transpose(g) @ g
+    PL = where(REFRESH, sort_perm(diag(transpose(QL) @ L @ QL)), eye(rows))
+    PR = where(REFRESH, sort_perm(diag(transpose(QR) @ R @ QR)), eye(cols))
+    v = where(step == 1, v, transpose(PL) @ v1 @ PR)
+    QL = where(step == 1, eigh(L + 1e-30 * eye(rows)), where(REFRESH, qr(L @ QL @ PL), QL))
+    QR = where(step == 1, eigh(R + 1e-30 * eye(cols)), where(REFRESH, qr(R @ QR @ PR), QR))
+    """.replace("REFRESH", _SOAP_REFRESH)
+
+_add(
+    "soap",
+    _SOAP,
+    defaults=dict(
+        lr=3e-3,
+        beta1=0.95,
+        beta2=0.95,
+        shampoo_beta=0.95,
+        weight_decay=0.01,
+        precondition_frequency=10.0,
+        eps=1e-8,
+    ),
+    state=dict(m=0.0, v=0.0, L="zeros(rows, rows)", R="zeros(cols, cols)", QL="eye(rows)", QR="eye(cols)"),
+    reference_kwargs=dict(
+        lr=1e-2,
+        betas=(0.9, 0.8),
+        shampoo_beta=0.7,
+        weight_decay=0.1,
+        precondition_frequency=2,
+        max_precondition_dim=6,
+    ),
+    hyper=dict(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.8,
+        shampoo_beta=0.7,
+        weight_decay=0.1,
+        precondition_frequency=2.0,
+        max_matrix_dim=6,
+    ),
+    states=dict(m="exp_avg", v="exp_avg_sq"),
+    # Every factor full rank from the first gradient on (an eigenbasis of a singular factor is
+    # not unique there): square, or the long side over the dimension limit.
+    shapes=((7, 5), (5, 7), (5, 5), (3, 8)),
+    rtol=1e-5,
+    doc="SOAP(lr, betas, shampoo_beta, weight_decay, precondition_frequency, eps) on 2-D parameters: "
+    "Adam in the eigenbasis of Shampoo's factors L and R (matrix states), eigh on the first step, a QR "
+    "power iteration every precondition_frequency steps with the columns sorted by estimated eigenvalue "
+    "(sort_perm) and the second moment permuted with them. correct_bias=True, normalize_gradient=False, "
+    "merge_dims=False as by default; max_precondition_dim is the optimizer's max_matrix_dim. "
+    "The reference's factors of 1-D and 3-D tensors (none, or one per "
+    "dimension) differ from the rule's 2-D view, so the zoo gives it matrices only.",
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
     "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
@@ -1540,7 +1605,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
     "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
-    "soap": "needs matrix functions: eigenbases of Shampoo's factors (QR / eigendecomposition)",
     "kron": "needs matrix functions and random numbers: PSGD Kronecker preconditioners updated "
     "with random probe vectors",
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",

@@ -16,6 +16,7 @@ import torch.optim.optimizer as _optimizer
 
 from fuser.display import NotebookDisplay
 from fuser.ir.optim import state_kinds
+from fuser.rules.matrices import is_matrix_rule
 from fuser.rules.rule import Rule, reads_loss
 from fuser.runtime import distributed, quant
 from fuser.runtime.engine import StepEngine
@@ -402,7 +403,14 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
     """
     opts = parse_options(**options)
     if isinstance(rule, dict):
+        for key, r in rule.items():
+            if isinstance(r, Rule) and is_matrix_rule(r):
+                raise ValueError(f"rule {key!r} holds matrices: compile it on its own (fuser.compile(rule))")
         return _multi_rule_class(rule, name, opts)
+    if is_matrix_rule(rule):
+        from fuser.optim.matrix_rules import make_matrix_optimizer
+
+        return make_matrix_optimizer(rule, name, opts)
     check_state_formats(rule, opts)
     plan_and_sources(rule, dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"

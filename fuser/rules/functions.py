@@ -13,6 +13,8 @@ import sympy
 from sympy.codegen.cfunctions import expm1 as _Expm1
 from sympy.codegen.cfunctions import log1p as _Log1p
 
+from fuser.rules.matrices import MATRIX_FUNCTIONS
+
 
 class Sigmoid(sympy.Function):
     """1 / (1 + exp(-x)), kept whole so the printer can emit one call."""
@@ -334,6 +336,7 @@ OPTIM_FUNCTIONS: dict[str, tuple] = {
     "every": (every, 1),
     "rand": (_drawer(Rand), 0),
     "randn": (_drawer(Randn), 0),
+    **MATRIX_FUNCTIONS,
 }
 CONDITIONS = frozenset({"every"})
 

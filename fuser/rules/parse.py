@@ -18,6 +18,7 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.rules.functions import CONDITIONS, CONSTANTS, ELEMENTWISE, MatrixFunction, Reduction
+from fuser.rules.matrices import MatMul
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b,
@@ -211,6 +212,12 @@ class Walker:
             return sympy.Integer(v) if isinstance(v, int) else sympy.Float(v)
         if isinstance(node, ast.Name):
             return self.name(node)
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.MatMult)
+            and "transpose" in self.lang.functions
+        ):
+            return MatMul(self.expr(node.left), self.expr(node.right))  # (optimizer rules: matrix products)
         if isinstance(node, ast.BinOp):
             op = _BINOPS.get(type(node.op))
             if op is None:

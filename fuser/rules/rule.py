@@ -22,6 +22,7 @@ from fuser.rules.functions import (
     RandomValue,
     draw_symbol,
 )
+from fuser.rules.matrices import matrix_init
 from fuser.rules.parse import Language, Statement, parse_text, symbol
 from fuser.rules.shapes import check_kinds
 
@@ -118,8 +119,16 @@ def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) ->
     for n, v in state.items():
         if v == "p":
             continue
+        try:
+            if kind == "optim" and matrix_init(v):
+                continue
+        except ValueError as e:
+            raise RuleError(f"state {n!r}: {e}") from None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RuleError(f"state {n!r} must start as a finite number or 'p', not {v!r}")
+            raise RuleError(
+                f"state {n!r} must start as a finite number or 'p' (or, for a matrix state, "
+                f"'zeros(rows, rows)', 'zeros(cols, cols)', 'eye(rows)' or 'eye(cols)'), not {v!r}"
+            )
 
 
 def rule(source=None, *, name: str | None = None, hyper: dict | None = None, state: dict | None = None):

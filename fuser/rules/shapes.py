@@ -16,18 +16,85 @@ import functools
 import sympy
 
 from fuser.errors import RuleError
+from fuser.rules import matrices as mx
 from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, MatrixFunction, RandomValue, Reduction
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
+ROWMAT, COLMAT, ELEMENT_T = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T
 _NAMES = {cls: name for name, cls in OPTIM_REDUCTIONS.items()}
+_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T})
+# How an error names each kind of value.
+DESCRIBE = {
+    SCALAR: "a number per tensor",
+    ROW: "a value per row",
+    COL: "a value per column",
+    ELEMENT: "a value per element ([rows, cols])",
+    ROWMAT: "a [rows, rows] matrix",
+    COLMAT: "a [cols, cols] matrix",
+    ELEMENT_T: "a transposed value per element ([cols, rows])",
+}
 
 
 def join(a: str, b: str) -> str:
     """The kind of a value computed from values of kinds ``a`` and ``b``."""
     if a == b or b == SCALAR:
         return a
-    return b if a == SCALAR else ELEMENT
+    if a == SCALAR:
+        return b
+    if a in _MATRIX_LIKE or b in _MATRIX_LIKE:
+        raise RuleError(
+            f"{DESCRIBE[a]} and {DESCRIBE[b]} cannot be combined elementwise "
+            "(`*`, `+` and functions act element by element; `@` is the matrix product)"
+        )
+    return ELEMENT
+
+
+# Products: (left, right) -> result.
+_PRODUCTS = {
+    (ROWMAT, ROWMAT): ROWMAT,
+    (COLMAT, COLMAT): COLMAT,
+    (ROWMAT, ELEMENT): ELEMENT,
+    (ELEMENT, COLMAT): ELEMENT,
+    (ELEMENT, ELEMENT_T): ROWMAT,
+    (ELEMENT_T, ELEMENT): COLMAT,
+    (COLMAT, ELEMENT_T): ELEMENT_T,
+    (ELEMENT_T, ROWMAT): ELEMENT_T,
+    (ROWMAT, ROW): ROW,
+    (COLMAT, COL): COL,
+}
+_TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT}
+_SQUARE = (ROWMAT, COLMAT)
+
+
+def _matrix_kind(e, args: list[str]) -> str:
+    """The kind of a matrix object ``e`` (``fuser.rules.matrices``) of arguments' kinds."""
+    name = e.spelling
+    if isinstance(e, mx.MatMul):
+        a, b = args
+        if SCALAR in (a, b):
+            raise RuleError("`@` multiplies matrices: multiply by a number with `*`")
+        found = _PRODUCTS.get((a, b))
+        if found is None:
+            raise RuleError(f"`@` cannot multiply {DESCRIBE[a]} by {DESCRIBE[b]}: their sizes do not match")
+        return found
+    if isinstance(e, mx.Transpose):
+        if args[0] not in _TRANSPOSED:
+            raise RuleError(f"transpose() takes a matrix or a value per element, not {DESCRIBE[args[0]]}")
+        return _TRANSPOSED[args[0]]
+    if isinstance(e, mx.Eye):
+        return ROWMAT if e.args[0].name == "rows" else COLMAT
+    if isinstance(e, mx.SortPerm):
+        if args[0] not in (ROW, COL):
+            raise RuleError(f"sort_perm() takes a value per row or per column, not {DESCRIBE[args[0]]}")
+        return ROWMAT if args[0] == ROW else COLMAT
+    if args[0] not in _SQUARE:
+        raise RuleError(f"{name}() takes a [rows, rows] or [cols, cols] matrix, not {DESCRIBE[args[0]]}")
+    if isinstance(e, mx.Trace):
+        return SCALAR
+    if isinstance(e, mx.Diag):
+        return ROW if args[0] == ROWMAT else COL
+    return args[0]
 
 
 def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = None) -> str:
@@ -38,10 +105,17 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
         return memo[e]
     if isinstance(e, RandomValue):  # (a draw per element, though it reads no symbol)
         kind = ELEMENT
+    elif isinstance(e, mx.MatrixOp):
+        args = [kind_of(a, kinds, memo) for a in e.args if not (a.is_Number or isinstance(e, mx.Eye))]
+        kind = _matrix_kind(e, args)
     elif isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
-        if isinstance(e, MatrixFunction):
+        if arg in _MATRIX_LIKE:
+            if type(e).__name__ not in ("Norm", "Sum", "Mean", "Amax"):
+                raise RuleError(f"{name}() does not take {DESCRIBE[arg]} (norm, sum, mean and amax do)")
+            kind = SCALAR
+        elif isinstance(e, MatrixFunction):
             if arg != ELEMENT:
                 raise RuleError(f"{name}() takes a matrix: a value per element, not one per {arg}")
             kind = ELEMENT
@@ -79,8 +153,9 @@ def _rule_kinds(rule) -> tuple[tuple[str, str], ...]:
 
 
 def _state_kinds(outputs: dict, state) -> dict[str, str]:
-    assigned = [s for s, init in state if s in outputs and init != "p"]
-    kinds = {s: (SCALAR if s in assigned else ELEMENT) for s, _ in state}
+    declared = {s: mx.matrix_init(init)[0] for s, init in state if mx.matrix_init(init)}
+    assigned = [s for s, init in state if s in outputs and init != "p" and s not in declared]
+    kinds = {s: declared.get(s) or (SCALAR if s in assigned else ELEMENT) for s, _ in state}
     changed = True
     while changed:
         changed = False
@@ -96,12 +171,35 @@ def _state_kinds(outputs: dict, state) -> dict[str, str]:
 def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[str] | None) -> None:
     """Raise ``RuleError`` at the first statement that reduces a value it cannot reduce
     (an axis reduction of row values, a global reduction of column values)."""
-    kinds = {symbol(n): k for n, k in _state_kinds(outputs, state).items()}
+    declared = {s for s, init in state if mx.matrix_init(init)}
+    try:
+        found = _state_kinds(outputs, state)
+    except RuleError:  # (located below, statement by statement)
+        found = {s: (mx.matrix_init(init) or (ELEMENT,))[0] for s, init in state}
+    kinds = {symbol(n): k for n, k in found.items()}
     kinds.update({symbol("p"): ELEMENT, symbol("g"): ELEMENT})
     memo: dict = {}
     for st in statements:
+        src = lines[st.line - 1] if lines and 0 < st.line <= len(lines) else None
         try:
-            kind_of(st.expr, kinds, memo)
+            kind = kind_of(st.expr, kinds, memo)
+            want = found.get(st.target) if st.target in found else (ELEMENT if st.target == "p" else None)
+            if kind == ELEMENT_T and (st.target == "p" or st.target in found):
+                raise RuleError(
+                    f"{st.target} is {DESCRIBE[kind]}: transpose it back, or multiply it by a matrix"
+                )
+            if st.target in found and st.target not in declared and kind in (ROWMAT, COLMAT):
+                raise RuleError(
+                    f"state {st.target!r} starts as a number, so it holds values per element, row, column or "
+                    f"tensor; this assigns it {DESCRIBE[kind]}: declare it as 'zeros(rows, rows)' or "
+                    "'zeros(cols, cols)' (or 'eye(...)')"
+                )
+            if st.target in declared and kind not in (want, SCALAR):
+                raise RuleError(
+                    f"state {st.target!r} is {DESCRIBE[want]}, but this assigns it {DESCRIBE[kind]}"
+                )
+            if st.target == "p" and kind in _MATRIX_LIKE:
+                raise RuleError(f"p is a value per element, but this assigns it {DESCRIBE[kind]}")
         except RuleError as e:
-            src = lines[st.line - 1] if lines and 0 < st.line <= len(lines) else None
             raise RuleError(e.message, line=st.line, col=st.col, source_line=src) from None
+    _state_kinds(outputs, state)

@@ -1,0 +1,640 @@
+"""The optimizer of a matrix rule (``fuser.rules.matrices``): a step of two phases.
+
+1. **The matrix phase**, in torch: every value of the rule that holds or reads a matrix
+   (a factor's update, products, transposes, traces, decompositions), evaluated once per
+   step over stacks of the matrices of one shape (``[n, rows, cols]``, batched products and
+   decompositions over every tensor of that 2-D shape in a param group), each common
+   subexpression once. Its results that the update reads per element are written to fp32
+   buffers; the new matrix states are written last, so every value reads the step's
+   starting ones.
+2. **The update phase**: the rule's ``p`` and element states, with those results as inputs,
+   as one fused fuser kernel over every tensor (the step engine's, as for any rule).
+
+A decomposition (``eigh``, ``qr``, ``inv_root``) is the value of a matrix state (or a branch
+of a ``where`` that is); a matrix whose decomposition fails or is not finite in fp32 is
+retried in fp64, and where that fails too its state keeps its previous value (a
+RuntimeWarning), so no NaN reaches a parameter. A ``where`` whose condition holds one
+number per step (``every(k)``, ``step == 1``) evaluates only the branch it takes: the
+decompositions of a refresh run on refresh steps only. A side over ``max_matrix_dim``
+(a constructor keyword, default 8192) has no factor: every ``[n, n]`` value of that side
+is the identity (its states stay the identity, held as an empty tensor; products with it
+are skipped; its trace is ``n``, its diagonal ones).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+
+import sympy
+import torch
+
+from fuser.errors import RuleError
+from fuser.optim.builtins._base import RuleKernel
+from fuser.rules import matrices as mx
+from fuser.rules.functions import Amax as _Amax
+from fuser.rules.functions import ApproxTanh, Norm, RandomValue, Reduction, Remainder, Sigmoid
+from fuser.rules.functions import Mean as _Mean
+from fuser.rules.functions import Sum as _Sum
+from fuser.rules.parse import Statement, symbol
+from fuser.rules.rule import Rule
+from fuser.rules.shapes import COL, ELEMENT, ROW, kind_of
+from fuser.runtime.plans import Options
+from fuser.runtime.tables import view_2d
+
+DEFAULT_MAX_MATRIX_DIM = 8192
+_STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
+_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T})
+
+
+class Identity:
+    """An ``[n, n]`` value of a side over ``max_matrix_dim``: the identity, never stored."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+
+class MatrixProgram:
+    """A matrix rule lowered: ``boundaries`` (buffer name, value) the update kernel reads
+    per element, ``matrix_outputs`` (state, value), the update rule, the decompositions'
+    states (``owners``) and every symbol's kind."""
+
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self.matrix_states = {s: mx.matrix_init(v) for s, v in rule.state if mx.matrix_init(v)}
+        self.element_states = [(s, v) for s, v in rule.state if s not in self.matrix_states]
+        kinds = {symbol("p"): ELEMENT, symbol("g"): ELEMENT}
+        kinds.update({symbol(s): kind for s, (kind, _) in self.matrix_states.items()})
+        kinds.update({symbol(s): ELEMENT for s, _ in self.element_states})
+        self.kinds, self._memo = kinds, {}
+        outputs = dict(rule.outputs)
+        for s, _ in self.element_states:
+            if s in outputs and self.kind(outputs[s]) != ELEMENT:
+                raise RuleError(
+                    f"state {s!r}: a matrix rule's other states hold one value per element (this one "
+                    f"holds {self.kind(outputs[s])}s): not supported yet",
+                ).with_rule(rule.name)
+        self.matrix_outputs = [(s, e) for s, e in rule.outputs if s in self.matrix_states]
+        self.boundaries: dict = {}  # value -> buffer name
+        update = []
+        for name, e in rule.outputs:
+            if name not in self.matrix_states:
+                update.append((name, self._split(e)))
+        for _, e in rule.outputs:
+            self._check_torch_values(e)
+        self.owners = self._owners()
+        self.update_rule = self._update_rule(update)
+
+    def kind(self, e) -> str:
+        return kind_of(e, self.kinds, self._memo)
+
+    def needs_torch(self, e) -> bool:
+        return bool(e.atoms(mx.MatrixOp)) or any(self.kinds.get(s) in _MATRIX_LIKE for s in e.free_symbols)
+
+    def _split(self, e):
+        """``e`` (a per-element value) with each matrix-phase value it reads replaced by a
+        buffer's symbol."""
+        if not self.needs_torch(e):
+            return e
+        rooted = isinstance(e, mx.MatrixOp) or (
+            isinstance(e, Reduction) and self.kind(e.args[0]) in _MATRIX_LIKE
+        )
+        if rooted:
+            name = self.boundaries.setdefault(e, f"matrix_value{len(self.boundaries)}")
+            return symbol(name)
+        return e.func(*[self._split(a) if isinstance(a, sympy.Basic) else a for a in e.args])
+
+    def _check_torch_values(self, e) -> None:
+        for node in sympy.preorder_traversal(e):
+            if isinstance(node, mx.MatrixOp) or (
+                isinstance(node, sympy.Symbol) and self.kinds.get(node) in _MATRIX_LIKE
+            ):
+                if node.atoms(RandomValue):
+                    raise RuleError(
+                        "rand() and randn() inside a matrix value: assign the draw to a name in a "
+                        "statement of its own is not enough either (matrix phases draw nothing yet)"
+                    ).with_rule(self.rule.name)
+                bad = [
+                    a
+                    for a in node.atoms(Reduction)
+                    if a.op in ("orthogonalize",) or a.op.startswith("global_")
+                ]
+                if bad:
+                    raise RuleError(
+                        f"{bad[0].op}() inside a matrix value is not supported in a matrix rule"
+                    ).with_rule(self.rule.name)
+                if symbol("loss") in node.free_symbols:
+                    raise RuleError("a matrix value cannot read loss").with_rule(self.rule.name)
+
+    def _owners(self) -> dict:
+        """Each decomposition -> the matrix state that keeps its old value where it fails."""
+        owners = {}
+
+        def branches(e):
+            if isinstance(e, sympy.Piecewise):
+                for value, _ in e.args:
+                    yield from branches(value)
+            else:
+                yield e
+
+        for s, e in self.matrix_outputs:
+            for b in branches(e):
+                if isinstance(b, mx.Decomposition):
+                    owners.setdefault(b, s)
+        for _, e in self.rule.outputs:
+            for d in e.atoms(mx.Decomposition):
+                if d not in owners:
+                    raise RuleError(
+                        f"{d.spelling}() must be the value of a matrix state (directly, or a branch of "
+                        f"where(...)): where it fails that state keeps its previous value"
+                    ).with_rule(self.rule.name)
+        return owners
+
+    def _update_rule(self, update: list) -> Rule:
+        step = symbol("step")
+        outputs = tuple((n, e.xreplace({step: symbol(_STEP)})) for n, e in update)
+        state = (*self.element_states, *((b, 0.0) for b in self.boundaries.values()))
+        statements = tuple(Statement(n, e, 1, 1) for n, e in outputs)
+        return Rule(
+            "optim",
+            f"{self.rule.name}_update",
+            "\n".join(f"{n} = {e}" for n, e in outputs),
+            (*self.rule.hyper, (_STEP, 1.0)),
+            tuple(state),
+            statements,
+            outputs,
+        )
+
+
+class MatrixRuleOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers ``fuser.compile`` makes of matrix rules (``rule``, ``program``,
+    ``options`` set on the subclass). State per parameter: ``step`` (a float tensor, as
+    torch.optim keeps it), the element states (fp32, the parameter's shape) and the matrix
+    states (fp32 ``[rows, rows]`` / ``[cols, cols]``, or an empty tensor for a side over
+    ``max_matrix_dim``)."""
+
+    rule: Rule
+    program: MatrixProgram
+    options: Options
+
+    def __init__(self, params, *, max_matrix_dim: int = DEFAULT_MAX_MATRIX_DIM, **hyper):
+        defaults = dict(self.rule.hyper_defaults)
+        unknown = set(hyper) - set(defaults)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
+                f"it takes {sorted(defaults)} and max_matrix_dim"
+            )
+        if isinstance(max_matrix_dim, bool) or not isinstance(max_matrix_dim, int) or max_matrix_dim < 1:
+            raise ValueError(f"max_matrix_dim must be a positive whole number, not {max_matrix_dim!r}")
+        defaults.update(hyper)
+        self.max_matrix_dim = max_matrix_dim
+        super().__init__(params, defaults)
+        self._kernel = RuleKernel(self.program.update_rule, self.options)
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts loaded states to each parameter's dtype; a matrix rule keeps fp32.
+        for st in self.state.values():
+            for key, value in st.items():
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                    st[key] = value.float()
+
+    # --- one step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = self._items()
+        if not items:
+            return loss
+        for group, p, _ in items:
+            self._check_hyper(group)
+            if len(self.state[p]) == 0:
+                self._init_state(p)
+        batches = defaultdict(list)
+        for group, p, g in items:
+            step = int(self.state[p]["step"].item()) + 1
+            batches[(id(group), step, view_2d(p.shape))].append((group, p, g))
+        buffers = {}
+        new_matrices = []
+        for (_, step, (rows, cols)), members in batches.items():
+            out = _Batch(self, members, step, rows, cols).run()
+            buffers.update(out[0])
+            new_matrices += out[1]
+        groups = defaultdict(list)
+        for group, p, _ in items:
+            groups[(id(group), int(self.state[p]["step"].item()) + 1)].append((group, p))
+        launch, states = [], {}
+        for (_, step), members in groups.items():
+            group = members[0][0]
+            hyper = {k: float(group[k]) for k, _ in self.rule.hyper}
+            hyper[_STEP] = float(step)
+            launch.append(([p for _, p in members], hyper))
+            for _, p in members:
+                st = self.state[p]
+                states[p] = {s: st[s] for s, _ in self.program.element_states}
+                states[p].update(buffers[p])
+        self._kernel.run(launch, states)
+        for tensor, value in new_matrices:
+            tensor.copy_(value)
+        for _, p, _ in items:
+            self.state[p]["step"] += 1
+        self._kernel.forget()  # (the buffers and their tables go; the states stay)
+        return loss
+
+    def _items(self) -> list:
+        attr = self.options.grad_attr
+        found = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = getattr(p, attr, None)
+                if g is None:
+                    continue
+                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
+                    raise TypeError(
+                        f"{type(self).__name__} (a matrix rule) takes plain tensors, not {type(p).__name__}"
+                    )
+                if g.shape != p.shape:
+                    raise ValueError(
+                        f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}"
+                    )
+                found.append((group, p, g))
+        return found
+
+    def _check_hyper(self, group: dict) -> None:
+        for k, _ in self.rule.hyper:
+            v = group[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"hyperparameter {k!r} must be a finite number, not {v!r}")
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        st = self.state[p]
+        st["step"] = torch.tensor(0.0)
+        for s, init in self.program.element_states:
+            st[s] = (
+                p.detach().float().clone()
+                if init == "p"
+                else torch.full(p.shape, float(init), device=p.device)
+            )
+        rows, cols = view_2d(p.shape)
+        for s, (kind, how) in self.program.matrix_states.items():
+            n = rows if kind == mx.ROWMAT else cols
+            if n > self.max_matrix_dim:
+                st[s] = torch.empty(0, device=p.device)
+            elif how == "eye":
+                st[s] = torch.eye(n, device=p.device)
+            else:
+                st[s] = torch.zeros(n, n, device=p.device)
+
+
+class _Batch:
+    """The matrix phase of the tensors of one param group, step and 2-D shape."""
+
+    def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int):
+        self.opt, self.members, self.step, self.rows, self.cols = opt, members, step, rows, cols
+        self.program = opt.program
+        self.limit = opt.max_matrix_dim
+        group = members[0][0]
+        n = len(members)
+        env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
+        env[symbol("numel")] = float(members[0][1].numel())
+        env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
+        env[symbol("p")] = torch.stack([p.detach().float().reshape(rows, cols) for _, p, _ in members])
+        env[symbol("g")] = torch.stack([g.float().reshape(rows, cols) for _, _, g in members])
+        for s, _ in self.program.element_states:
+            env[symbol(s)] = torch.stack([opt.state[p][s].reshape(rows, cols) for _, p, _ in members])
+        for s, (kind, _) in self.program.matrix_states.items():
+            side = self.side(kind)
+            env[symbol(s)] = (
+                Identity(side) if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
+            )
+        self.n = n
+        self.env, self.memo = env, {}
+
+    def side(self, kind: str) -> int:
+        return self.rows if kind in (mx.ROWMAT, ROW) else self.cols
+
+    def run(self):
+        buffers = defaultdict(dict)
+        for value, name in self.program.boundaries.items():
+            v = self.ev(value)
+            kind = self.program.kind(value)
+            if isinstance(v, Identity):  # (a diagonal or trace of an identity is computed, not this)
+                raise AssertionError("an identity where a value per element was expected")
+            v = torch.as_tensor(v, dtype=torch.float32, device=self.env[symbol("p")].device)
+            v = torch.broadcast_to(v if v.dim() == 3 else v.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
+            for k, (_, p, _) in enumerate(self.members):
+                buffers[p][name] = v[k].reshape(p.shape).contiguous()
+            del kind
+        new = []
+        for s, value in self.program.matrix_outputs:
+            v = self.ev(value)
+            if isinstance(v, Identity):
+                continue
+            v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), self.env[symbol(s)].shape)
+            for k, (_, p, _) in enumerate(self.members):
+                new.append((self.opt.state[p][s], v[k]))
+        return buffers, new
+
+    # --- evaluation ------------------------------------------------------------------------
+    def ev(self, e):
+        if e in self.memo:
+            return self.memo[e]
+        v = self._ev(e)
+        self.memo[e] = v
+        return v
+
+    def _ev(self, e):
+        if e.is_Symbol:
+            return self.env[e]
+        if e.is_Number:
+            return float(e)
+        if e is sympy.true or e is sympy.false:
+            return bool(e)
+        if isinstance(e, sympy.Piecewise):
+            return self._piecewise(e)
+        if isinstance(e, mx.MatrixOp):
+            return self._matrix(e)
+        if isinstance(e, Reduction):
+            return self._reduce(e)
+        args = [self.ev(a) for a in e.args]
+        if any(isinstance(a, Identity) for a in args):
+            return next(a for a in args if isinstance(a, Identity))
+        return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
+
+    def _piecewise(self, e):
+        out = None
+        pending = []  # (value, condition tensor) still to combine
+        for value, cond in e.args:
+            c = self.ev(cond)
+            if isinstance(c, bool):
+                if c:
+                    out = self.ev(value)
+                    break
+                continue
+            pending.append((self.ev(value), c))
+        if out is None:
+            raise RuleError("a where() without a branch that holds")
+        for value, c in reversed(pending):
+            out = torch.where(c, torch.as_tensor(value), torch.as_tensor(out))
+        return out
+
+    def _reduce(self, e):
+        x = self.ev(e.args[0])
+        if isinstance(x, Identity):
+            n = x.n
+            return {Norm: math.sqrt(n), _Sum: float(n), _Mean: 1.0 / n, _Amax: 1.0}[type(e)]
+        x = torch.as_tensor(x)
+        if x.dim() < 3:
+            x = x.reshape(-1, 1, 1)
+        if isinstance(e, Norm):
+            return x.square().sum((-2, -1), keepdim=True).sqrt()
+        if isinstance(e, _Sum):
+            return x.sum((-2, -1), keepdim=True)
+        if isinstance(e, _Mean):
+            return x.mean((-2, -1), keepdim=True)
+        if isinstance(e, _Amax):
+            return x.amax((-2, -1), keepdim=True)
+        raise RuleError(f"{e.op}() is not supported inside a matrix value")
+
+    def _matrix(self, e):
+        kind = self.program.kind(e)
+        if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit and not isinstance(e, mx.Eye):
+            if not isinstance(e, (mx.Trace, mx.Diag)):
+                return Identity(self.side(kind))
+        if isinstance(e, mx.Eye):
+            n = self.rows if e.args[0].name == "rows" else self.cols
+            if n > self.limit:
+                return Identity(n)
+            return torch.eye(n, device=self.env[symbol("p")].device).expand(self.n, n, n)
+        args = [self.ev(a) for a in e.args]
+        if isinstance(e, mx.MatMul):
+            a, b = args
+            if isinstance(a, Identity):
+                return b
+            if isinstance(b, Identity):
+                return a
+            ka, kb = (self.program.kind(x) for x in e.args)
+            if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
+                return torch.matmul(a, torch.as_tensor(b).mT).mT
+            return torch.matmul(a, b)
+        x = args[0]
+        if isinstance(e, mx.Transpose):
+            return x if isinstance(x, (Identity, float)) else torch.as_tensor(x).mT
+        if isinstance(e, mx.Trace):
+            if isinstance(x, Identity):
+                return float(x.n)
+            return x.diagonal(dim1=-2, dim2=-1).sum(-1).reshape(-1, 1, 1)
+        if isinstance(e, mx.Diag):
+            arg_kind = self.program.kind(e.args[0])
+            if isinstance(x, Identity):
+                return 1.0
+            d = x.diagonal(dim1=-2, dim2=-1)
+            return d.unsqueeze(-1) if arg_kind == mx.ROWMAT else d.unsqueeze(-2)
+        if isinstance(x, Identity):
+            return x
+        if isinstance(e, mx.Triu):
+            return torch.triu(x)
+        if isinstance(e, mx.Tril):
+            return torch.tril(x)
+        if isinstance(e, mx.SortPerm):
+            d = torch.as_tensor(x)
+            d = d.reshape(self.n, -1) if d.dim() == 3 else d.expand(self.n, self.side(kind)).clone()
+            idx = torch.argsort(d, dim=-1, descending=True, stable=True)
+            return torch.nn.functional.one_hot(idx, d.shape[-1]).to(torch.float32).mT
+        if isinstance(e, mx.Decomposition):
+            return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
+        raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _decompose(self, e, mats: torch.Tensor, extra: list):
+        fn = _DECOMPOSITIONS[type(e)]
+        k = int(extra[0]) if extra else None
+        try:
+            out = fn(mats, k)
+            ok = torch.isfinite(out).flatten(1).all(1)
+        except RuntimeError:
+            out = torch.zeros_like(mats)
+            ok = torch.zeros(len(mats), dtype=torch.bool, device=mats.device)
+        if bool(ok.all()):
+            return out
+        state = self.program.owners[e]
+        old = self.env[symbol(state)]
+        out = out.clone()
+        for j in (~ok).nonzero().flatten().tolist():
+            try:
+                q = fn(mats[j : j + 1].double(), k)[0].float()
+                good = bool(torch.isfinite(q).all())
+            except RuntimeError:
+                good = False
+            if good:
+                out[j] = q
+            else:
+                out[j] = old[j]
+                warnings.warn(
+                    f"{self.opt.rule.name}: {e.spelling}() of a {mats.shape[-1]}x{mats.shape[-1]} matrix "
+                    f"failed in fp32 and fp64; state {state!r} keeps its previous value",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        return out
+
+
+def _eigh(m: torch.Tensor, _k) -> torch.Tensor:
+    return torch.linalg.eigh(m)[1].flip(-1)  # columns by eigenvalue, largest first
+
+
+def _qr(m: torch.Tensor, _k) -> torch.Tensor:
+    return torch.linalg.qr(m)[0]
+
+
+def _inv_root(m: torch.Tensor, k: int) -> torch.Tensor:
+    lam, vec = torch.linalg.eigh(m)
+    root = torch.where(lam > 0, lam.clamp_min(torch.finfo(lam.dtype).tiny) ** (-1.0 / k), float("nan"))
+    return (vec * root.unsqueeze(-2)) @ vec.mT
+
+
+_DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root}
+
+
+def _t(x):
+    return torch.as_tensor(x) if not isinstance(x, torch.Tensor) else x
+
+
+def _pow(a, b):
+    if isinstance(a, float) and isinstance(b, float):
+        return a**b
+    return torch.pow(_t(a), b) if isinstance(b, float) else torch.pow(_t(a), _t(b))
+
+
+def _mul(*xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out * x
+    return out
+
+
+def _add(*xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
+
+
+def _min(*xs):
+    out = _t(xs[0])
+    for x in xs[1:]:
+        out = torch.minimum(out, _t(x))
+    return out
+
+
+def _max(*xs):
+    out = _t(xs[0])
+    for x in xs[1:]:
+        out = torch.maximum(out, _t(x))
+    return out
+
+
+def _compare(op):
+    def f(a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return bool(op(a, b))
+        return op(_t(a), _t(b))
+
+    return f
+
+
+def _and(*xs):
+    if all(isinstance(x, bool) for x in xs):
+        return all(xs)
+    out = None
+    for x in xs:
+        x = _t(x)
+        out = x if out is None else out & x
+    return out
+
+
+def _or(*xs):
+    if all(isinstance(x, bool) for x in xs):
+        return any(xs)
+    out = None
+    for x in xs:
+        x = _t(x)
+        out = x if out is None else out | x
+    return out
+
+
+def _mod(a, b):
+    if isinstance(a, float) and isinstance(b, float):
+        return a - b * math.floor(a / b)
+    return _t(a) - _t(b) * torch.floor(_t(a) / _t(b))
+
+
+_ELEMENTWISE = {
+    sympy.Add: _add,
+    sympy.Mul: _mul,
+    sympy.Pow: _pow,
+    sympy.exp: lambda x: math.exp(x) if isinstance(x, float) else torch.exp(x),
+    sympy.log: lambda x: math.log(x) if isinstance(x, float) else torch.log(x),
+    sympy.Abs: lambda x: abs(x) if isinstance(x, float) else torch.abs(x),
+    sympy.sign: lambda x: float(math.copysign(1, x)) * (x != 0) if isinstance(x, float) else torch.sign(x),
+    sympy.tanh: lambda x: math.tanh(x) if isinstance(x, float) else torch.tanh(x),
+    ApproxTanh: lambda x: math.tanh(x) if isinstance(x, float) else torch.tanh(x),
+    Sigmoid: lambda x: 1 / (1 + math.exp(-x)) if isinstance(x, float) else torch.sigmoid(x),
+    sympy.cos: lambda x: math.cos(x) if isinstance(x, float) else torch.cos(x),
+    sympy.sin: lambda x: math.sin(x) if isinstance(x, float) else torch.sin(x),
+    sympy.floor: lambda x: float(math.floor(x)) if isinstance(x, float) else torch.floor(x),
+    sympy.Min: _min,
+    sympy.Max: _max,
+    Remainder: _mod,
+    sympy.StrictLessThan: _compare(lambda a, b: a < b),
+    sympy.LessThan: _compare(lambda a, b: a <= b),
+    sympy.StrictGreaterThan: _compare(lambda a, b: a > b),
+    sympy.GreaterThan: _compare(lambda a, b: a >= b),
+    sympy.Equality: _compare(lambda a, b: a == b),
+    sympy.Unequality: _compare(lambda a, b: a != b),
+    sympy.And: _and,
+    sympy.Or: _or,
+    sympy.Not: lambda x: (not x) if isinstance(x, bool) else ~_t(x),
+}
+
+
+def _generic(e, args):
+    name = type(e).__name__
+    if name == "log1p":
+        return math.log1p(args[0]) if isinstance(args[0], float) else torch.log1p(args[0])
+    if name == "expm1":
+        return math.expm1(args[0]) if isinstance(args[0], float) else torch.expm1(args[0])
+    raise RuleError(f"{name} is not supported inside a matrix value")
+
+
+def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
+    """The optimizer class of a matrix rule (``fuser.compile``)."""
+    if opts.state_dtype is not None or opts.master_weights is not None:
+        raise ValueError(
+            f"rule {rule.name!r} holds matrices: its states are fp32 (state_dtype and master_weights "
+            "are not supported for matrix rules yet)"
+        )
+    if opts.view != "flatten":
+        raise ValueError(
+            f"rule {rule.name!r} holds matrices: it takes the flatten view "
+            "([shape[0], prod(rest)]) only for now"
+        )
+    program = MatrixProgram(rule)
+    from fuser.runtime.plans import dtype_plan, plan_and_sources
+
+    plan_and_sources(program.update_rule, dtype_plan(program.update_rule, opts, "fp32", "fp32"), False)
+    cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
+    doc = (
+        f"Optimizer compiled by fuser from matrix rule {rule.name!r}.\n\nRule:\n\n"
+        + "\n".join("    " + line for line in rule.text.splitlines())
+        + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n"
+    )
+    return type(
+        cls_name,
+        (MatrixRuleOptimizer,),
+        {"rule": rule, "program": program, "options": opts, "__doc__": doc, "__module__": "fuser.optim"},
+    )

@@ -1,0 +1,210 @@
+"""Matrix values of an optimizer rule: states of shape ``[rows, rows]`` and ``[cols, cols]``
+of a tensor's 2-D view, products (``@``), transposes and matrix functions, as sympy objects.
+
+A rule that holds or computes a matrix is a *matrix rule* (``is_matrix_rule``); its step is
+lowered by ``fuser.optim.matrix_rules`` into fused element phases between batched matrix
+phases. ``*`` stays elementwise on matrices as on everything else; ``@`` is the product.
+
+What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here): ``rowmat``
+(``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor) and
+``element_t`` (the transpose of a per-element value, ``[cols, rows]``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import sympy
+
+ROWMAT, COLMAT, ELEMENT_T = "rowmat", "colmat", "element_t"
+MATRIX_KINDS = frozenset({ROWMAT, COLMAT})
+
+# How a matrix state starts: a state declared ``"zeros(rows, rows)"`` is [rows, rows] of
+# zeros, ``"eye(cols)"`` the [cols, cols] identity.
+_INIT = re.compile(r"^\s*(?:zeros\(\s*(rows|cols)\s*,\s*(rows|cols)\s*\)|eye\(\s*(rows|cols)\s*\))\s*$")
+
+
+def matrix_init(value) -> tuple[str, str] | None:
+    """``(kind, "zeros" | "eye")`` of a matrix state's declared start, or None for an
+    element state's (a number or ``"p"``). Raises ValueError for ``zeros(rows, cols)``."""
+    if not isinstance(value, str):
+        return None
+    m = _INIT.match(value)
+    if m is None:
+        return None
+    if m.group(3):
+        side, how = m.group(3), "eye"
+    else:
+        if m.group(1) != m.group(2):
+            raise ValueError(
+                f"a matrix state is [rows, rows] or [cols, cols], not {value!r} "
+                "(a per-element state starts as a number)"
+            )
+        side, how = m.group(1), "zeros"
+    return (ROWMAT if side == "rows" else COLMAT), how
+
+
+class MatrixOp(sympy.Function):
+    """Base of the matrix objects; ``spelling`` is the rule-language name."""
+
+    is_real = True
+    spelling = ""
+
+    def _sympystr(self, printer):
+        return f"{self.spelling}({', '.join(printer._print(a) for a in self.args)})"
+
+    def _latex(self, printer, exp=None):
+        inner = ", ".join(printer._print(a) for a in self.args)
+        text = rf"\operatorname{{{self.spelling.replace('_', chr(92) + '_')}}}\left({inner}\right)"
+        return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
+
+
+class MatMul(MatrixOp):
+    """``a @ b``: the matrix product (not commutative: the arguments keep their order)."""
+
+    nargs = 2
+    spelling = "matmul"
+
+    def _sympystr(self, printer):
+        a, b = (printer.parenthesize(x, 100) for x in self.args)
+        return f"({a} @ {b})"
+
+    def _latex(self, printer, exp=None):
+        a, b = (printer._print(x) for x in self.args)
+        text = rf"\left({a}\right) \left({b}\right)"
+        return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
+
+
+class Transpose(MatrixOp):
+    nargs = 1
+    spelling = "transpose"
+
+    @classmethod
+    def eval(cls, x):
+        if isinstance(x, Transpose):
+            return x.args[0]
+        if isinstance(x, (Eye, SymmetricFunction)) or x.is_Number:
+            return x
+        return None
+
+    def _latex(self, printer, exp=None):
+        text = rf"\left({printer._print(self.args[0])}\right)^{{T}}"
+        return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
+
+
+class Eye(MatrixOp):
+    """``eye(rows)`` or ``eye(cols)``: the identity of that side."""
+
+    nargs = 1
+    spelling = "eye"
+
+    def _latex(self, printer, exp=None):
+        return r"I" if exp is None else rf"I^{{{exp}}}"
+
+
+class Trace(MatrixOp):
+    """``trace(M)``: one number per tensor (per matrix of a batched view)."""
+
+    nargs = 1
+    spelling = "trace"
+
+
+class Diag(MatrixOp):
+    """``diag(M)``: the diagonal of a factor, one value per row (a ``[rows, rows]`` factor)
+    or per column (``[cols, cols]``)."""
+
+    nargs = 1
+    spelling = "diag"
+
+
+class Triu(MatrixOp):
+    nargs = 1
+    spelling = "triu"
+
+
+class Tril(MatrixOp):
+    nargs = 1
+    spelling = "tril"
+
+
+class Decomposition(MatrixOp):
+    """A matrix function that may fail (``eigh``, ``qr``, ``inv_root``): a rule assigns its
+    value to a matrix state, which keeps its previous value where the function fails in fp32
+    and again in fp64 (with a warning)."""
+
+
+class SymmetricFunction(Decomposition):
+    """A decomposition whose value is symmetric (its transpose is itself)."""
+
+
+class Eigh(Decomposition):
+    """``eigh(M)``: the eigenvectors of the symmetric ``M`` as columns, sorted by
+    eigenvalue, largest first."""
+
+    nargs = 1
+    spelling = "eigh"
+
+
+class QR(Decomposition):
+    """``qr(M)``: the orthogonal factor Q of ``M = QR`` (torch.linalg.qr's signs)."""
+
+    nargs = 1
+    spelling = "qr"
+
+
+class InvRoot(SymmetricFunction):
+    """``inv_root(M, k)``: ``M^(-1/k)`` of the symmetric ``M`` by its eigendecomposition
+    (``V diag(λ^(-1/k)) Vᵀ``); a ``λ ≤ 0`` is a failure, so a rule adds ``eps * eye(...)``
+    first. ``k`` a whole number from 1 to 8 written in the rule."""
+
+    nargs = 2
+    spelling = "inv_root"
+
+
+class SortPerm(MatrixOp):
+    """``sort_perm(d)``: of a value per row (per column), the permutation matrix ``P`` of
+    that side whose columns sort ``d`` from largest to smallest: ``(Q @ P)``'s columns are
+    ``Q``'s in that order, and ``transpose(P) @ v`` moves ``v``'s rows with them."""
+
+    nargs = 1
+    spelling = "sort_perm"
+
+
+def _eye(side):
+    if not (isinstance(side, sympy.Symbol) and side.name in ("rows", "cols")):
+        raise ValueError("eye() takes rows or cols: eye(rows) is the [rows, rows] identity")
+    return Eye(side)
+
+
+def _inv_root(m, k):
+    if not (k.is_Integer and 1 <= int(k) <= 8):
+        raise ValueError(f"inv_root(M, k) needs k a whole number from 1 to 8 written in the rule, not {k}")
+    return InvRoot(m, k)
+
+
+# name -> (builder, number of arguments), merged into the optimizer rules' functions.
+MATRIX_FUNCTIONS: dict[str, tuple] = {
+    "transpose": (Transpose, 1),
+    "eye": (_eye, 1),
+    "trace": (Trace, 1),
+    "diag": (Diag, 1),
+    "triu": (Triu, 1),
+    "tril": (Tril, 1),
+    "eigh": (Eigh, 1),
+    "qr": (QR, 1),
+    "inv_root": (_inv_root, 2),
+    "sort_perm": (SortPerm, 1),
+}
+
+
+def matmul(a, b):
+    return MatMul(a, b)
+
+
+def is_matrix_rule(rule) -> bool:
+    """Whether ``rule`` (an optimizer ``Rule``) holds or computes a matrix."""
+    if rule.kind != "optim":
+        return False
+    if any(matrix_init(v) for _, v in rule.state):
+        return True
+    return any(e.atoms(MatrixOp) for _, e in rule.outputs)
