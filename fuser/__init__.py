@@ -52,6 +52,18 @@ every = _FUNCTIONS["every"]
 rand = _FUNCTIONS["rand"]
 randn = _FUNCTIONS["randn"]
 pi = _CONSTANTS["pi"]
+# Matrix values of traced optimizer rules (``a @ b`` in rule text is ``matmul(a, b)``).
+matmul = _FUNCTIONS["matmul"]
+transpose = _FUNCTIONS["transpose"]
+eye = _FUNCTIONS["eye"]
+trace = _FUNCTIONS["trace"]
+diag = _FUNCTIONS["diag"]
+triu = _FUNCTIONS["triu"]
+tril = _FUNCTIONS["tril"]
+eigh = _FUNCTIONS["eigh"]
+qr = _FUNCTIONS["qr"]
+inv_root = _FUNCTIONS["inv_root"]
+sort_perm = _FUNCTIONS["sort_perm"]
 # Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
 norm = _REDUCTIONS["norm"]
 sum = _REDUCTIONS["sum"]  # noqa: A001 - the rule language's name
@@ -139,6 +151,17 @@ __all__ = [
     "colnorm",
     "colamax",
     "orthogonalize",
+    "matmul",
+    "transpose",
+    "eye",
+    "trace",
+    "diag",
+    "triu",
+    "tril",
+    "eigh",
+    "qr",
+    "inv_root",
+    "sort_perm",
     "optim",
     "losses",
 ]

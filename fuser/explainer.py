@@ -89,9 +89,42 @@ _ACCUMULATE = {
 _OVER = {"row": "over each row's columns", "col": "over each column's rows"}
 
 
+def _explain_matrix(rule: Rule, dtype: str, **options) -> str:
+    """A matrix rule: its torch phase (what it computes per stack of one shape), then the
+    update kernel's explanation."""
+    from fuser.optim.matrix_rules import MatrixProgram
+
+    program = MatrixProgram(rule)
+    lines = [
+        f"fuser.explain: matrix rule {rule.name!r}, {dtype} parameters and gradients",
+        f"hyperparameters (defaults): {', '.join(f'{k}={v}' for k, v in rule.hyper) or 'none'}",
+        f"state (initial values): {', '.join(f'{k}={v!r}' for k, v in rule.state)}",
+        "",
+        "1. parsed statements",
+        *["   " + ln for ln in _statements(rule)],
+        "",
+        "2. the matrix phase (torch, fp32, batched over the matrices of one 2-D shape and param group)",
+        "   values the update reads, written to fp32 buffers:",
+        *[f"     {name} = {_s(e)}" for e, name in program.boundaries.items()],
+        "   new matrix states (written last):",
+        *[f"     {name} <- {_s(e)}" for name, e in program.matrix_outputs],
+        "   decompositions (retried in fp64; where both fail, the state keeps its value):",
+        *([f"     {d.spelling}: kept by {s}" for d, s in program.owners.items()] or ["     none"]),
+        "",
+        "3. the update kernel (one fused launch over every tensor; the step as matrix_step):",
+    ]
+    inner = _explain_optim(program.update_rule, dtype, **options)
+    lines += ["   " + ln for ln in inner.splitlines()]
+    return "\n".join(lines)
+
+
 def _explain_optim(rule: Rule, dtype: str, **options) -> str:
     from fuser.ir.optim import DTYPES, lower_optim
+    from fuser.rules.matrices import is_matrix_rule
     from fuser.runtime.plans import dtype_plan, parse_options, plan_and_sources
+
+    if is_matrix_rule(rule):
+        return _explain_matrix(rule, dtype, **options)
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")

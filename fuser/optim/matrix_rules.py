@@ -49,10 +49,15 @@ _MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T})
 
 
 class Identity:
-    """An ``[n, n]`` value of a side over ``max_matrix_dim``: the identity, never stored."""
+    """An ``[n, n]`` identity, never built where products can skip it: ``eye(...)`` and the
+    values of a side over ``max_matrix_dim`` (``absorbing``: every value of that side is
+    the identity, so elementwise work on it is too)."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, absorbing: bool = False):
+        self.n, self.absorbing = n, absorbing
+
+    def tensor(self, count: int, device) -> torch.Tensor:
+        return torch.eye(self.n, device=device).expand(count, self.n, self.n)
 
 
 class MatrixProgram:
@@ -310,9 +315,9 @@ class _Batch:
         for s, (kind, _) in self.program.matrix_states.items():
             side = self.side(kind)
             env[symbol(s)] = (
-                Identity(side) if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
+                Identity(side, True) if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
             )
-        self.n = n
+        self.n, self.device = n, env[symbol("p")].device
         self.env, self.memo = env, {}
 
     def side(self, kind: str) -> int:
@@ -333,8 +338,9 @@ class _Batch:
         new = []
         for s, value in self.program.matrix_outputs:
             v = self.ev(value)
-            if isinstance(v, Identity):
+            if isinstance(v, Identity) and v.absorbing:
                 continue
+            v = self.real(v)
             v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), self.env[symbol(s)].shape)
             for k, (_, p, _) in enumerate(self.members):
                 new.append((self.opt.state[p][s], v[k]))
@@ -362,9 +368,15 @@ class _Batch:
         if isinstance(e, Reduction):
             return self._reduce(e)
         args = [self.ev(a) for a in e.args]
-        if any(isinstance(a, Identity) for a in args):
-            return next(a for a in args if isinstance(a, Identity))
+        absorbing = next((a for a in args if isinstance(a, Identity) and a.absorbing), None)
+        if absorbing is not None:
+            return absorbing
+        args = [self.real(a) for a in args]
         return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
+
+    def real(self, x):
+        """``x`` as a value elementwise work can read (an identity built)."""
+        return x.tensor(self.n, self.device) if isinstance(x, Identity) else x
 
     def _piecewise(self, e):
         out = None
@@ -380,7 +392,7 @@ class _Batch:
         if out is None:
             raise RuleError("a where() without a branch that holds")
         for value, c in reversed(pending):
-            out = torch.where(c, torch.as_tensor(value), torch.as_tensor(out))
+            out = torch.where(c, torch.as_tensor(self.real(value)), torch.as_tensor(self.real(out)))
         return out
 
     def _reduce(self, e):
@@ -403,14 +415,10 @@ class _Batch:
 
     def _matrix(self, e):
         kind = self.program.kind(e)
-        if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit and not isinstance(e, mx.Eye):
-            if not isinstance(e, (mx.Trace, mx.Diag)):
-                return Identity(self.side(kind))
+        if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
+            return Identity(self.side(kind), True)
         if isinstance(e, mx.Eye):
-            n = self.rows if e.args[0].name == "rows" else self.cols
-            if n > self.limit:
-                return Identity(n)
-            return torch.eye(n, device=self.env[symbol("p")].device).expand(self.n, n, n)
+            return Identity(self.rows if e.args[0].name == "rows" else self.cols)
         args = [self.ev(a) for a in e.args]
         if isinstance(e, mx.MatMul):
             a, b = args
@@ -425,6 +433,8 @@ class _Batch:
         x = args[0]
         if isinstance(e, mx.Transpose):
             return x if isinstance(x, (Identity, float)) else torch.as_tensor(x).mT
+        if isinstance(x, Identity) and isinstance(e, (mx.Decomposition, mx.Triu, mx.Tril)) and not x.absorbing:
+            x = self.real(x)  # (eigh of an identity is torch's, not assumed)
         if isinstance(e, mx.Trace):
             if isinstance(x, Identity):
                 return float(x.n)

@@ -70,8 +70,8 @@ class MatMul(MatrixOp):
         return f"({a} @ {b})"
 
     def _latex(self, printer, exp=None):
-        a, b = (printer._print(x) for x in self.args)
-        text = rf"\left({a}\right) \left({b}\right)"
+        a, b = (_factor(printer, x) for x in self.args)
+        text = rf"{a} \, {b}"
         return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
 
 
@@ -88,7 +88,11 @@ class Transpose(MatrixOp):
         return None
 
     def _latex(self, printer, exp=None):
-        text = rf"\left({printer._print(self.args[0])}\right)^{{T}}"
+        x = self.args[0]
+        inner = printer._print(x)
+        if not (x.is_Symbol or isinstance(x, MatrixOp) and not isinstance(x, MatMul)):
+            inner = rf"\left({inner}\right)"
+        text = rf"{inner}^{{\top}}"
         return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
 
 
@@ -170,6 +174,14 @@ class SortPerm(MatrixOp):
     spelling = "sort_perm"
 
 
+def _factor(printer, x) -> str:
+    """``x`` as a factor of a product: bracketed unless it is a name, a call or a product."""
+    text = printer._print(x)
+    if x.is_Symbol or isinstance(x, MatrixOp) or x.is_Function:
+        return text
+    return rf"\left({text}\right)"
+
+
 def _eye(side):
     if not (isinstance(side, sympy.Symbol) and side.name in ("rows", "cols")):
         raise ValueError("eye() takes rows or cols: eye(rows) is the [rows, rows] identity")
@@ -184,6 +196,7 @@ def _inv_root(m, k):
 
 # name -> (builder, number of arguments), merged into the optimizer rules' functions.
 MATRIX_FUNCTIONS: dict[str, tuple] = {
+    "matmul": (MatMul, 2),
     "transpose": (Transpose, 1),
     "eye": (_eye, 1),
     "trace": (Trace, 1),
