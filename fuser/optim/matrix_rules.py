@@ -314,9 +314,8 @@ class _Batch:
             env[symbol(s)] = torch.stack([opt.state[p][s].reshape(rows, cols) for _, p, _ in members])
         for s, (kind, _) in self.program.matrix_states.items():
             side = self.side(kind)
-            env[symbol(s)] = (
-                Identity(side, True) if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
-            )
+            stacked = None if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
+            env[symbol(s)] = Identity(side, True) if stacked is None else stacked
         self.n, self.device = n, env[symbol("p")].device
         self.env, self.memo = env, {}
 
@@ -433,7 +432,8 @@ class _Batch:
         x = args[0]
         if isinstance(e, mx.Transpose):
             return x if isinstance(x, (Identity, float)) else torch.as_tensor(x).mT
-        if isinstance(x, Identity) and isinstance(e, (mx.Decomposition, mx.Triu, mx.Tril)) and not x.absorbing:
+        built = (mx.Decomposition, mx.Triu, mx.Tril)
+        if isinstance(x, Identity) and not x.absorbing and isinstance(e, built):
             x = self.real(x)  # (eigh of an identity is torch's, not assumed)
         if isinstance(e, mx.Trace):
             if isinstance(x, Identity):
