@@ -4,7 +4,8 @@ process.
 
 Workloads:
 
-- `soap_llama1b`: `fuser.optim.SOAP` beside heavyball 3.2.1's `SOAP` and pytorch-optimizer
+- `soap_llama1b`: `fuser.optim.SOAP` and the zoo's SOAP rule (`examples/zoo.py`, matrix
+  states in the rule language) beside heavyball 3.2.1's `SOAP` and pytorch-optimizer
   4.1.0's `SOAP`, all with the same betas, `precondition_frequency` and a dimension limit of
   10000 (the embedding's and head's 32000 rows take no factor in any of them);
 - `psgdkron_llama1b`: `fuser.optim.PSGDKron` beside heavyball's `PSGDKron` and kron-torch
@@ -76,6 +77,22 @@ def _version(dist: str) -> str:
         return "?"
 
 
+def _soap_rule(ps, interval: int):
+    """The zoo's SOAP rule (matrix states in the rule language) with the built-in's settings:
+    1-D parameters in a group whose sides above 1 have no factor (precondition_1d=False)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from zoo import ZOO
+
+    groups = [
+        dict(params=[p for p in ps if p.dim() >= 2]),
+        dict(params=[p for p in ps if p.dim() < 2], max_matrix_dim=1),
+    ]
+    hyper = dict(lr=3e-3, beta1=0.95, beta2=0.95, shampoo_beta=0.95, weight_decay=0.01)
+    opt_cls = fuser.compile(ZOO["soap"].rule)
+    groups = [g for g in groups if g["params"]]
+    return opt_cls(groups, precondition_frequency=float(interval), max_matrix_dim=MAX_DIM, **hyper)
+
+
 def _heavyball():
     import heavyball
     import heavyball.utils
@@ -91,6 +108,7 @@ def builds(workload: str, interval: int) -> dict:
     if workload == "soap_llama1b":
         kw = dict(lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=interval)
         out["fuser.optim.SOAP"] = lambda ps: fuser.optim.SOAP(ps, max_precondition_dim=MAX_DIM, **kw)
+        out["fuser SOAP rule (examples/zoo.py)"] = lambda ps: _soap_rule(ps, interval)
         out[f"heavyball {_version('heavyball')} SOAP"] = lambda ps: _heavyball().SOAP(
             ps, shampoo_beta=0.95, max_precond_dim=MAX_DIM, merge_dims=False, **kw
         )

@@ -219,7 +219,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, _ in items:
             self._check_hyper(group)
             if len(self.state[p]) == 0:
-                self._init_state(p)
+                self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim))
         batches = defaultdict(list)
         for group, p, g in items:
             step = int(self.state[p]["step"].item()) + 1
@@ -271,12 +271,15 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         return found
 
     def _check_hyper(self, group: dict) -> None:
+        limit = group.get("max_matrix_dim", self.max_matrix_dim)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_matrix_dim must be a positive whole number, not {limit!r}")
         for k, _ in self.rule.hyper:
             v = group[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"hyperparameter {k!r} must be a finite number, not {v!r}")
 
-    def _init_state(self, p: torch.Tensor) -> None:
+    def _init_state(self, p: torch.Tensor, limit: int) -> None:
         st = self.state[p]
         st["step"] = torch.tensor(0.0)
         for s, init in self.program.element_states:
@@ -288,7 +291,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         rows, cols = view_2d(p.shape)
         for s, (kind, how) in self.program.matrix_states.items():
             n = rows if kind == mx.ROWMAT else cols
-            if n > self.max_matrix_dim:
+            if n > limit:
                 st[s] = torch.empty(0, device=p.device)
             elif how == "eye":
                 st[s] = torch.eye(n, device=p.device)
@@ -302,8 +305,8 @@ class _Batch:
     def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int):
         self.opt, self.members, self.step, self.rows, self.cols = opt, members, step, rows, cols
         self.program = opt.program
-        self.limit = opt.max_matrix_dim
         group = members[0][0]
+        self.limit = group.get("max_matrix_dim", opt.max_matrix_dim)
         n = len(members)
         env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
         env[symbol("numel")] = float(members[0][1].numel())
