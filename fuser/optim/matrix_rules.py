@@ -34,7 +34,7 @@ from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
-from fuser.rules.functions import ApproxTanh, Norm, RandomValue, Reduction, Remainder, Sigmoid
+from fuser.rules.functions import ApproxTanh, Norm, Randn, RandomValue, Reduction, Remainder, Sigmoid
 from fuser.rules.functions import Mean as _Mean
 from fuser.rules.functions import Sum as _Sum
 from fuser.rules.parse import Statement, symbol
@@ -95,14 +95,18 @@ class MatrixProgram:
         return kind_of(e, self.kinds, self._memo)
 
     def needs_torch(self, e) -> bool:
-        return bool(e.atoms(mx.MatrixOp)) or any(self.kinds.get(s) in _MATRIX_LIKE for s in e.free_symbols)
+        if e.atoms(mx.MatrixOp, RandomValue):
+            return True
+        return any(self.kinds.get(s) in _MATRIX_LIKE for s in e.free_symbols)
 
     def _split(self, e):
         """``e`` (a per-element value) with each matrix-phase value it reads replaced by a
         buffer's symbol."""
         if not self.needs_torch(e):
             return e
-        rooted = isinstance(e, mx.MatrixOp) or (
+        # (A draw too: the matrix phase makes every draw of a matrix rule, so that one value
+        # read both there and by the update is the same.)
+        rooted = isinstance(e, (mx.MatrixOp, RandomValue)) or (
             isinstance(e, Reduction) and self.kind(e.args[0]) in _MATRIX_LIKE
         )
         if rooted:
@@ -115,11 +119,6 @@ class MatrixProgram:
             if isinstance(node, mx.MatrixOp) or (
                 isinstance(node, sympy.Symbol) and self.kinds.get(node) in _MATRIX_LIKE
             ):
-                if node.atoms(RandomValue):
-                    raise RuleError(
-                        "rand() and randn() inside a matrix value: assign the draw to a name in a "
-                        "statement of its own is not enough either (matrix phases draw nothing yet)"
-                    ).with_rule(self.rule.name)
                 bad = [
                     a
                     for a in node.atoms(Reduction)
@@ -226,8 +225,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             batches[(id(group), step, view_2d(p.shape))].append((group, p, g))
         buffers = {}
         new_matrices = []
+        positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for (_, step, (rows, cols)), members in batches.items():
-            out = _Batch(self, members, step, rows, cols).run()
+            out = _Batch(self, members, step, rows, cols, [positions[p] for _, p, _ in members]).run()
             buffers.update(out[0])
             new_matrices += out[1]
         groups = defaultdict(list)
@@ -302,8 +302,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
 class _Batch:
     """The matrix phase of the tensors of one param group, step and 2-D shape."""
 
-    def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int):
+    def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int, positions):
         self.opt, self.members, self.step, self.rows, self.cols = opt, members, step, rows, cols
+        self.positions = positions
         self.program = opt.program
         group = members[0][0]
         self.limit = group.get("max_matrix_dim", opt.max_matrix_dim)
@@ -363,6 +364,8 @@ class _Batch:
             return float(e)
         if e is sympy.true or e is sympy.false:
             return bool(e)
+        if isinstance(e, RandomValue):
+            return self._draw(e)
         if isinstance(e, sympy.Piecewise):
             return self._piecewise(e)
         if isinstance(e, mx.MatrixOp):
@@ -375,6 +378,25 @@ class _Batch:
             return absorbing
         args = [self.real(a) for a in args]
         return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
+
+    def _draw(self, e):
+        """``rand()`` / ``randn()`` per element, from the counter-based generator the kernels
+        use (docs/rules.md), with ``t`` the parameter's position in the optimizer."""
+        offs = torch.arange(self.rows * self.cols, dtype=torch.int64, device=self.device)
+        out = []
+        for t in self.positions:
+            key = _hash32(_stream_key(self.opt.options.seed, self.step, t) ^ 0x52414E44)
+            j = 2 * e.index
+            u1 = (_hash32(offs ^ _hash32((key + j) & _M32)) >> 8).to(torch.float32)
+            if isinstance(e, Randn):
+                u2 = (_hash32(offs ^ _hash32((key + j + 1) & _M32)) >> 8).to(torch.float32) * 2.0**-24
+                value = torch.sqrt(-2.0 * torch.log((u1 + 1.0) * 2.0**-24)) * torch.cos(
+                    6.283185307179586 * u2
+                )
+            else:
+                value = u1 * 2.0**-24
+            out.append(value.reshape(self.rows, self.cols))
+        return torch.stack(out)
 
     def real(self, x):
         """``x`` as a value elementwise work can read (an identity built)."""
@@ -494,6 +516,25 @@ class _Batch:
                     stacklevel=5,
                 )
         return out
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x):
+    """The kernels' 32-bit mixer (templates/helpers.py.jinja) on Python ints or int64 tensors
+    holding uint32 values (a product's low 32 bits are the same in int64's wrap)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _stream_key(seed: int, step: int, t: int) -> int:
+    k = _hash32((seed & _M32) ^ _hash32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    k = _hash32(k ^ (step & _M32))
+    return _hash32(k ^ (t & _M32) ^ 0x85EBCA6B)
 
 
 def _eigh(m: torch.Tensor, _k) -> torch.Tensor:

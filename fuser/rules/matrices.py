@@ -65,6 +65,12 @@ class MatMul(MatrixOp):
     nargs = 2
     spelling = "matmul"
 
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Number or b.is_Number:  # (a number times a matrix: sympy folded a factor 0 or 1)
+            return a * b
+        return None
+
     def _sympystr(self, printer):
         a, b = (printer.parenthesize(x, 100) for x in self.args)
         return f"({a} @ {b})"
