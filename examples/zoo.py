@@ -1605,8 +1605,9 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "shampoo": "needs matrix functions: Kronecker-factored preconditioners and their inverse roots",
     "scalableshampoo": "needs matrix functions: preconditioner statistics and inverse p-th roots",
-    "kron": "needs matrix functions and random numbers: PSGD Kronecker preconditioners updated "
-    "with random probe vectors",
+    "kron": "needs the reference's probes: torch.randn_like on torch's global generator, which "
+    "a rule's counter-based randn() does not reproduce; and triangular solves, a per-tensor "
+    "running bound beside matrix states, and a per-step random gate for the refresh probability",
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
