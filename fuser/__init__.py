@@ -96,6 +96,14 @@ def compile(rule: Rule, **options):  # noqa: A001 - the public name
             f"fuser.compile takes a fuser.Rule (from fuser.rule or fuser.loss), not {type(rule).__name__}"
         )
     if rule.kind == "optim":
+        from fuser.rules.matrices import is_matrix_rule
+
+        if is_matrix_rule(rule):
+            from fuser.optim.matrix_rules import make_matrix_optimizer
+            from fuser.runtime.plans import parse_options
+
+            name = options.pop("name", None)
+            return make_matrix_optimizer(rule, name, parse_options(**options))
         from fuser.optim.factory import make_optimizer
 
         return make_optimizer(rule, **options)

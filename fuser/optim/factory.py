@@ -407,10 +407,8 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
             if isinstance(r, Rule) and is_matrix_rule(r):
                 raise ValueError(f"rule {key!r} holds matrices: compile it on its own (fuser.compile(rule))")
         return _multi_rule_class(rule, name, opts)
-    if is_matrix_rule(rule):
-        from fuser.optim.matrix_rules import make_matrix_optimizer
-
-        return make_matrix_optimizer(rule, name, opts)
+    if is_matrix_rule(rule):  # (fuser.compile builds those: fuser.optim.matrix_rules)
+        raise ValueError(f"rule {rule.name!r} holds matrices: compile it with fuser.compile(rule)")
     check_state_formats(rule, opts)
     plan_and_sources(rule, dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
