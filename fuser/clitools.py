@@ -192,7 +192,14 @@ def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSourc
     """Every kernel the front-end of ``rule.kind`` launches in ``variant``."""
     if rule.kind == "optim":
         from fuser.optim.factory import kernel_sources as sources
+        from fuser.rules.matrices import is_matrix_rule
 
+        if is_matrix_rule(rule):  # its one kernel: the update after the matrix phase
+            from fuser.optim.matrix_rules import MatrixProgram
+
+            if variant.state_dtype not in (None, "fp32") or variant.master_weights:
+                raise RuleError("a rule with matrix values keeps fp32 states", rule=rule.name)
+            rule = MatrixProgram(rule).update_rule
         found = sources(
             rule,
             variant.dtype,

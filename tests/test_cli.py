@@ -464,3 +464,28 @@ def test_jobs_compile_in_worker_processes(cache_root, fake, rules_file, tmp_path
     assert len(errors) == 1 and "broken_two" in errors[0]
     assert cli.main(["precompile", str(rules_file), "--dtype", "fp32", "--dtype", "fp16", "-j", "0"]) == 0
     assert {r[5] for r in _rows(capsys.readouterr().out)} == {"hit"}
+
+
+MATRIX_RULES = '''
+import fuser
+shampoo = fuser.rule("""
+    L = L + g @ transpose(g)
+    PL = where(every(k), inv_root(L + eps * eye(rows), 2), PL)
+    p = p - lr * PL @ g
+""", name="left_shampoo", hyper=dict(lr=1e-2, eps=1e-6, k=2.0),
+    state=dict(L="zeros(rows, rows)", PL="eye(rows)"))
+'''
+
+
+def test_precompile_compiles_a_matrix_rules_update_kernel(cache_root, tmp_path, capsys):
+    # (the real pipeline: a matrix rule's one kernel is its update, for both GPU targets)
+    path = tmp_path / "matrix_rules.py"
+    path.write_text(MATRIX_RULES)
+    assert cli.main(["precompile", str(path), "--dtype", "bf16"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert {(r[1], r[2], r[5]) for r in rows} == {
+        ("left_shampoo_update_step", "cuda:80", "compiled"),
+        ("left_shampoo_update_step", "cuda:90", "compiled"),
+    }
+    assert cli.main(["precompile", str(path), "--dtype", "bf16", "--state-dtype", "q8"]) == 1
+    assert "keeps fp32 states" in capsys.readouterr().err
