@@ -31,7 +31,7 @@ import sympy
 import torch
 
 from fuser.errors import RuleError
-from fuser.optim.builtins._base import RuleKernel
+from fuser.optim.builtins._base import RuleKernel as _RuleKernel
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
 from fuser.rules.functions import ApproxTanh, Norm, Randn, RandomValue, Reduction, Remainder, Sigmoid
@@ -41,7 +41,7 @@ from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, kind_of
 from fuser.runtime.plans import Options
-from fuser.runtime.tables import view_2d
+from fuser.runtime.tables import check_view, is_batched, matrix_2d
 
 DEFAULT_MAX_MATRIX_DIM = 8192
 _STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
@@ -195,7 +195,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         defaults.update(hyper)
         self.max_matrix_dim = max_matrix_dim
         super().__init__(params, defaults)
-        self._kernel = RuleKernel(self.program.update_rule, self.options)
+        self._kernel = _UpdateKernel(self.program.update_rule, self.options)
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -218,11 +218,11 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, _ in items:
             self._check_hyper(group)
             if len(self.state[p]) == 0:
-                self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim))
+                self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
         batches = defaultdict(list)
         for group, p, g in items:
             step = int(self.state[p]["step"].item()) + 1
-            batches[(id(group), step, view_2d(p.shape))].append((group, p, g))
+            batches[(id(group), step, matrix_2d(p.shape, self._view(group)))].append((group, p, g))
         buffers = {}
         new_matrices = []
         positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
@@ -243,6 +243,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st = self.state[p]
                 states[p] = {s: st[s] for s, _ in self.program.element_states}
                 states[p].update(buffers[p])
+        self._kernel.views = {p: self._view(group) for group, p, _ in items}
         self._kernel.run(launch, states)
         for tensor, value in new_matrices:
             tensor.copy_(value)
@@ -279,7 +280,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"hyperparameter {k!r} must be a finite number, not {v!r}")
 
-    def _init_state(self, p: torch.Tensor, limit: int) -> None:
+    def _view(self, group: dict) -> str:
+        return check_view(group.get("view", self.options.view), f"{type(self).__name__}'s param group")
+
+    def _init_state(self, p: torch.Tensor, limit: int, view: str) -> None:
         st = self.state[p]
         st["step"] = torch.tensor(0.0)
         for s, init in self.program.element_states:
@@ -288,15 +292,25 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 if init == "p"
                 else torch.full(p.shape, float(init), device=p.device)
             )
-        rows, cols = view_2d(p.shape)
+        rows, cols = matrix_2d(p.shape, view)
+        lead = tuple(p.shape[:-2]) if is_batched(p.shape, view) else ()
         for s, (kind, how) in self.program.matrix_states.items():
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
                 st[s] = torch.empty(0, device=p.device)
             elif how == "eye":
-                st[s] = torch.eye(n, device=p.device)
+                st[s] = torch.eye(n, device=p.device).expand(*lead, n, n).clone()
             else:
-                st[s] = torch.zeros(n, n, device=p.device)
+                st[s] = torch.zeros(*lead, n, n, device=p.device)
+
+
+class _UpdateKernel(_RuleKernel):
+    """The update's launch, each tensor in its param group's view (``views``, set per step)."""
+
+    views: dict = {}
+
+    def _view_of(self, group: dict) -> str:
+        return self.views.get(group["params"][0], "flatten") if group["params"] else "flatten"
 
 
 class _Batch:
@@ -308,20 +322,46 @@ class _Batch:
         self.program = opt.program
         group = members[0][0]
         self.limit = group.get("max_matrix_dim", opt.max_matrix_dim)
-        n = len(members)
+        # Each tensor's matrices (one, or a batched view's several), stacked: [n, rows, cols].
+        self.counts = [p.numel() // (rows * cols) if rows * cols else 0 for _, p, _ in members]
+        self.starts = [sum(self.counts[:k]) for k in range(len(members))]
+        n = sum(self.counts)
         env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
-        env[symbol("numel")] = float(members[0][1].numel())
+        env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _ in members])
         env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
-        env[symbol("p")] = torch.stack([p.detach().float().reshape(rows, cols) for _, p, _ in members])
-        env[symbol("g")] = torch.stack([g.float().reshape(rows, cols) for _, _, g in members])
+
+        def stack(tensors, r, c):
+            return torch.cat([t.reshape(-1, r, c) for t in tensors])
+
+        env[symbol("p")] = stack([p.detach().float() for _, p, _ in members], rows, cols)
+        env[symbol("g")] = stack([g.float() for _, _, g in members], rows, cols)
         for s, _ in self.program.element_states:
-            env[symbol(s)] = torch.stack([opt.state[p][s].reshape(rows, cols) for _, p, _ in members])
+            env[symbol(s)] = stack([opt.state[p][s] for _, p, _ in members], rows, cols)
         for s, (kind, _) in self.program.matrix_states.items():
             side = self.side(kind)
-            stacked = None if side > self.limit else torch.stack([opt.state[p][s] for _, p, _ in members])
+            stacked = (
+                None if side > self.limit else stack([opt.state[p][s] for _, p, _ in members], side, side)
+            )
             env[symbol(s)] = Identity(side, True) if stacked is None else stacked
         self.n, self.device = n, env[symbol("p")].device
         self.env, self.memo = env, {}
+
+    def per_matrix(self, values: list):
+        """One number per tensor as one per matrix of the stack (a float where all agree)."""
+        if len(set(values)) == 1:
+            return values[0]
+        return torch.tensor(values).repeat_interleave(torch.tensor(self.counts)).reshape(-1, 1, 1)
+
+    def per_tensor(self, x: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        """``x`` ([n, 1, 1], one partial per matrix) reduced over each tensor's matrices and
+        given back to each matrix (a batched view's per-tensor reductions cover the tensor)."""
+        if all(c == 1 for c in self.counts):
+            return x
+        parts = [x[a : a + c] for a, c in zip(self.starts, self.counts)]
+        whole = [
+            (q.amax(0) if how == "max" else q.sum(0)).expand(c, 1, 1) for q, c in zip(parts, self.counts)
+        ]
+        return torch.cat(whole)
 
     def side(self, kind: str) -> int:
         return self.rows if kind in (mx.ROWMAT, ROW) else self.cols
@@ -335,8 +375,8 @@ class _Batch:
                 raise AssertionError("an identity where a value per element was expected")
             v = torch.as_tensor(v, dtype=torch.float32, device=self.env[symbol("p")].device)
             v = torch.broadcast_to(v if v.dim() == 3 else v.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
-            for k, (_, p, _) in enumerate(self.members):
-                buffers[p][name] = v[k].reshape(p.shape).contiguous()
+            for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
+                buffers[p][name] = v[a : a + c].reshape(p.shape).contiguous()
             del kind
         new = []
         for s, value in self.program.matrix_outputs:
@@ -345,8 +385,9 @@ class _Batch:
                 continue
             v = self.real(v)
             v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), self.env[symbol(s)].shape)
-            for k, (_, p, _) in enumerate(self.members):
-                new.append((self.opt.state[p][s], v[k]))
+            for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
+                state = self.opt.state[p][s]
+                new.append((state, v[a : a + c].reshape(state.shape)))
         return buffers, new
 
     # --- evaluation ------------------------------------------------------------------------
@@ -382,9 +423,9 @@ class _Batch:
     def _draw(self, e):
         """``rand()`` / ``randn()`` per element, from the counter-based generator the kernels
         use (docs/rules.md), with ``t`` the parameter's position in the optimizer."""
-        offs = torch.arange(self.rows * self.cols, dtype=torch.int64, device=self.device)
         out = []
-        for t in self.positions:
+        for t, c in zip(self.positions, self.counts):
+            offs = torch.arange(c * self.rows * self.cols, dtype=torch.int64, device=self.device)
             key = _hash32(_stream_key(self.opt.options.seed, self.step, t) ^ 0x52414E44)
             j = 2 * e.index
             u1 = (_hash32(offs ^ _hash32((key + j) & _M32)) >> 8).to(torch.float32)
@@ -395,8 +436,8 @@ class _Batch:
                 )
             else:
                 value = u1 * 2.0**-24
-            out.append(value.reshape(self.rows, self.cols))
-        return torch.stack(out)
+            out.append(value.reshape(c, self.rows, self.cols))
+        return torch.cat(out)
 
     def real(self, x):
         """``x`` as a value elementwise work can read (an identity built)."""
@@ -427,14 +468,20 @@ class _Batch:
         x = torch.as_tensor(x)
         if x.dim() < 3:
             x = x.reshape(-1, 1, 1)
+        # A matrix value reduces per matrix; a value per element over the whole tensor.
+        of_tensor = self.program.kind(e.args[0]) not in _MATRIX_LIKE
+        whole = self.per_tensor if of_tensor else (lambda y, how="sum": y)
+        size = x.shape[-2] * x.shape[-1]
         if isinstance(e, Norm):
-            return x.square().sum((-2, -1), keepdim=True).sqrt()
+            return whole(x.square().sum((-2, -1), keepdim=True)).sqrt()
         if isinstance(e, _Sum):
-            return x.sum((-2, -1), keepdim=True)
+            return whole(x.sum((-2, -1), keepdim=True))
         if isinstance(e, _Mean):
-            return x.mean((-2, -1), keepdim=True)
+            if of_tensor:
+                size = size * self.per_matrix([float(c) for c in self.counts])
+            return whole(x.sum((-2, -1), keepdim=True)) / size
         if isinstance(e, _Amax):
-            return x.amax((-2, -1), keepdim=True)
+            return whole(x.amax((-2, -1), keepdim=True), "max")
         raise RuleError(f"{e.op}() is not supported inside a matrix value")
 
     def _matrix(self, e):
@@ -671,11 +718,6 @@ def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
         raise ValueError(
             f"rule {rule.name!r} holds matrices: its states are fp32 (state_dtype and master_weights "
             "are not supported for matrix rules yet)"
-        )
-    if opts.view != "flatten":
-        raise ValueError(
-            f"rule {rule.name!r} holds matrices: it takes the flatten view "
-            "([shape[0], prod(rest)]) only for now"
         )
     program = MatrixProgram(rule)
     from fuser.runtime.plans import dtype_plan, plan_and_sources
