@@ -40,6 +40,7 @@ from fuser.rules.functions import Sum as _Sum
 from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, kind_of
+from fuser.runtime.matrix import workspace_budget
 from fuser.runtime.plans import Options
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
 
@@ -227,9 +228,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         new_matrices = []
         positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for (_, step, (rows, cols)), members in batches.items():
-            out = _Batch(self, members, step, rows, cols, [positions[p] for _, p, _ in members]).run()
-            buffers.update(out[0])
-            new_matrices += out[1]
+            for part in _slices(members):
+                out = _Batch(self, part, step, rows, cols, [positions[p] for _, p, _ in part]).run()
+                buffers.update(out[0])
+                new_matrices += out[1]
         groups = defaultdict(list)
         for group, p, _ in items:
             groups[(id(group), int(self.state[p]["step"].item()) + 1)].append((group, p))
@@ -304,6 +306,34 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = torch.zeros(*lead, n, n, device=p.device)
 
 
+def _children(e) -> set:
+    """The values ``e`` reads (a ``where``'s branches and conditions themselves)."""
+    if e.is_Symbol or e.is_Number:
+        return set()
+    if isinstance(e, sympy.Piecewise):
+        return {x for pair in e.args for x in pair.args}
+    return {a for a in e.args if isinstance(a, sympy.Basic)}
+
+
+def _slices(members: list) -> list[list]:
+    """``members`` (one stack's tensors) cut so that a stack of values per element holds at
+    most an eighth of ``FUSER_MATRIX_WORKSPACE`` (1 GiB by default: 128 MiB), a tensor at
+    least: the matrix phase keeps a few such stacks alive at once, freeing each value once
+    its last reader has run."""
+    budget = workspace_budget()
+    if budget is None:
+        return [members]
+    out, size = [[]], 0
+    for m in members:
+        n = m[1].numel() * 4
+        if out[-1] and size + n > budget // 8:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += n
+    return out
+
+
 class _UpdateKernel(_RuleKernel):
     """The update's launch, each tensor in its param group's view (``views``, set per step)."""
 
@@ -368,8 +398,11 @@ class _Batch:
 
     def run(self):
         buffers = defaultdict(dict)
+        roots = [*self.program.boundaries, *(e for _, e in self.program.matrix_outputs)]
+        self.uses = self.count_uses(roots)
         for value, name in self.program.boundaries.items():
             v = self.ev(value)
+            self.release(value)
             kind = self.program.kind(value)
             if isinstance(v, Identity):  # (a diagonal or trace of an identity is computed, not this)
                 raise AssertionError("an identity where a value per element was expected")
@@ -381,6 +414,7 @@ class _Batch:
         new = []
         for s, value in self.program.matrix_outputs:
             v = self.ev(value)
+            self.release(value)
             if isinstance(v, Identity) and v.absorbing:
                 continue
             v = self.real(v)
@@ -396,7 +430,34 @@ class _Batch:
             return self.memo[e]
         v = self._ev(e)
         self.memo[e] = v
+        for a in _children(e):
+            self.release(a)
         return v
+
+    def release(self, e) -> None:
+        """One reader of ``e`` has run: the last one frees its value (stacks are large)."""
+        left = self.uses.get(e, 0) - 1
+        self.uses[e] = left
+        if left <= 0 and not e.is_Symbol:
+            self.memo.pop(e, None)
+
+    def count_uses(self, roots) -> dict:
+        """How many distinct values read each value, over every root (each root once more:
+        its writer)."""
+        uses: dict = defaultdict(int)
+        seen = set()
+        stack = list(roots)
+        for r in roots:
+            uses[r] += 1
+        while stack:
+            e = stack.pop()
+            if e in seen or e.is_Symbol or e.is_Number:
+                continue
+            seen.add(e)
+            for a in _children(e):
+                uses[a] += 1
+                stack.append(a)
+        return uses
 
     def _ev(self, e):
         if e.is_Symbol:
