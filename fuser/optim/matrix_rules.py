@@ -194,12 +194,22 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         self._kernel = RuleKernel(self.program.update_rule, self.options)
 
     def load_state_dict(self, state_dict) -> None:
+        # torch casts each loaded state to its parameter's dtype (a bf16 parameter's fp32
+        # factors rounded to bf16) and keeps a tensor of that dtype shared with the saved dict
+        # (a live optimizer's, whose steps would then move this one's states and step count):
+        # take the saved values back, fp32 and copied.
+        saved = state_dict["state"]
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = dict(zip(ids, (p for group in self.param_groups for p in group["params"])))
         super().load_state_dict(state_dict)
-        # torch casts loaded states to each parameter's dtype; a matrix rule keeps fp32.
-        for st in self.state.values():
+        for pid, st in saved.items():
+            p = params.get(pid)
+            if p is None:
+                continue
             for key, value in st.items():
-                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
-                    st[key] = value.float()
+                if torch.is_tensor(value):
+                    dtype = torch.float32 if value.is_floating_point() else value.dtype
+                    self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
 
     # --- one step --------------------------------------------------------------------------
     @torch.no_grad()

@@ -520,18 +520,13 @@ def test_a_basis_starts_with_eigh_and_refreshes_with_qr(basis, monkeypatch):
 # --- 6. checkpoints ---------------------------------------------------------------------------
 
 
-_LOAD_BUG = pytest.mark.xfail(
-    strict=True, reason="load_state_dict keeps torch's bf16 casts and the saved dict's tensors (fixed next)"
-)
-
-
 @pytest.mark.parametrize(
     "dtype, through",
     [
         (torch.float32, "file"),
-        pytest.param(torch.float32, "live", marks=_LOAD_BUG),
-        pytest.param(torch.bfloat16, "file", marks=_LOAD_BUG),
-        pytest.param(torch.bfloat16, "live", marks=_LOAD_BUG),
+        (torch.float32, "live"),
+        (torch.bfloat16, "file"),
+        (torch.bfloat16, "live"),
     ],
     ids=["fp32-file", "fp32-live", "bf16-file", "bf16-live"],
 )
