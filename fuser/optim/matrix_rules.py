@@ -18,7 +18,8 @@ number per step (``every(k)``, ``step == 1``) evaluates only the branch it takes
 decompositions of a refresh run on refresh steps only. A side over ``max_matrix_dim``
 (a constructor keyword, default 8192) has no factor: every ``[n, n]`` value of that side
 is the identity (its states stay the identity, held as an empty tensor; products with it
-are skipped; its trace is ``n``, its diagonal ones).
+are skipped; its trace is ``n``, its diagonal ones), times the numbers that multiply it
+(``lr * PL @ g`` is ``lr * g``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,37 @@ _MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T})
 
 
 class Identity:
-    """An ``[n, n]`` value of a side over ``max_matrix_dim``: the identity, never stored."""
+    """An ``[n, n]`` value of a side over ``max_matrix_dim``: ``scale`` (a float, or one
+    number per tensor ``[n, 1, 1]``) times the identity, never stored. Numbers per tensor
+    multiplying it keep their scale (``lr * PL @ g`` is ``lr * g``)."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, scale=1.0):
+        self.n, self.scale = n, scale
+
+
+def _scaled(x, scale):
+    """``x`` (a tensor or an ``Identity``) times ``scale``."""
+    if isinstance(x, Identity):
+        return Identity(x.n, x.scale * scale)
+    return x if isinstance(scale, float) and scale == 1.0 else x * scale
+
+
+def _of_identities(e, args: list) -> Identity:
+    """An elementwise value of an absent side's identities: a product with numbers per tensor
+    scales it; a sum of identities of one scale keeps it (sympy writes ``2 * (R + g @ x)`` as
+    ``2 * R + 2 * (g @ x)``); any other function of one (``L + eps * eye(rows)``) is the
+    identity."""
+    ident = next(a for a in args if isinstance(a, Identity))
+    if isinstance(e, sympy.Mul):
+        out = Identity(ident.n)
+        for a in args:
+            out = _scaled(out, a.scale if isinstance(a, Identity) else a)
+        return out
+    if isinstance(e, sympy.Add) and all(isinstance(a, Identity) for a in args):
+        scales = [a.scale for a in args]
+        if all(isinstance(x, float) for x in scales) and len(set(scales)) == 1:
+            return Identity(ident.n, scales[0])
+    return Identity(ident.n)
 
 
 class MatrixProgram:
@@ -373,7 +401,7 @@ class _Batch:
             return self._reduce(e)
         args = [self.ev(a) for a in e.args]
         if any(isinstance(a, Identity) for a in args):
-            return next(a for a in args if isinstance(a, Identity))
+            return _of_identities(e, args)
         return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
 
     def _piecewise(self, e):
@@ -395,9 +423,11 @@ class _Batch:
 
     def _reduce(self, e):
         x = self.ev(e.args[0])
-        if isinstance(x, Identity):
-            n = x.n
-            return {Norm: math.sqrt(n), _Sum: float(n), _Mean: 1.0 / n, _Amax: 1.0}[type(e)]
+        if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
+            n, s = x.n, x.scale
+            if isinstance(e, _Amax):
+                return max(s, 0.0) if isinstance(s, float) else s.clamp_min(0.0)
+            return {Norm: math.sqrt(n) * abs(s), _Sum: n * s, _Mean: s / n}[type(e)]
         x = torch.as_tensor(x)
         if x.dim() < 3:
             x = x.reshape(-1, 1, 1)
@@ -414,7 +444,11 @@ class _Batch:
     def _matrix(self, e):
         kind = self.program.kind(e)
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit and not isinstance(e, mx.Eye):
-            if not isinstance(e, (mx.Trace, mx.Diag)):
+            # (products, transposes and triangles of its identities keep their scales)
+            of_identities = isinstance(e, (mx.MatMul, mx.Transpose, mx.Triu, mx.Tril)) and all(
+                self.program.kind(a) == kind for a in e.args
+            )
+            if not isinstance(e, (mx.Trace, mx.Diag)) and not of_identities:
                 return Identity(self.side(kind))
         if isinstance(e, mx.Eye):
             n = self.rows if e.args[0].name == "rows" else self.cols
@@ -425,9 +459,9 @@ class _Batch:
         if isinstance(e, mx.MatMul):
             a, b = args
             if isinstance(a, Identity):
-                return b
+                return _scaled(b, a.scale)
             if isinstance(b, Identity):
-                return a
+                return _scaled(a, b.scale)
             ka, kb = (self.program.kind(x) for x in e.args)
             if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
                 return torch.matmul(a, torch.as_tensor(b).mT).mT
@@ -437,12 +471,12 @@ class _Batch:
             return x if isinstance(x, (Identity, float)) else torch.as_tensor(x).mT
         if isinstance(e, mx.Trace):
             if isinstance(x, Identity):
-                return float(x.n)
+                return x.n * x.scale
             return x.diagonal(dim1=-2, dim2=-1).sum(-1).reshape(-1, 1, 1)
         if isinstance(e, mx.Diag):
             arg_kind = self.program.kind(e.args[0])
             if isinstance(x, Identity):
-                return 1.0
+                return x.scale
             d = x.diagonal(dim1=-2, dim2=-1)
             return d.unsqueeze(-1) if arg_kind == mx.ROWMAT else d.unsqueeze(-2)
         if isinstance(x, Identity):

@@ -421,7 +421,6 @@ def test_an_fp32_failure_is_retried_in_fp64(shampoo, monkeypatch, how):
 # --- 4. sides over max_matrix_dim -------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="lr * PL with PL the identity loses lr (fixed next)")
 def test_sides_over_max_matrix_dim_are_the_identity(shampoo):
     """max_matrix_dim=4: a side over it has no factor (its states are empty tensors) and p
     moves as the reference with the identity there; a side of exactly 4 keeps its factor."""
@@ -446,29 +445,33 @@ def test_sides_over_max_matrix_dim_are_the_identity(shampoo):
     assert opt.state[params[1]]["L"].shape == (4, 4) and opt.state[params[2]]["L"].shape == (1, 1)
 
 
-def test_trace_and_diagonal_of_a_side_over_the_limit():
-    """The trace of an absent [n, n] factor is n, its diagonal ones (docs), and a factor kept
-    below the limit reads its own."""
+def test_numbers_times_an_absent_factor_keep_their_scale():
+    """An absent [n, n] factor is the identity: a number per tensor times it keeps its scale
+    through products, traces (n), diagonals (ones) and norms (sqrt(n)); a factor kept below
+    the limit reads its own."""
     rule = fuser.rule(
-        "L = L + g @ transpose(g)\nR = R + transpose(g) @ g\np = p - lr * g * diag(R) / trace(L)",
+        "L = L + g @ transpose(g)\nR = R + transpose(g) @ g\n"
+        "p = p - lr * (L / trace(L)) @ g * diag(2 * R) / (trace(0.5 * L) * norm(R))",
         name="tr",
         hyper=dict(lr=0.1),
         state=dict(L="zeros(rows, rows)", R="zeros(cols, cols)"),
     )
-    opt_cls = fuser.compile(rule)
     params = [torch.randn(6, 3), torch.randn(3, 6)]
     start = [p.clone() for p in params]
-    opt = opt_cls(params, lr=0.1, max_matrix_dim=4)
+    opt = fuser.compile(rule)(params, lr=0.1, max_matrix_dim=4)
     for p in params:
         p.grad = torch.randn(p.shape)
     opt.step()
     G0, G1 = (p.grad.double() for p in params)
-    # 6x3: L over (trace 6), R = G^T G kept.
-    want0 = start[0].double() - 0.1 * G0 * torch.diagonal(G0.T @ G0) / 6
-    # 3x6: L = G G^T kept (its trace), R over (diagonal ones).
-    want1 = start[1].double() - 0.1 * G1 / (G1 @ G1.T).trace()
-    for p, want in ((params[0], want0), (params[1], want1)):
-        assert float((p.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    # 6x3: L over the limit (L / trace(L) = I / 6, trace(0.5 L) = 3), R = G^T G kept.
+    R0 = G0.T @ G0
+    want0 = start[0].double() - 0.1 * (G0 / 6) * torch.diagonal(2 * R0) / (3 * R0.norm())
+    # 3x6: L = G G^T kept, R over the limit (diag(2 R) = 2, norm(R) = sqrt(6)).
+    L1 = G1 @ G1.T
+    want1 = start[1].double() - 0.1 * (L1 / L1.trace()) @ G1 * 2 / (0.5 * L1.trace() * math.sqrt(6))
+    for p, want, p0 in ((params[0], want0, start[0]), (params[1], want1, start[1])):
+        moved = float((want - p0.double()).abs().max())
+        assert float((p.double() - want).abs().max()) <= 1e-5 * moved
 
 
 # --- 5. gates evaluate only the branch they take ----------------------------------------------
