@@ -56,6 +56,11 @@ def view(shape) -> tuple[int, int]:
     return (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
 
 
+def d64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 on the CPU, where the references run."""
+    return x.detach().cpu().double()
+
+
 def spectral(m: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(m, 2))
 
@@ -81,7 +86,7 @@ class ShampooRef:
 
     def __init__(self, p: torch.Tensor, limit: int | None = None):
         self.rows, self.cols = view(p.shape)
-        self.p = p.detach().double().reshape(self.rows, self.cols).clone()
+        self.p = d64(p).reshape(self.rows, self.cols).clone()
         self.t, self.err = 0, 0.0
         self.sides = {}
         for name, n in (("L", self.rows), ("R", self.cols)):
@@ -91,7 +96,7 @@ class ShampooRef:
 
     def step(self, g: torch.Tensor, lr: float, eps: float, k: int) -> None:
         self.t += 1
-        G = g.double().reshape(self.rows, self.cols)
+        G = d64(g).reshape(self.rows, self.cols)
         for name, s in self.sides.items():
             outer = (G @ G.T, G.abs() @ G.abs().T) if name == "L" else (G.T @ G, G.abs().T @ G.abs())
             s["M"] = s["M"] + outer[0]
@@ -122,15 +127,15 @@ class ShampooRef:
 def check_against(opt, p, ref: ShampooRef, p0: torch.Tensor) -> None:
     """``p`` and its states within the derived bounds of the float64 reference's."""
     st = opt.state[p]
-    moved = float((ref.p - p0.double().reshape(ref.p.shape)).norm())
+    moved = float((ref.p - d64(p0).reshape(ref.p.shape)).norm())
     assert ref.err <= 1e-4 * moved, (ref.err, moved)  # the bound is tight enough to see a wrong step
-    err = float((p.double().reshape(ref.p.shape) - ref.p).norm())
+    err = float((d64(p).reshape(ref.p.shape) - ref.p).norm())
     assert err <= SLACK * ref.err, (tuple(p.shape), err, ref.err)
     for name, s in ref.sides.items():
-        got = st[name].double()
+        got = d64(st[name])
         assert st[name].dtype == torch.float32 and got.shape == s["M"].shape
         assert float((got - s["M"]).abs().max()) <= SLACK * ref.factor_err(name) + 1e-30
-        P = st["P" + name].double()
+        P = d64(st["P" + name])
         if s["rtol"] == 0.0:  # never refreshed: the identity it started as
             assert torch.equal(P, torch.eye(P.shape[0], dtype=F64))
         else:
@@ -139,20 +144,20 @@ def check_against(opt, p, ref: ShampooRef, p0: torch.Tensor) -> None:
 
 
 def grads_for(params, scale=GSCALE):
-    return [torch.randn(p.shape) * scale for p in params]
+    return [(torch.randn(p.shape) * scale).to(p.device) for p in params]
 
 
 # --- 1. the docs' Shampoo against float64 -----------------------------------------------------
 
 
-def test_docs_shampoo_follows_float64_over_gated_refreshes(shampoo):
+def test_docs_shampoo_follows_float64_over_gated_refreshes(shampoo, device):
     """Four steps with k=2 (refreshes on steps 2 and 4; steps 1 and 3 keep the factors'
     last inverse roots bit for bit), two param groups of different lr, two 5x3 tensors in
     one group (one stack, each its own factors), a 5x3 tensor that skips step 1 (its own
     step count: a stack of its own), a 4x6 in both groups (two stacks), a 1-D tensor (one
     row: [1, 1] and [7, 7] factors) and a 3-D one (viewed [2, 6])."""
-    first = [torch.randn(5, 3), torch.randn(5, 3), torch.randn(7), torch.randn(4, 6), torch.randn(5, 3)]
-    second = [torch.randn(4, 6), torch.randn(2, 3, 2)]
+    first = [torch.randn(s).to(device) for s in ((5, 3), (5, 3), (7,), (4, 6), (5, 3))]
+    second = [torch.randn(s).to(device) for s in ((4, 6), (2, 3, 2))]
     late = first[4]
     lrs = (0.05, 0.2)
     start = [p.clone() for p in first + second]
@@ -184,7 +189,7 @@ def test_docs_shampoo_follows_float64_over_gated_refreshes(shampoo):
             continue
         h = [history[i][id(p)] for i in range(4)]
         for s in ("PL", "PR"):
-            assert torch.equal(h[0][s], torch.eye(h[0][s].shape[0]))
+            assert torch.equal(d64(h[0][s]), torch.eye(h[0][s].shape[0], dtype=F64))
             assert torch.equal(h[2][s], h[1][s]) and not torch.equal(h[3][s], h[2][s])
     assert int(opt.state[late]["step"]) == 3 and int(opt.state[first[0]]["step"]) == 4
     # One stack, each its own factors (their gradients differ, so do their factors).
@@ -198,35 +203,35 @@ def test_docs_shampoo_follows_float64_over_gated_refreshes(shampoo):
 # --- 2. bf16 parameters, fp32 factors --------------------------------------------------------
 
 
-def test_bf16_parameters_keep_fp32_factors(shampoo):
+def test_bf16_parameters_keep_fp32_factors(shampoo, device):
     """bf16 parameters and gradients: the factors are fp32 and follow the float64 reference
     (they read only the gradients, which fp32 holds exactly); each step's new parameter is
     the bf16 rounding (round to nearest: half a spacing, 2**-8 of the value) of the old one
     minus the reference's update, within fp32's error in that update."""
-    params = [torch.randn(5, 3).bfloat16(), torch.randn(4, 6).bfloat16(), torch.randn(7).bfloat16()]
+    params = [torch.randn(s).to(device, torch.bfloat16) for s in ((5, 3), (4, 6), (7,))]
     opt = shampoo(params, lr=0.05, eps=EPS, k=2.0)
     refs = [ShampooRef(p) for p in params]
     for _ in range(3):
         olds = [p.clone() for p in params]
         errs_before = [r.err for r in refs]
-        gs = [(torch.randn(p.shape) * GSCALE).bfloat16() for p in params]
+        gs = [(torch.randn(p.shape) * GSCALE).to(device, torch.bfloat16) for p in params]
         for p, g, ref, old in zip(params, gs, refs, olds):
             p.grad = g
-            ref.p = old.double().reshape(ref.p.shape)  # this step from fuser's own parameter
+            ref.p = d64(old).reshape(ref.p.shape)  # this step from fuser's own parameter
             ref.step(g, 0.05, EPS, 2)
         opt.step()
         for p, ref, old, e0 in zip(params, refs, olds, errs_before):
             assert p.dtype == torch.bfloat16
             x = ref.p.reshape(p.shape)  # old - update, exact
             step_err = SLACK * (ref.err - e0)
-            dev = (p.double() - x).abs()
+            dev = (d64(p) - x).abs()
             assert bool((dev <= 2.0**-8 * (x.abs() + step_err) + step_err + 1e-30).all()), float(dev.max())
             assert not torch.equal(p, old)  # the step moved it by more than bf16's spacing
             st = opt.state[p]
             for s in ("L", "R", "PL", "PR"):
                 assert st[s].dtype == torch.float32
             for name, side in ref.sides.items():
-                assert float((st[name].double() - side["M"]).abs().max()) <= SLACK * ref.factor_err(name)
+                assert float((d64(st[name]) - side["M"]).abs().max()) <= SLACK * ref.factor_err(name)
 
 
 # --- 3. decompositions that fail, and those that succeed ----------------------------------------
@@ -246,7 +251,7 @@ def _all_finite(opt) -> bool:
     )
 
 
-def test_an_inverse_root_that_fails_keeps_the_old_value_with_a_warning():
+def test_an_inverse_root_that_fails_keeps_the_old_value_with_a_warning(device):
     """eps = 0 and a zero gradient: inv_root of the zero matrix has eigenvalues 0, a failure
     in fp32 and fp64. That tensor's PL keeps its identity (one RuntimeWarning naming the state),
     its p does not move and nothing holds a NaN; the other tensor of its stack refreshes
@@ -259,33 +264,33 @@ def test_an_inverse_root_that_fails_keeps_the_old_value_with_a_warning():
             state=dict(L="zeros(rows, rows)", PL="eye(rows)"),
         )
     )
-    a, b = torch.randn(2, 6), torch.randn(2, 6)
+    a, b = torch.randn(2, 6).to(device), torch.randn(2, 6).to(device)
     b0 = b.clone()
     opt = opt_cls([a, b], lr=0.1)
-    a.grad, b.grad = torch.randn(2, 6), torch.zeros(2, 6)
-    La = a.grad.double() @ a.grad.double().T
-    a_expected = a.double() - 0.1 * inv_root64(La, 2) @ a.grad.double()
+    a.grad, b.grad = torch.randn(2, 6).to(device), torch.zeros(2, 6, device=device)
+    La = d64(a.grad) @ d64(a.grad).T
+    a_expected = d64(a) - 0.1 * inv_root64(La, 2) @ d64(a.grad)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.step()
     found = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(found) == 1, [str(w.message) for w in caught]
     assert "inv_root()" in str(found[0].message) and "'PL'" in str(found[0].message)
-    assert torch.equal(opt.state[b]["PL"], torch.eye(2)) and torch.equal(b, b0)
-    assert torch.equal(opt.state[b]["L"], torch.zeros(2, 2))
+    assert torch.equal(d64(opt.state[b]["PL"]), torch.eye(2, dtype=F64)) and torch.equal(b, b0)
+    assert not bool(opt.state[b]["L"].any())
     assert _all_finite(opt) and bool(torch.isfinite(a).all())
-    rtol = inv_root_rtol(La, a.grad.double().abs() @ a.grad.double().abs().T, 7, 2)
+    rtol = inv_root_rtol(La, d64(a.grad).abs() @ d64(a.grad).abs().T, 7, 2)
     scale = 0.1 * spectral(inv_root64(La, 2)) * float(a.grad.norm())
-    assert float((a.double() - a_expected).norm()) <= SLACK * (rtol * scale + U * float(a_expected.norm()))
+    assert float((d64(a) - a_expected).norm()) <= SLACK * (rtol * scale + U * float(a_expected.norm()))
     # Next step the zero-gradient tensor's factor is positive definite: it refreshes, silently.
-    b.grad = torch.randn(2, 6)
-    a.grad = torch.randn(2, 6)
-    Lb = b.grad.double() @ b.grad.double().T
+    b.grad = torch.randn(2, 6).to(device)
+    a.grad = torch.randn(2, 6).to(device)
+    Lb = d64(b.grad) @ d64(b.grad).T
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         opt.step()
-    perr = spectral(opt.state[b]["PL"].double() - inv_root64(Lb, 2))
-    rtol = inv_root_rtol(Lb, b.grad.double().abs() @ b.grad.double().abs().T, 7, 2)
+    perr = spectral(d64(opt.state[b]["PL"]) - inv_root64(Lb, 2))
+    rtol = inv_root_rtol(Lb, d64(b.grad).abs() @ d64(b.grad).abs().T, 7, 2)
     assert perr <= SLACK * rtol * spectral(inv_root64(Lb, 2))
 
 
@@ -315,23 +320,23 @@ def spaced_gradient(rows: int, cols: int) -> torch.Tensor:
     return ((u * s) @ v.T).float()
 
 
-def test_a_nan_the_rule_makes_keeps_the_old_basis_and_others_refresh(basis):
+def test_a_nan_the_rule_makes_keeps_the_old_basis_and_others_refresh(basis, device):
     """``eigh(L / trace(L))`` of a zero factor is the eigh of 0/0 = NaN: in the stack beside a
     good tensor, that one keeps its basis (the identity) with a RuntimeWarning and no NaN
     moves its parameter; the good one gets the float64-accurate eigenbasis, columns sorted by
     eigenvalue, largest first."""
-    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    a, b = torch.randn(3, 5).to(device), torch.randn(3, 5).to(device)
     b0 = b.clone()
     opt = basis([a, b], lr=0.1)
-    a.grad, b.grad = spaced_gradient(3, 5), torch.zeros(3, 5)
+    a.grad, b.grad = spaced_gradient(3, 5).to(device), torch.zeros(3, 5, device=device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.step()
     found = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(found) == 1 and "eigh()" in str(found[0].message) and "'Q'" in str(found[0].message)
-    assert torch.equal(opt.state[b]["Q"], torch.eye(3)) and torch.equal(b, b0)
+    assert torch.equal(d64(opt.state[b]["Q"]), torch.eye(3, dtype=F64)) and torch.equal(b, b0)
     assert _all_finite(opt) and bool(torch.isfinite(a).all())
-    G = a.grad.double()
+    G = d64(a.grad)
     M = G @ G.T
     _check_eigenbasis(opt.state[a]["Q"], M / M.trace(), G.abs() @ G.abs().T / M.trace(), 5)
 
@@ -343,7 +348,7 @@ def _check_eigenbasis(Q: torch.Tensor, M: torch.Tensor, Mabs: torch.Tensor, term
     gap = float((lam[:-1] - lam[1:]).min())
     n = M.shape[0]
     E = (terms + 2 + 4 * n) * U * spectral(Mabs)
-    got = Q.double()
+    got = d64(Q)
     signs = torch.sign((got * vec).sum(0))  # each column's sign is free
     err = float((got - vec * signs).abs().max())
     assert err <= SLACK * math.sqrt(2) * E / gap + 4 * n * U, (err, E, gap)
@@ -351,45 +356,45 @@ def _check_eigenbasis(Q: torch.Tensor, M: torch.Tensor, Mabs: torch.Tensor, term
     assert bool((d[:-1] > d[1:]).all()), d  # largest first
 
 
-def test_eigh_then_qr_bases_follow_float64(basis):
+def test_eigh_then_qr_bases_follow_float64(basis, device):
     """``where(step == 1, eigh(L / trace(L)), qr(L @ Q))`` on two tensors of one stack:
     step 1 the eigenbasis (sorted, largest first), steps 2 and 3 the Q of ``L @ Q`` with
     torch.linalg.qr's signs (each step from fuser's previous Q); the update reads the new Q."""
-    params = [torch.randn(4, 6), torch.randn(4, 6)]
+    params = [torch.randn(4, 6).to(device), torch.randn(4, 6).to(device)]
     opt = basis(params, lr=0.1)
     Ls = [torch.zeros(4, 4, dtype=F64) for _ in params]
     Labs = [torch.zeros(4, 4, dtype=F64) for _ in params]
     for step in (1, 2, 3):
-        gs = [spaced_gradient(4, 6) for _ in params] if step == 1 else grads_for(params)
+        gs = [spaced_gradient(4, 6).to(device) for _ in params] if step == 1 else grads_for(params)
         olds = [(p.clone(), opt.state[p]["Q"].clone() if p in opt.state else None) for p in params]
         for p, g in zip(params, gs):
             p.grad = g
         opt.step()
         for i, (p, g, (p_old, q_old)) in enumerate(zip(params, gs, olds)):
-            G = g.double()
+            G = d64(g)
             Ls[i] = Ls[i] + G @ G.T
             Labs[i] = Labs[i] + G.abs() @ G.abs().T
             Q = opt.state[p]["Q"]
             if step == 1:
                 _check_eigenbasis(Q, Ls[i] / Ls[i].trace(), Labs[i] / Ls[i].trace(), 6)
             else:
-                A = Ls[i] @ q_old.double()
+                A = Ls[i] @ d64(q_old)
                 want = torch.linalg.qr(A)[0]
                 kappa = float(torch.linalg.cond(A))
                 # A's error (L's sums, the product) and qr's backward error, relative to ||A||.
                 E = (step * (6 + 1) + 4 + 4 * 4) * U * spectral(Labs[i]) / spectral(A)
-                err = float((Q.double() - want).abs().max())
+                err = float((d64(Q) - want).abs().max())
                 assert err <= SLACK * math.sqrt(2) * kappa * E, (step, err, kappa * E)
                 assert kappa * E <= 1e-4  # (well conditioned: the bound sees a wrong Q)
             # p from fuser's own old p and the new Q.
-            Qd = Q.double()
-            expected = p_old.double() - 0.1 * Qd @ torch.tanh(Qd.T @ G)
-            bound = (2 * 4 + 4) * U * (p_old.double().abs() + 0.1 * Qd.abs() @ (Qd.abs().T @ G.abs()))
-            assert bool(((p.double() - expected).abs() <= SLACK * bound + 1e-30).all())
+            Qd = d64(Q)
+            expected = d64(p_old) - 0.1 * Qd @ torch.tanh(Qd.T @ G)
+            bound = (2 * 4 + 4) * U * (d64(p_old).abs() + 0.1 * Qd.abs() @ (Qd.abs().T @ G.abs()))
+            assert bool(((d64(p) - expected).abs() <= SLACK * bound + 1e-30).all())
 
 
 @pytest.mark.parametrize("how", ["nan", "raises"])
-def test_an_fp32_failure_is_retried_in_fp64(shampoo, monkeypatch, how):
+def test_an_fp32_failure_is_retried_in_fp64(shampoo, monkeypatch, how, device):
     """torch.linalg.eigh made to fail on fp32 input (NaN eigenvectors, or an error): the
     inverse roots come from fp64, with no warning, and follow the reference."""
     real = torch.linalg.eigh
@@ -403,7 +408,7 @@ def test_an_fp32_failure_is_retried_in_fp64(shampoo, monkeypatch, how):
         return real(m, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "eigh", fp32_fails)
-    params = [torch.randn(5, 3), torch.randn(5, 3), torch.randn(4, 6)]
+    params = [torch.randn(s).to(device) for s in ((5, 3), (5, 3), (4, 6))]
     start = [p.clone() for p in params]
     opt = shampoo(params, lr=0.05, eps=EPS, k=1.0)
     refs = [ShampooRef(p) for p in params]
@@ -421,10 +426,10 @@ def test_an_fp32_failure_is_retried_in_fp64(shampoo, monkeypatch, how):
 # --- 4. sides over max_matrix_dim -------------------------------------------------------------
 
 
-def test_sides_over_max_matrix_dim_are_the_identity(shampoo):
+def test_sides_over_max_matrix_dim_are_the_identity(shampoo, device):
     """max_matrix_dim=4: a side over it has no factor (its states are empty tensors) and p
     moves as the reference with the identity there; a side of exactly 4 keeps its factor."""
-    params = [torch.randn(5, 3), torch.randn(4, 6), torch.randn(7), torch.randn(5, 6)]
+    params = [torch.randn(s).to(device) for s in ((5, 3), (4, 6), (7,), (5, 6))]
     start = [p.clone() for p in params]
     opt = shampoo(params, lr=0.05, eps=EPS, k=2.0, max_matrix_dim=4)
     refs = [ShampooRef(p, limit=4) for p in params]
@@ -445,7 +450,7 @@ def test_sides_over_max_matrix_dim_are_the_identity(shampoo):
     assert opt.state[params[1]]["L"].shape == (4, 4) and opt.state[params[2]]["L"].shape == (1, 1)
 
 
-def test_numbers_times_an_absent_factor_keep_their_scale():
+def test_numbers_times_an_absent_factor_keep_their_scale(device):
     """An absent [n, n] factor is the identity: a number per tensor times it keeps its scale
     through products, traces (n), diagonals (ones) and norms (sqrt(n)); a factor kept below
     the limit reads its own."""
@@ -456,22 +461,24 @@ def test_numbers_times_an_absent_factor_keep_their_scale():
         hyper=dict(lr=0.1),
         state=dict(L="zeros(rows, rows)", R="zeros(cols, cols)"),
     )
-    params = [torch.randn(6, 3), torch.randn(3, 6)]
+    params = [torch.randn(6, 3).to(device), torch.randn(3, 6).to(device)]
     start = [p.clone() for p in params]
     opt = fuser.compile(rule)(params, lr=0.1, max_matrix_dim=4)
     for p in params:
-        p.grad = torch.randn(p.shape)
+        p.grad = torch.randn(p.shape).to(device)
     opt.step()
-    G0, G1 = (p.grad.double() for p in params)
+    G0, G1 = (d64(p.grad) for p in params)
     # 6x3: L over the limit (L / trace(L) = I / 6, trace(0.5 L) = 3), R = G^T G kept.
     R0 = G0.T @ G0
-    want0 = start[0].double() - 0.1 * (G0 / 6) * torch.diagonal(2 * R0) / (3 * R0.norm())
+    want0 = d64(start[0]) - 0.1 * (G0 / 6) * torch.diagonal(2 * R0) / (3 * R0.norm())
     # 3x6: L = G G^T kept, R over the limit (diag(2 R) = 2, norm(R) = sqrt(6)).
     L1 = G1 @ G1.T
-    want1 = start[1].double() - 0.1 * (L1 / L1.trace()) @ G1 * 2 / (0.5 * L1.trace() * math.sqrt(6))
+    want1 = d64(start[1]) - 0.1 * (L1 / L1.trace()) @ G1 * 2 / (0.5 * L1.trace() * math.sqrt(6))
     for p, want, p0 in ((params[0], want0, start[0]), (params[1], want1, start[1])):
-        moved = float((want - p0.double()).abs().max())
-        assert float((p.double() - want).abs().max()) <= 1e-5 * moved
+        # fp32's sums of at most 2 * 9 terms in the update, then p's own rounding.
+        moved = float((want - d64(p0)).abs().max())
+        bound = SLACK * (2 * 9 + 4) * U * moved + SLACK * U * want.abs()
+        assert bool(((d64(p) - want).abs() <= bound).all()), float((d64(p) - want).abs().max())
 
 
 # --- 5. gates evaluate only the branch they take ----------------------------------------------
@@ -489,10 +496,10 @@ def _counting(monkeypatch, name: str) -> list:
     return calls
 
 
-def test_inverse_roots_run_on_refresh_steps_only(shampoo, monkeypatch):
+def test_inverse_roots_run_on_refresh_steps_only(shampoo, monkeypatch, device):
     """k=2: eigh (inv_root's) runs on steps 2 and 4 only, once per stack and factor."""
     calls = _counting(monkeypatch, "eigh")
-    params = [torch.randn(5, 3), torch.randn(5, 3), torch.randn(4, 6), torch.randn(7)]
+    params = [torch.randn(s).to(device) for s in ((5, 3), (5, 3), (4, 6), (7,))]
     opt = shampoo(params, lr=0.05, eps=EPS, k=2.0)
     counts = []
     for _ in range(4):
@@ -505,10 +512,10 @@ def test_inverse_roots_run_on_refresh_steps_only(shampoo, monkeypatch):
     assert sorted(calls[:6]) == sorted([(2, 5, 5), (2, 3, 3), (1, 4, 4), (1, 6, 6), (1, 1, 1), (1, 7, 7)])
 
 
-def test_a_basis_starts_with_eigh_and_refreshes_with_qr(basis, monkeypatch):
+def test_a_basis_starts_with_eigh_and_refreshes_with_qr(basis, monkeypatch, device):
     """``where(step == 1, eigh(...), qr(...))``: eigh on step 1 only, qr on later steps only."""
     eighs, qrs = _counting(monkeypatch, "eigh"), _counting(monkeypatch, "qr")
-    params = [torch.randn(3, 5), torch.randn(4, 2)]
+    params = [torch.randn(3, 5).to(device), torch.randn(4, 2).to(device)]
     opt = basis(params, lr=0.1)
     counts = []
     for _ in range(3):
@@ -533,14 +540,14 @@ def test_a_basis_starts_with_eigh_and_refreshes_with_qr(basis, monkeypatch):
     ],
     ids=["fp32-file", "fp32-live", "bf16-file", "bf16-live"],
 )
-def test_state_dict_resumes_the_same_trajectory(shampoo, dtype, through):
+def test_state_dict_resumes_the_same_trajectory(shampoo, dtype, through, device):
     """Saved after 2 steps (k=2, a refresh just made; a side over max_matrix_dim=5 held
     empty), loaded into a fresh optimizer on copies of the parameters: 2 more steps equal
     the uninterrupted run bit for bit, and the loaded factors are fp32 (also for bf16
     parameters, whose dtype torch's load casts states to). ``live``: the dict of an
     optimizer that keeps stepping; ``file``: through torch.save."""
-    params = [torch.randn(5, 3).to(dtype), torch.randn(7).to(dtype), torch.randn(4, 6).to(dtype)]
-    grads = [[(torch.randn(p.shape) * GSCALE).to(dtype) for p in params] for _ in range(4)]
+    params = [torch.randn(s).to(device, dtype) for s in ((5, 3), (7,), (4, 6))]
+    grads = [[(torch.randn(p.shape) * GSCALE).to(device, dtype) for p in params] for _ in range(4)]
     kw = dict(lr=0.05, eps=EPS, k=2.0, max_matrix_dim=5)
     a = [p.clone() for p in params]
     opt = shampoo(a, **kw)
@@ -640,7 +647,7 @@ def test_rule_errors_of_declarations_and_decompositions():
     )
 
 
-def test_unsupported_options_are_refused_and_change_nothing(shampoo):
+def test_unsupported_options_are_refused_and_change_nothing(shampoo, device):
     rule = fuser.rule(SHAMPOO, name="shampoo", hyper=dict(lr=1e-2, eps=1e-6, k=1.0), state=SHAMPOO_STATE)
     before = (rule.text, rule.hyper, rule.state, rule.outputs)
     with pytest.raises(
@@ -654,18 +661,18 @@ def test_unsupported_options_are_refused_and_change_nothing(shampoo):
         fuser.compile(dict(sgd=sgd, shampoo=rule))
     assert (rule.text, rule.hyper, rule.state, rule.outputs) == before
     # The constructor's refusals, and a step refused for a bad hyperparameter: nothing moves.
-    p = torch.randn(5, 3)
+    p = torch.randn(5, 3).to(device)
     with pytest.raises(TypeError, match="unknown hyperparameters"):
         shampoo([p], view="batched")
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="max_matrix_dim must be a positive whole number"):
             shampoo([p], max_matrix_dim=bad)
     opt = fuser.compile(rule)([p], lr=0.05, eps=EPS, k=1.0)
-    p.grad = torch.randn(5, 3)
+    p.grad = torch.randn(5, 3).to(device)
     opt.step()
     kept = (p.clone(), copy.deepcopy(opt.state[p]))
     opt.param_groups[0]["lr"] = float("nan")
-    p.grad = torch.randn(5, 3)
+    p.grad = torch.randn(5, 3).to(device)
     with pytest.raises(ValueError, match="hyperparameter 'lr' must be a finite number"):
         opt.step()
     assert torch.equal(p, kept[0])
