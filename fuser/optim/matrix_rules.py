@@ -18,11 +18,13 @@ number per step (``every(k)``, ``step == 1``) evaluates only the branch it takes
 decompositions of a refresh run on refresh steps only. A side over ``max_matrix_dim``
 (a constructor keyword, default 8192) has no factor: every ``[n, n]`` value of that side
 is the identity (its states stay the identity, held as an empty tensor; products with it
-are skipped; its trace is ``n``, its diagonal ones).
+are skipped; its trace is ``n``, its diagonal ones), times the numbers that multiply it
+(``lr * PL @ g`` is ``lr * g``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections import defaultdict
@@ -50,15 +52,42 @@ _MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T})
 
 
 class Identity:
-    """An ``[n, n]`` identity, never built where products can skip it: ``eye(...)`` and the
-    values of a side over ``max_matrix_dim`` (``absorbing``: every value of that side is
-    the identity, so elementwise work on it is too)."""
+    """An ``[n, n]`` identity, never built where products can skip it: ``eye(...)``, and
+    the values of a side over ``max_matrix_dim`` (``absorbing``: every value of that side is
+    the identity, so elementwise work on it is too), ``scale`` (a float, or one number per
+    matrix ``[n, 1, 1]``) times the identity: numbers multiplying it keep their scale
+    (``lr * PL @ g`` is ``lr * g``)."""
 
-    def __init__(self, n: int, absorbing: bool = False):
-        self.n, self.absorbing = n, absorbing
+    def __init__(self, n: int, absorbing: bool = False, scale=1.0):
+        self.n, self.absorbing, self.scale = n, absorbing, scale
 
     def tensor(self, count: int, device) -> torch.Tensor:
-        return torch.eye(self.n, device=device).expand(count, self.n, self.n)
+        return torch.eye(self.n, device=device).expand(count, self.n, self.n) * self.scale
+
+
+def _scaled(x, scale):
+    """``x`` (a tensor or an ``Identity``) times ``scale``."""
+    if isinstance(x, Identity):
+        return Identity(x.n, x.absorbing, x.scale * scale)
+    return x if isinstance(scale, float) and scale == 1.0 else x * scale
+
+
+def _of_identities(e, args: list) -> Identity:
+    """An elementwise value of an absent side's identities: a product with numbers per tensor
+    scales it; a sum of identities of one scale keeps it (sympy writes ``2 * (R + g @ x)`` as
+    ``2 * R + 2 * (g @ x)``); any other function of one (``L + eps * eye(rows)``) is the
+    identity."""
+    ident = next(a for a in args if isinstance(a, Identity))
+    if isinstance(e, sympy.Mul):
+        out = Identity(ident.n, True)
+        for a in args:
+            out = _scaled(out, a.scale if isinstance(a, Identity) else a)
+        return out
+    if isinstance(e, sympy.Add) and all(isinstance(a, Identity) for a in args):
+        scales = [a.scale for a in args]
+        if all(isinstance(x, float) for x in scales) and len(set(scales)) == 1:
+            return Identity(ident.n, True, scales[0])
+    return Identity(ident.n, True)
 
 
 class MatrixProgram:
@@ -183,13 +212,15 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
     program: MatrixProgram
     options: Options
 
-    def __init__(self, params, *, max_matrix_dim: int = DEFAULT_MAX_MATRIX_DIM, **hyper):
+    def __init__(self, params, *, view=None, max_matrix_dim: int = DEFAULT_MAX_MATRIX_DIM, **hyper):
+        if view is not None:  # (the compiled view for this instance; a group's "view" still wins)
+            self.options = dataclasses.replace(self.options, view=check_view(view, type(self).__name__))
         defaults = dict(self.rule.hyper_defaults)
         unknown = set(hyper) - set(defaults)
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
-                f"it takes {sorted(defaults)} and max_matrix_dim"
+                f"it takes {sorted(defaults)}, view and max_matrix_dim"
             )
         if isinstance(max_matrix_dim, bool) or not isinstance(max_matrix_dim, int) or max_matrix_dim < 1:
             raise ValueError(f"max_matrix_dim must be a positive whole number, not {max_matrix_dim!r}")
@@ -199,12 +230,22 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         self._kernel = _UpdateKernel(self.program.update_rule, self.options)
 
     def load_state_dict(self, state_dict) -> None:
+        # torch casts each loaded state to its parameter's dtype (a bf16 parameter's fp32
+        # factors rounded to bf16) and keeps a tensor of that dtype shared with the saved dict
+        # (a live optimizer's, whose steps would then move this one's states and step count):
+        # take the saved values back, fp32 and copied.
+        saved = state_dict["state"]
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = dict(zip(ids, (p for group in self.param_groups for p in group["params"])))
         super().load_state_dict(state_dict)
-        # torch casts loaded states to each parameter's dtype; a matrix rule keeps fp32.
-        for st in self.state.values():
+        for pid, st in saved.items():
+            p = params.get(pid)
+            if p is None:
+                continue
             for key, value in st.items():
-                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
-                    st[key] = value.float()
+                if torch.is_tensor(value):
+                    dtype = torch.float32 if value.is_floating_point() else value.dtype
+                    self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
 
     # --- one step --------------------------------------------------------------------------
     @torch.no_grad()
@@ -475,9 +516,8 @@ class _Batch:
         if isinstance(e, Reduction):
             return self._reduce(e)
         args = [self.ev(a) for a in e.args]
-        absorbing = next((a for a in args if isinstance(a, Identity) and a.absorbing), None)
-        if absorbing is not None:
-            return absorbing
+        if any(isinstance(a, Identity) and a.absorbing for a in args):
+            return _of_identities(e, args)
         args = [self.real(a) for a in args]
         return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
 
@@ -523,9 +563,11 @@ class _Batch:
 
     def _reduce(self, e):
         x = self.ev(e.args[0])
-        if isinstance(x, Identity):
-            n = x.n
-            return {Norm: math.sqrt(n), _Sum: float(n), _Mean: 1.0 / n, _Amax: 1.0}[type(e)]
+        if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
+            n, s = x.n, x.scale
+            if isinstance(e, _Amax):
+                return max(s, 0.0) if isinstance(s, float) else s.clamp_min(0.0)
+            return {Norm: math.sqrt(n) * abs(s), _Sum: n * s, _Mean: s / n}[type(e)]
         x = torch.as_tensor(x)
         if x.dim() < 3:
             x = x.reshape(-1, 1, 1)
@@ -548,16 +590,21 @@ class _Batch:
     def _matrix(self, e):
         kind = self.program.kind(e)
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
-            return Identity(self.side(kind), True)
+            # (products, transposes and triangles of its identities keep their scales)
+            of_identities = isinstance(e, (mx.MatMul, mx.Transpose, mx.Triu, mx.Tril)) and all(
+                self.program.kind(a) == kind for a in e.args
+            )
+            if not of_identities:
+                return Identity(self.side(kind), True)
         if isinstance(e, mx.Eye):
             return Identity(self.rows if e.args[0].name == "rows" else self.cols)
         args = [self.ev(a) for a in e.args]
         if isinstance(e, mx.MatMul):
             a, b = args
             if isinstance(a, Identity):
-                return b
+                return _scaled(b, a.scale)
             if isinstance(b, Identity):
-                return a
+                return _scaled(a, b.scale)
             ka, kb = (self.program.kind(x) for x in e.args)
             if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
                 return torch.matmul(a, torch.as_tensor(b).mT).mT
@@ -570,12 +617,12 @@ class _Batch:
             x = self.real(x)  # (eigh of an identity is torch's, not assumed)
         if isinstance(e, mx.Trace):
             if isinstance(x, Identity):
-                return float(x.n)
+                return x.n * x.scale
             return x.diagonal(dim1=-2, dim2=-1).sum(-1).reshape(-1, 1, 1)
         if isinstance(e, mx.Diag):
             arg_kind = self.program.kind(e.args[0])
             if isinstance(x, Identity):
-                return 1.0
+                return x.scale
             d = x.diagonal(dim1=-2, dim2=-1)
             return d.unsqueeze(-1) if arg_kind == mx.ROWMAT else d.unsqueeze(-2)
         if isinstance(x, Identity):
