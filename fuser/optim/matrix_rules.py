@@ -179,9 +179,16 @@ class MatrixProgram:
         for _, e in self.rule.outputs:
             for d in e.atoms(mx.Decomposition):
                 if d not in owners:
+                    # (at the first statement that computes it)
+                    st = next((st for st in self.rule.statements if st.expr.has(d)), None)
+                    lines = self.rule.text.splitlines()
+                    line = st.line if st is not None and self.rule.statements[0].line > 0 else None
                     raise RuleError(
                         f"{d.spelling}() must be the value of a matrix state (directly, or a branch of "
-                        f"where(...)): where it fails that state keeps its previous value"
+                        f"where(...)): where it fails that state keeps its previous value",
+                        line=line,
+                        col=st.col if line else None,
+                        source_line=lines[line - 1] if line and 0 < line <= len(lines) else None,
                     ).with_rule(self.rule.name)
         return owners
 
@@ -257,8 +264,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         items = self._items()
         if not items:
             return loss
+        for group in {id(group): group for group, _, _ in items}.values():
+            self._check_hyper(group)  # (every group before any state is made)
         for group, p, _ in items:
-            self._check_hyper(group)
             if len(self.state[p]) == 0:
                 self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
         batches = defaultdict(list)

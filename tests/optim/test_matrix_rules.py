@@ -641,10 +641,11 @@ def test_rule_errors_of_declarations_and_decompositions():
     text = "L = L + g @ transpose(g)\np = p - lr * eigh(L) @ g"
     fuser.rule(text, name="r", hyper=dict(lr=0.1), state=dict(L="zeros(rows, rows)"))
     err = _error(text, state=dict(L="zeros(rows, rows)"), compile_it=True)
-    assert str(err) == (
-        "rule 'r': eigh() must be the value of a matrix state (directly, or a branch of where(...)): "
-        "where it fails that state keeps its previous value"
+    assert str(err).splitlines()[0] == (
+        "rule 'r', line 2, column 1: eigh() must be the value of a matrix state (directly, or a "
+        "branch of where(...)): where it fails that state keeps its previous value"
     )
+    assert err.line == 2 and str(err).splitlines()[1].strip() == "p = p - lr * eigh(L) @ g"
 
 
 def test_unsupported_options_are_refused_and_change_nothing(shampoo, device):
@@ -683,3 +684,13 @@ def test_unsupported_options_are_refused_and_change_nothing(shampoo, device):
     opt.param_groups[0]["lr"] = 0.05
     opt.step()
     assert int(opt.state[p]["step"]) == 2 and not torch.equal(p, kept[0])
+
+
+def test_a_bad_hyperparameter_in_a_later_group_makes_no_state(device):
+    rule = fuser.rule(SHAMPOO, name="shampoo", hyper=dict(lr=1e-2, eps=1e-6, k=1.0), state=SHAMPOO_STATE)
+    a, b = torch.randn(5, 3).to(device), torch.randn(4, 2).to(device)
+    opt = fuser.compile(rule)([dict(params=[a]), dict(params=[b], lr=float("inf"))])
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    with pytest.raises(ValueError, match="hyperparameter 'lr' must be a finite number"):
+        opt.step()
+    assert len(opt.state) == 0
