@@ -64,6 +64,8 @@ eigh = _FUNCTIONS["eigh"]
 qr = _FUNCTIONS["qr"]
 inv_root = _FUNCTIONS["inv_root"]
 sort_perm = _FUNCTIONS["sort_perm"]
+solve_upper = _FUNCTIONS["solve_upper"]
+solve_lower = _FUNCTIONS["solve_lower"]
 # Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
 norm = _REDUCTIONS["norm"]
 sum = _REDUCTIONS["sum"]  # noqa: A001 - the rule language's name
@@ -170,6 +172,8 @@ __all__ = [
     "qr",
     "inv_root",
     "sort_perm",
+    "solve_upper",
+    "solve_lower",
     "optim",
     "losses",
 ]

@@ -599,7 +599,7 @@ class _Batch:
         kind = self.program.kind(e)
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
             # (products, transposes and triangles of its identities keep their scales)
-            of_identities = isinstance(e, (mx.MatMul, mx.Transpose, mx.Triu, mx.Tril)) and all(
+            of_identities = isinstance(e, (mx.MatMul, mx.Solve, mx.Transpose, mx.Triu, mx.Tril)) and all(
                 self.program.kind(a) == kind for a in e.args
             )
             if not of_identities:
@@ -607,6 +607,8 @@ class _Batch:
         if isinstance(e, mx.Eye):
             return Identity(self.rows if e.args[0].name == "rows" else self.cols)
         args = [self.ev(a) for a in e.args]
+        if isinstance(e, mx.Solve):
+            return self._solve(e, *args)
         if isinstance(e, mx.MatMul):
             a, b = args
             if isinstance(a, Identity):
@@ -647,6 +649,37 @@ class _Batch:
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _solve(self, e, a, b):
+        """``A⁻¹ B`` per matrix of the stack (``Solve``), retried in fp64 where not finite,
+        zero (with a warning) where that fails too."""
+        if isinstance(a, Identity):
+            return _scaled(b, 1.0 / a.scale)
+        b = self.real(b)
+        column = self.program.kind(e.args[1]) == COL  # (a column value is [n, 1, cols])
+        rhs = torch.as_tensor(b).mT if column else torch.as_tensor(b)
+        rhs = torch.broadcast_to(rhs, (self.n, *rhs.shape[-2:]))
+        mats = torch.broadcast_to(torch.as_tensor(a), (self.n, *a.shape[-2:]))
+
+        def solve(m, r):
+            return torch.linalg.solve_triangular(m, r, upper=e.upper)
+
+        out = solve(mats, rhs)
+        bad = (~torch.isfinite(out)).flatten(1).any(1)
+        if bool(bad.any()):
+            out = out.clone()
+            for j in bad.nonzero().flatten().tolist():
+                q = solve(mats[j : j + 1].double(), rhs[j : j + 1].double())[0].float()
+                if not bool(torch.isfinite(q).all()):
+                    q = torch.zeros_like(q)
+                    warnings.warn(
+                        f"{self.opt.rule.name}: {e.spelling}() with a singular {mats.shape[-1]}x"
+                        f"{mats.shape[-1]} factor in fp32 and fp64; its result is zero",
+                        RuntimeWarning,
+                        stacklevel=5,
+                    )
+                out[j] = q
+        return out.mT if column else out
 
     def _decompose(self, e, mats: torch.Tensor, extra: list):
         fn = _DECOMPOSITIONS[type(e)]

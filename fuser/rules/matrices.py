@@ -180,6 +180,32 @@ class SortPerm(MatrixOp):
     spelling = "sort_perm"
 
 
+class Solve(MatrixOp):
+    """``solve_upper(A, B)`` / ``solve_lower(A, B)``: ``A⁻¹ B`` for a triangular factor ``A``
+    (its other triangle is not read), ``B`` a factor of its side, a value per element
+    (``[rows, rows]`` ``A``), its transpose (``[cols, cols]`` ``A``) or a value per row or
+    column; ``B A⁻¹`` is ``transpose(solve_lower(transpose(A), transpose(B)))``. A matrix whose
+    solve is not finite in fp32 is retried in fp64; where that fails too its result is zero,
+    with a warning."""
+
+    nargs = 2
+    upper = True
+
+    def _latex(self, printer, exp=None):
+        a, b = (_factor(printer, x) for x in self.args)
+        text = rf"{a}^{{-1}} \, {b}"
+        return text if exp is None else rf"\left({text}\right)^{{{exp}}}"
+
+
+class SolveUpper(Solve):
+    spelling = "solve_upper"
+
+
+class SolveLower(Solve):
+    spelling = "solve_lower"
+    upper = False
+
+
 def _factor(printer, x) -> str:
     """``x`` as a factor of a product: bracketed unless it is a name, a call or a product."""
     text = printer._print(x)
@@ -213,6 +239,8 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "qr": (QR, 1),
     "inv_root": (_inv_root, 2),
     "sort_perm": (SortPerm, 1),
+    "solve_upper": (SolveUpper, 2),
+    "solve_lower": (SolveLower, 2),
 }
 
 

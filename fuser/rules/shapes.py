@@ -78,6 +78,15 @@ def _matrix_kind(e, args: list[str]) -> str:
         if found is None:
             raise RuleError(f"`@` cannot multiply {DESCRIBE[a]} by {DESCRIBE[b]}: their sizes do not match")
         return found
+    if isinstance(e, mx.Solve):
+        a, b = args
+        found = _PRODUCTS.get((a, b)) if a in _SQUARE else None
+        if found is None:
+            raise RuleError(
+                f"{name}(A, B) takes A a [rows, rows] or [cols, cols] factor and B of its side, "
+                f"not {DESCRIBE[a]} and {DESCRIBE[b]}"
+            )
+        return found
     if isinstance(e, mx.Transpose):
         if args[0] not in _TRANSPOSED:
             raise RuleError(f"transpose() takes a matrix or a value per element, not {DESCRIBE[args[0]]}")
