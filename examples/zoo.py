@@ -1785,8 +1785,8 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
     "kron": "needs the reference's probes: torch.randn_like on torch's global generator, which "
-    "a rule's counter-based randn() does not reproduce; and triangular solves, a per-tensor "
-    "running bound beside matrix states, and a per-step random gate for the refresh probability",
+    "a rule's counter-based randn() does not reproduce; and a per-step random gate for the "
+    "refresh probability",
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",

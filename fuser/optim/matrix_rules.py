@@ -36,12 +36,21 @@ from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
-from fuser.rules.functions import ApproxTanh, Norm, Randn, RandomValue, Reduction, Remainder, Sigmoid
+from fuser.rules.functions import (
+    ApproxTanh,
+    AxisReduction,
+    Norm,
+    Randn,
+    RandomValue,
+    Reduction,
+    Remainder,
+    Sigmoid,
+)
 from fuser.rules.functions import Mean as _Mean
 from fuser.rules.functions import Sum as _Sum
 from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
-from fuser.rules.shapes import COL, ELEMENT, ROW, kind_of
+from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
 from fuser.runtime.matrix import workspace_budget
 from fuser.runtime.plans import Options
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
@@ -98,23 +107,31 @@ class MatrixProgram:
     def __init__(self, rule: Rule):
         self.rule = rule
         self.matrix_states = {s: mx.matrix_init(v) for s, v in rule.state if mx.matrix_init(v)}
-        self.element_states = [(s, v) for s, v in rule.state if s not in self.matrix_states]
+        found = state_kinds(rule)
+        # States of one number per tensor, row or column live in the matrix phase with the
+        # matrices (the update kernel reads them as values per element); the rest per element.
+        self.phase_states = {s: (found[s], float(v)) for s, v in rule.state if found[s] in (SCALAR, ROW, COL)}
+        self.element_states = [
+            (s, v) for s, v in rule.state if s not in self.matrix_states and s not in self.phase_states
+        ]
         kinds = {symbol("p"): ELEMENT, symbol("g"): ELEMENT}
         kinds.update({symbol(s): kind for s, (kind, _) in self.matrix_states.items()})
+        kinds.update({symbol(s): kind for s, (kind, _) in self.phase_states.items()})
         kinds.update({symbol(s): ELEMENT for s, _ in self.element_states})
         self.kinds, self._memo = kinds, {}
         outputs = dict(rule.outputs)
-        for s, _ in self.element_states:
-            if s in outputs and self.kind(outputs[s]) != ELEMENT:
+        for s in self.phase_states:
+            if s in outputs and any(r.op.startswith("global_") for r in outputs[s].atoms(Reduction)):
                 raise RuleError(
-                    f"state {s!r}: a matrix rule's other states hold one value per element (this one "
-                    f"holds {self.kind(outputs[s])}s): not supported yet",
+                    f"state {s!r}: a global reduction (one number over every tensor) in a matrix rule "
+                    "is not supported yet"
                 ).with_rule(rule.name)
-        self.matrix_outputs = [(s, e) for s, e in rule.outputs if s in self.matrix_states]
+        written = {*self.matrix_states, *self.phase_states}
+        self.matrix_outputs = [(s, e) for s, e in rule.outputs if s in written]
         self.boundaries: dict = {}  # value -> buffer name
         update = []
         for name, e in rule.outputs:
-            if name not in self.matrix_states:
+            if name not in written:
                 update.append((name, self._split(e)))
         for _, e in rule.outputs:
             self._check_torch_values(e)
@@ -127,7 +144,7 @@ class MatrixProgram:
     def needs_torch(self, e) -> bool:
         if e.atoms(mx.MatrixOp, RandomValue):
             return True
-        return any(self.kinds.get(s) in _MATRIX_LIKE for s in e.free_symbols)
+        return any(self.kinds.get(s) in _MATRIX_LIKE or s.name in self.phase_states for s in e.free_symbols)
 
     def _split(self, e):
         """``e`` (a per-element value) with each matrix-phase value it reads replaced by a
@@ -136,8 +153,10 @@ class MatrixProgram:
             return e
         # (A draw too: the matrix phase makes every draw of a matrix rule, so that one value
         # read both there and by the update is the same.)
-        rooted = isinstance(e, (mx.MatrixOp, RandomValue)) or (
-            isinstance(e, Reduction) and self.kind(e.args[0]) in _MATRIX_LIKE
+        rooted = (
+            (e.is_Symbol and e.name in self.phase_states)
+            or isinstance(e, (mx.MatrixOp, RandomValue))
+            or (isinstance(e, Reduction) and self.kind(e.args[0]) in _MATRIX_LIKE)
         )
         if rooted:
             name = self.boundaries.setdefault(e, f"matrix_value{len(self.boundaries)}")
@@ -345,6 +364,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             )
         rows, cols = matrix_2d(p.shape, view)
         lead = tuple(p.shape[:-2]) if is_batched(p.shape, view) else ()
+        for s, (kind, init) in self.program.phase_states.items():
+            tail = {SCALAR: (), ROW: (rows,), COL: (cols,)}[kind]
+            st[s] = torch.full((*lead, *tail), init, device=p.device)
         for s, (kind, how) in self.program.matrix_states.items():
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
@@ -416,6 +438,9 @@ class _Batch:
         env[symbol("g")] = stack([g.float() for _, _, g in members], rows, cols)
         for s, _ in self.program.element_states:
             env[symbol(s)] = stack([opt.state[p][s] for _, p, _ in members], rows, cols)
+        for s, (kind, _) in self.program.phase_states.items():
+            r, c = {SCALAR: (1, 1), ROW: (rows, 1), COL: (1, cols)}[kind]
+            env[symbol(s)] = stack([opt.state[p][s] for _, p, _ in members], r, c)
         for s, (kind, _) in self.program.matrix_states.items():
             side = self.side(kind)
             stacked = (
@@ -570,6 +595,8 @@ class _Batch:
         return out
 
     def _reduce(self, e):
+        if isinstance(e, AxisReduction):
+            return self._axis(e)
         x = self.ev(e.args[0])
         if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
             n, s = x.n, x.scale
@@ -594,6 +621,19 @@ class _Batch:
         if isinstance(e, _Amax):
             return whole(x.amax((-2, -1), keepdim=True), "max")
         raise RuleError(f"{e.op}() is not supported inside a matrix value")
+
+    def _axis(self, e):
+        """``rowsum``, ``colmean``, ...: over each matrix's columns (a value per row) or rows."""
+        x = torch.as_tensor(self.real(self.ev(e.args[0])))
+        x = torch.broadcast_to(x if x.dim() == 3 else x.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
+        dim = -1 if e.axis == "row" else -2
+        if e.op == "sum":
+            return x.sum(dim, keepdim=True)
+        if e.op == "mean":
+            return x.mean(dim, keepdim=True)
+        if e.op == "norm":
+            return x.square().sum(dim, keepdim=True).sqrt()
+        return x.amax(dim, keepdim=True)
 
     def _matrix(self, e):
         kind = self.program.kind(e)

@@ -1,0 +1,77 @@
+"""States of one number per tensor, row or column beside matrix states (a running bound of
+PSGD's kind, a row statistic): kept by the matrix phase, read by the update as values per
+element. Against float64 written from the rule."""
+
+from __future__ import annotations
+
+import torch
+
+import fuser
+
+RULE = fuser.rule(
+    """
+    L = L + g @ transpose(g)
+    bound = maximum(beta * bound, norm(L))
+    r = r + rowmean(g**2)
+    u = L @ g / bound
+    p = p - lr * u / sqrt(r + eps) - lr * 0.1 * bound / (1 + bound)
+    """,
+    name="bounded",
+    hyper=dict(lr=0.05, beta=0.9, eps=1e-3),
+    state=dict(L="zeros(rows, rows)", bound=0.0, r=0.0),
+)
+
+
+def reference(p, grads):
+    p = p.double().clone()
+    rows = p.shape[0]
+    L = torch.zeros(rows, rows, dtype=torch.float64)
+    bound = torch.zeros((), dtype=torch.float64)
+    r = torch.zeros(rows, 1, dtype=torch.float64)
+    for g in grads:
+        g = g.double().reshape(rows, -1)
+        L = L + g @ g.T
+        bound = torch.maximum(0.9 * bound, L.norm())
+        r = r + g.square().mean(1, keepdim=True)
+        u = L @ g / bound
+        p = p - (0.05 * u / (r + 1e-3).sqrt()).reshape(p.shape) - 0.05 * 0.1 * bound / (1 + bound)
+    return p, bound, r.flatten()
+
+
+def test_scalar_and_row_states_follow_float64(device):
+    shapes = [(5, 3), (5, 3), (4, 6)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    ps = [x.clone().to(device) for x in start]
+    opt = fuser.compile(RULE)(ps)
+    for gs in grads:
+        for p, g in zip(ps, gs):
+            p.grad = g.to(device)
+        opt.step()
+    for k, p in enumerate(ps):
+        want, bound, r = reference(start[k], [gs[k] for gs in grads])
+        st = opt.state[p]
+        assert st["bound"].shape == () and st["r"].shape == (shapes[k][0],)
+        assert st["bound"].dtype == torch.float32
+        # (fp32 sums of 15-24 products over 3 steps: a few 1e-7 relative)
+        assert abs(st["bound"].double().cpu() - bound) / bound < 1e-6
+        assert (st["r"].double().cpu() - r).norm() / r.norm() < 1e-6
+        err = (p.double().cpu() - want).norm() / (want - start[k].double()).norm()
+        assert err < 1e-5, (k, err.item())
+
+
+def test_state_dict_keeps_the_phase_states(device):
+    p = torch.randn(4, 3).to(device)
+    opt = fuser.compile(RULE)([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == {"step", "L", "bound", "r"}
+    q = p.clone()
+    again = fuser.compile(RULE)([q])
+    again.load_state_dict(sd)
+    g = torch.randn_like(p)
+    p.grad, q.grad = g, g.clone()
+    opt.step()
+    again.step()
+    assert torch.equal(p, q) and torch.equal(opt.state[p]["bound"], again.state[q]["bound"])
