@@ -99,6 +99,37 @@ def _of_identities(e, args: list) -> Identity:
     return Identity(ident.n, True)
 
 
+class Permutation:
+    """``sort_perm``'s value, never built where a product can gather instead: ``P`` with
+    ``P[:, j] = e[idx[j]]`` (``idx`` ``[n, k]``, one permutation per matrix), or ``Pᵀ``."""
+
+    def __init__(self, idx: torch.Tensor, transposed: bool = False):
+        self.idx, self.transposed = idx, transposed
+
+    def tensor(self) -> torch.Tensor:
+        p = torch.nn.functional.one_hot(self.idx, self.idx.shape[-1]).to(torch.float32).mT
+        return p.mT if self.transposed else p
+
+    def t(self) -> Permutation:
+        return Permutation(self.idx, not self.transposed)
+
+    def _order(self, left: bool) -> torch.Tensor:
+        # P's columns are e[idx]: P @ X takes X's rows in the inverse order, X @ P its
+        # columns in idx's; the transpose swaps the two.
+        inverse = left != self.transposed
+        return torch.argsort(self.idx, dim=-1) if inverse else self.idx
+
+    def left(self, x: torch.Tensor) -> torch.Tensor:
+        """``self @ x``."""
+        order = self._order(True)
+        return torch.gather(x, -2, order.unsqueeze(-1).expand(*order.shape, x.shape[-1]))
+
+    def right(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ self``."""
+        order = self._order(False)
+        return torch.gather(x, -1, order.unsqueeze(-2).expand(order.shape[0], x.shape[-2], order.shape[-1]))
+
+
 class MatrixProgram:
     """A matrix rule lowered: ``boundaries`` (buffer name, value) the update kernel reads
     per element, ``matrix_outputs`` (state, value), the update rule, the decompositions'
@@ -377,6 +408,19 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = torch.zeros(*lead, n, n, device=p.device)
 
 
+def _quadratic_form(e):
+    """``(Q, M)`` where ``e`` is ``diag(transpose(Q) @ M @ Q)``, else None."""
+    if not isinstance(e, mx.Diag):
+        return None
+    outer = e.args[0]
+    if not (isinstance(outer, mx.MatMul) and isinstance(outer.args[0], mx.MatMul)):
+        return None
+    (t, m), q = outer.args[0].args, outer.args[1]
+    if isinstance(t, mx.Transpose) and t.args[0] == q:
+        return q, m
+    return None
+
+
 def _children(e) -> set:
     """The values ``e`` reads (a ``where``'s branches and conditions themselves)."""
     if e.is_Symbol or e.is_Number:
@@ -574,8 +618,10 @@ class _Batch:
         return torch.cat(out)
 
     def real(self, x):
-        """``x`` as a value elementwise work can read (an identity built)."""
-        return x.tensor(self.n, self.device) if isinstance(x, Identity) else x
+        """``x`` as a value elementwise work can read (an identity or a permutation built)."""
+        if isinstance(x, Identity):
+            return x.tensor(self.n, self.device)
+        return x.tensor() if isinstance(x, Permutation) else x
 
     def _piecewise(self, e):
         out = None
@@ -598,6 +644,7 @@ class _Batch:
         if isinstance(e, AxisReduction):
             return self._axis(e)
         x = self.ev(e.args[0])
+        x = self.real(x) if isinstance(x, Permutation) else x
         if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
             n, s = x.n, x.scale
             if isinstance(e, _Amax):
@@ -637,6 +684,13 @@ class _Batch:
 
     def _matrix(self, e):
         kind = self.program.kind(e)
+        quadratic = _quadratic_form(e)
+        if quadratic is not None and not (kind in (ROW, COL) and self.side(kind) > self.limit):
+            # diag(transpose(Q) @ M @ Q) as the column sums of Q * (M @ Q): one product, not two
+            q, m = (self.real(self.ev(x)) for x in quadratic)
+            if not any(isinstance(x, (Identity, Permutation)) for x in (q, m)):
+                d = (q * torch.matmul(m, q)).sum(-2)
+                return d.unsqueeze(-1) if kind == ROW else d.unsqueeze(-2)
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
             # (products, transposes and triangles of its identities keep their scales)
             of_identities = isinstance(e, (mx.MatMul, mx.Solve, mx.Transpose, mx.Triu, mx.Tril)) and all(
@@ -656,12 +710,20 @@ class _Batch:
             if isinstance(b, Identity):
                 return _scaled(a, b.scale)
             ka, kb = (self.program.kind(x) for x in e.args)
+            if isinstance(a, Permutation) and not isinstance(b, Permutation) and kb != COL:
+                return a.left(torch.as_tensor(self.real(b)).expand(self.n, *torch.as_tensor(b).shape[-2:]))
+            if isinstance(b, Permutation) and not isinstance(a, Permutation):
+                return b.right(torch.as_tensor(self.real(a)).expand(self.n, *torch.as_tensor(a).shape[-2:]))
+            a, b = self.real(a), self.real(b)
             if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
                 return torch.matmul(a, torch.as_tensor(b).mT).mT
             return torch.matmul(a, b)
         x = args[0]
         if isinstance(e, mx.Transpose):
+            if isinstance(x, Permutation):
+                return x.t()
             return x if isinstance(x, (Identity, float)) else torch.as_tensor(x).mT
+        x = self.real(x) if isinstance(x, Permutation) else x
         built = (mx.Decomposition, mx.Triu, mx.Tril)
         if isinstance(x, Identity) and not x.absorbing and isinstance(e, built):
             x = self.real(x)  # (eigh of an identity is torch's, not assumed)
@@ -684,8 +746,7 @@ class _Batch:
         if isinstance(e, mx.SortPerm):
             d = torch.as_tensor(x)
             d = d.reshape(self.n, -1) if d.dim() == 3 else d.expand(self.n, self.side(kind)).clone()
-            idx = torch.argsort(d, dim=-1, descending=True, stable=True)
-            return torch.nn.functional.one_hot(idx, d.shape[-1]).to(torch.float32).mT
+            return Permutation(torch.argsort(d, dim=-1, descending=True, stable=True))
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")

@@ -85,3 +85,31 @@ def test_a_solve_of_unmatched_sides_is_a_rule_error():
         fuser.rule(
             "p = p - lr * solve_upper(P, g)", name="bad", hyper=dict(lr=0.1), state=dict(P="eye(cols)")
         )
+
+
+PERMUTED = fuser.rule(
+    """
+    P = sort_perm(rowsum(g))
+    C = sort_perm(colsum(g * g) - colsum(g))
+    p = transpose(P) @ g @ C + 2 * P @ g @ transpose(C) + 3 * diag(transpose(P) @ (g @ transpose(g)) @ P)
+    """,
+    name="permuted",
+    hyper=dict(),
+)
+
+
+def test_sort_perm_products_follow_explicit_permutation_matrices(device):
+    g = torch.randn(5, 4)
+    p = torch.zeros(5, 4).to(device)
+    p.grad = g.to(device)
+    fuser.compile(PERMUTED)([p]).step()
+    gd = g.double()
+
+    def perm(d):  # P[:, j] = e[idx[j]], idx sorting d from largest to smallest
+        idx = torch.argsort(d, descending=True, stable=True)
+        return torch.nn.functional.one_hot(idx, len(d)).double().T
+
+    P, C = perm(gd.sum(1)), perm((gd * gd).sum(0) - gd.sum(0))
+    assert not torch.equal(P, torch.eye(5, dtype=torch.float64))  # (a permutation that moves rows)
+    want = P.T @ gd @ C + 2 * P @ gd @ C.T + 3 * torch.diag(P.T @ gd @ gd.T @ P).unsqueeze(1)
+    assert (p.double().cpu() - want).norm() / want.norm() < 1e-6
