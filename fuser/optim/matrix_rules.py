@@ -684,13 +684,9 @@ class _Batch:
 
     def _matrix(self, e):
         kind = self.program.kind(e)
-        quadratic = _quadratic_form(e)
-        if quadratic is not None and not (kind in (ROW, COL) and self.side(kind) > self.limit):
-            # diag(transpose(Q) @ M @ Q) as the column sums of Q * (M @ Q): one product, not two
-            q, m = (self.real(self.ev(x)) for x in quadratic)
-            if not any(isinstance(x, (Identity, Permutation)) for x in (q, m)):
-                d = (q * torch.matmul(m, q)).sum(-2)
-                return d.unsqueeze(-1) if kind == ROW else d.unsqueeze(-2)
+        quadratic = self._quadratic(e, kind)
+        if quadratic is not None:
+            return quadratic
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
             # (products, transposes and triangles of its identities keep their scales)
             of_identities = isinstance(e, (mx.MatMul, mx.Solve, mx.Transpose, mx.Triu, mx.Tril)) and all(
@@ -704,20 +700,7 @@ class _Batch:
         if isinstance(e, mx.Solve):
             return self._solve(e, *args)
         if isinstance(e, mx.MatMul):
-            a, b = args
-            if isinstance(a, Identity):
-                return _scaled(b, a.scale)
-            if isinstance(b, Identity):
-                return _scaled(a, b.scale)
-            ka, kb = (self.program.kind(x) for x in e.args)
-            if isinstance(a, Permutation) and not isinstance(b, Permutation) and kb != COL:
-                return a.left(torch.as_tensor(self.real(b)).expand(self.n, *torch.as_tensor(b).shape[-2:]))
-            if isinstance(b, Permutation) and not isinstance(a, Permutation):
-                return b.right(torch.as_tensor(self.real(a)).expand(self.n, *torch.as_tensor(a).shape[-2:]))
-            a, b = self.real(a), self.real(b)
-            if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
-                return torch.matmul(a, torch.as_tensor(b).mT).mT
-            return torch.matmul(a, b)
+            return self._product(e, *args)
         x = args[0]
         if isinstance(e, mx.Transpose):
             if isinstance(x, Permutation):
@@ -750,6 +733,34 @@ class _Batch:
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _quadratic(self, e, kind):
+        """``diag(transpose(Q) @ M @ Q)`` as the column sums of ``Q * (M @ Q)``: one product,
+        not two (None where ``e`` is not that, or ``Q`` or ``M`` is not built)."""
+        quadratic = _quadratic_form(e)
+        if quadratic is None or (kind in (ROW, COL) and self.side(kind) > self.limit):
+            return None
+        q, m = (self.real(self.ev(x)) for x in quadratic)
+        if any(isinstance(x, (Identity, Permutation)) for x in (q, m)):
+            return None
+        d = (q * torch.matmul(m, q)).sum(-2)
+        return d.unsqueeze(-1) if kind == ROW else d.unsqueeze(-2)
+
+    def _product(self, e, a, b):
+        """``a @ b``: an identity skipped, a permutation gathered, else batched matmul."""
+        if isinstance(a, Identity):
+            return _scaled(b, a.scale)
+        if isinstance(b, Identity):
+            return _scaled(a, b.scale)
+        kb = self.program.kind(e.args[1])
+        if isinstance(a, Permutation) and not isinstance(b, Permutation) and kb != COL:
+            return a.left(torch.as_tensor(self.real(b)).expand(self.n, *torch.as_tensor(b).shape[-2:]))
+        if isinstance(b, Permutation) and not isinstance(a, Permutation):
+            return b.right(torch.as_tensor(self.real(a)).expand(self.n, *torch.as_tensor(a).shape[-2:]))
+        a, b = self.real(a), self.real(b)
+        if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
+            return torch.matmul(a, torch.as_tensor(b).mT).mT
+        return torch.matmul(a, b)
 
     def _solve(self, e, a, b):
         """``A⁻¹ B`` per matrix of the stack (``Solve``), retried in fp64 where not finite,
