@@ -411,17 +411,19 @@ def make_optimizer(rule: Rule | dict, *, name: str | None = None, **options) -> 
         raise ValueError(f"rule {rule.name!r} holds matrices: compile it with fuser.compile(rule)")
     check_state_formats(rule, opts)
     plan_and_sources(rule, dtype_plan(rule, opts, "fp32", "fp32"), opts.stochastic_rounding)  # errors now
+    return rule_class(rule, name, FuserOptimizer, "rule", options=opts)
+
+
+def rule_class(rule: Rule, name: str | None, base: type, what: str, **attributes) -> type:
+    """The optimizer class of ``rule`` on ``base``: named after the rule (or ``name``), its
+    text, defaults and states in the docstring, ``rule`` and ``attributes`` set on it."""
     cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
     doc = (
-        f"Optimizer compiled by fuser from rule {rule.name!r}.\n\nRule:\n\n"
+        f"Optimizer compiled by fuser from {what} {rule.name!r}.\n\nRule:\n\n"
         + "\n".join("    " + line for line in rule.text.splitlines())
         + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n"
     )
-    return type(
-        cls_name,
-        (FuserOptimizer,),
-        {"rule": rule, "options": opts, "__doc__": doc, "__module__": "fuser.optim"},
-    )
+    return type(cls_name, (base,), {"rule": rule, **attributes, "__doc__": doc, "__module__": "fuser.optim"})
 
 
 def _multi_rule_class(rules: dict, name: str | None, opts: Options) -> type:

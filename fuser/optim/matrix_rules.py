@@ -34,6 +34,7 @@ import torch
 
 from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
+from fuser.optim.factory import rule_class
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
 from fuser.rules.functions import (
@@ -984,14 +985,4 @@ def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
     from fuser.runtime.plans import dtype_plan, plan_and_sources
 
     plan_and_sources(program.update_rule, dtype_plan(program.update_rule, opts, "fp32", "fp32"), False)
-    cls_name = name or "".join(part.capitalize() for part in rule.name.split("_")) or "Optimizer"
-    doc = (
-        f"Optimizer compiled by fuser from matrix rule {rule.name!r}.\n\nRule:\n\n"
-        + "\n".join("    " + line for line in rule.text.splitlines())
-        + f"\n\nHyperparameters (defaults): {dict(rule.hyper)}\nState: {dict(rule.state)}\n"
-    )
-    return type(
-        cls_name,
-        (MatrixRuleOptimizer,),
-        {"rule": rule, "program": program, "options": opts, "__doc__": doc, "__module__": "fuser.optim"},
-    )
+    return rule_class(rule, name, MatrixRuleOptimizer, "matrix rule", program=program, options=opts)
