@@ -320,10 +320,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, _ in items:
             if len(self.state[p]) == 0:
                 self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
+        steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _ in items}  # (CPU counts)
         batches = defaultdict(list)
         for group, p, g in items:
-            step = int(self.state[p]["step"].item()) + 1
-            batches[(id(group), step, matrix_2d(p.shape, self._view(group)))].append((group, p, g))
+            batches[(id(group), steps[p], matrix_2d(p.shape, self._view(group)))].append((group, p, g))
         buffers = {}
         new_matrices = []
         positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
@@ -334,7 +334,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 new_matrices += out[1]
         groups = defaultdict(list)
         for group, p, _ in items:
-            groups[(id(group), int(self.state[p]["step"].item()) + 1)].append((group, p))
+            groups[(id(group), steps[p])].append((group, p))
         launch, states = [], {}
         for (_, step), members in groups.items():
             group = members[0][0]
@@ -476,23 +476,18 @@ class _Batch:
         env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _ in members])
         env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
 
-        def stack(tensors, r, c):
-            return torch.cat([t.reshape(-1, r, c) for t in tensors])
-
-        env[symbol("p")] = stack([p.detach().float() for _, p, _ in members], rows, cols)
-        env[symbol("g")] = stack([g.float() for _, _, g in members], rows, cols)
-        for s, _ in self.program.element_states:
-            env[symbol(s)] = stack([opt.state[p][s] for _, p, _ in members], rows, cols)
+        # The tensors' stacks, built when the rule first reads them (p often only the update).
+        self.shapes = {symbol("p"): (rows, cols), symbol("g"): (rows, cols)}
+        self.shapes.update({symbol(s): (rows, cols) for s, _ in self.program.element_states})
         for s, (kind, _) in self.program.phase_states.items():
-            r, c = {SCALAR: (1, 1), ROW: (rows, 1), COL: (1, cols)}[kind]
-            env[symbol(s)] = stack([opt.state[p][s] for _, p, _ in members], r, c)
+            self.shapes[symbol(s)] = {SCALAR: (1, 1), ROW: (rows, 1), COL: (1, cols)}[kind]
         for s, (kind, _) in self.program.matrix_states.items():
             side = self.side(kind)
-            stacked = (
-                None if side > self.limit else stack([opt.state[p][s] for _, p, _ in members], side, side)
-            )
-            env[symbol(s)] = Identity(side, True) if stacked is None else stacked
-        self.n, self.device = n, env[symbol("p")].device
+            if side > self.limit:
+                env[symbol(s)] = Identity(side, True)
+            else:
+                self.shapes[symbol(s)] = (side, side)
+        self.n, self.device = n, members[0][1].device
         self.env, self.memo = env, {}
 
     def per_matrix(self, values: list):
@@ -512,6 +507,17 @@ class _Batch:
         ]
         return torch.cat(whole)
 
+    def stack(self, name: sympy.Symbol) -> torch.Tensor:
+        """The fp32 stack ``[n, r, c]`` of ``name``'s tensor (p, g or a state) per member."""
+        r, c = self.shapes[name]
+        if name.name == "p":
+            tensors = [p.detach().float() for _, p, _ in self.members]
+        elif name.name == "g":
+            tensors = [g.float() for _, _, g in self.members]
+        else:
+            tensors = [self.opt.state[p][name.name] for _, p, _ in self.members]
+        return torch.cat([t.reshape(-1, r, c) for t in tensors])
+
     def side(self, kind: str) -> int:
         return self.rows if kind in (mx.ROWMAT, ROW) else self.cols
 
@@ -522,14 +528,12 @@ class _Batch:
         for value, name in self.program.boundaries.items():
             v = self.ev(value)
             self.release(value)
-            kind = self.program.kind(value)
             if isinstance(v, Identity):  # (a diagonal or trace of an identity is computed, not this)
                 raise AssertionError("an identity where a value per element was expected")
-            v = torch.as_tensor(v, dtype=torch.float32, device=self.env[symbol("p")].device)
+            v = torch.as_tensor(v, dtype=torch.float32, device=self.device)
             v = torch.broadcast_to(v if v.dim() == 3 else v.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
             for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
                 buffers[p][name] = v[a : a + c].reshape(p.shape).contiguous()
-            del kind
         new = []
         for s, value in self.program.matrix_outputs:
             v = self.ev(value)
@@ -537,7 +541,7 @@ class _Batch:
             if isinstance(v, Identity) and v.absorbing:
                 continue
             v = self.real(v)
-            v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), self.env[symbol(s)].shape)
+            v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), (self.n, *self.shapes[symbol(s)]))
             for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
                 state = self.opt.state[p][s]
                 new.append((state, v[a : a + c].reshape(state.shape)))
@@ -580,6 +584,8 @@ class _Batch:
 
     def _ev(self, e):
         if e.is_Symbol:
+            if e not in self.env:
+                self.env[e] = self.stack(e)
             return self.env[e]
         if e.is_Number:
             return float(e)
@@ -806,7 +812,7 @@ class _Batch:
         if bool(ok.all()):
             return out
         state = self.program.owners[e]
-        old = self.env[symbol(state)]
+        old = self._ev(symbol(state))  # (its stack, built if the rule never read it)
         out = out.clone()
         for j in (~ok).nonzero().flatten().tolist():
             try:

@@ -17,7 +17,17 @@ import sympy
 
 from fuser.errors import RuleError
 from fuser.rules import matrices as mx
-from fuser.rules.functions import OPTIM_REDUCTIONS, AxisReduction, MatrixFunction, RandomValue, Reduction
+from fuser.rules.functions import (
+    OPTIM_REDUCTIONS,
+    Amax,
+    AxisReduction,
+    MatrixFunction,
+    Mean,
+    Norm,
+    RandomValue,
+    Reduction,
+    Sum,
+)
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
@@ -121,7 +131,7 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
         if arg in _MATRIX_LIKE:
-            if type(e).__name__ not in ("Norm", "Sum", "Mean", "Amax"):
+            if not isinstance(e, (Norm, Sum, Mean, Amax)):
                 raise RuleError(f"{name}() does not take {DESCRIBE[arg]} (norm, sum, mean and amax do)")
             kind = SCALAR
         elif isinstance(e, MatrixFunction):
@@ -182,9 +192,9 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
     (an axis reduction of row values, a global reduction of column values)."""
     declared = {s for s, init in state if mx.matrix_init(init)}
     try:
-        found = _state_kinds(outputs, state)
+        found, failed = _state_kinds(outputs, state), False
     except RuleError:  # (located below, statement by statement)
-        found = {s: (mx.matrix_init(init) or (ELEMENT,))[0] for s, init in state}
+        found, failed = {s: (mx.matrix_init(init) or (ELEMENT,))[0] for s, init in state}, True
     kinds = {symbol(n): k for n, k in found.items()}
     kinds.update({symbol("p"): ELEMENT, symbol("g"): ELEMENT})
     memo: dict = {}
@@ -192,7 +202,6 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
         src = lines[st.line - 1] if lines and 0 < st.line <= len(lines) else None
         try:
             kind = kind_of(st.expr, kinds, memo)
-            want = found.get(st.target) if st.target in found else (ELEMENT if st.target == "p" else None)
             if kind == ELEMENT_T and (st.target == "p" or st.target in found):
                 raise RuleError(
                     f"{st.target} is {DESCRIBE[kind]}: transpose it back, or multiply it by a matrix"
@@ -203,6 +212,7 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
                     f"tensor; this assigns it {DESCRIBE[kind]}: declare it as 'zeros(rows, rows)' or "
                     "'zeros(cols, cols)' (or 'eye(...)')"
                 )
+            want = found.get(st.target)
             if st.target in declared and kind not in (want, SCALAR):
                 raise RuleError(
                     f"state {st.target!r} is {DESCRIBE[want]}, but this assigns it {DESCRIBE[kind]}"
@@ -211,4 +221,5 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
                 raise RuleError(f"p is a value per element, but this assigns it {DESCRIBE[kind]}")
         except RuleError as e:
             raise RuleError(e.message, line=st.line, col=st.col, source_line=src) from None
-    _state_kinds(outputs, state)
+    if failed:  # (a failure no single statement shows)
+        _state_kinds(outputs, state)
