@@ -25,12 +25,16 @@ are skipped; its trace is ``n``, its diagonal ones), times the numbers that mult
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import warnings
 from collections import defaultdict
 
 import sympy
 import torch
+from sympy.codegen.cfunctions import expm1 as Expm1
+from sympy.codegen.cfunctions import log1p as Log1p
 
 from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
@@ -53,7 +57,7 @@ from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
 from fuser.runtime.matrix import workspace_budget
-from fuser.runtime.plans import Options
+from fuser.runtime.plans import Options, dtype_plan, plan_and_sources
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
 
 DEFAULT_MAX_MATRIX_DIM = 8192
@@ -603,7 +607,9 @@ class _Batch:
         if any(isinstance(a, Identity) and a.absorbing for a in args):
             return _of_identities(e, args)
         args = [self.real(a) for a in args]
-        return _ELEMENTWISE[type(e)](*args) if type(e) in _ELEMENTWISE else _generic(e, args)
+        if type(e) not in _ELEMENTWISE:
+            raise RuleError(f"{type(e).__name__} is not supported inside a matrix value")
+        return _ELEMENTWISE[type(e)](*args)
 
     def _draw(self, e):
         """``rand()`` / ``randn()`` per element, from the counter-based generator the kernels
@@ -879,32 +885,9 @@ def _pow(a, b):
     return torch.pow(_t(a), b) if isinstance(b, float) else torch.pow(_t(a), _t(b))
 
 
-def _mul(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = out * x
-    return out
-
-
-def _add(*xs):
-    out = xs[0]
-    for x in xs[1:]:
-        out = out + x
-    return out
-
-
-def _min(*xs):
-    out = _t(xs[0])
-    for x in xs[1:]:
-        out = torch.minimum(out, _t(x))
-    return out
-
-
-def _max(*xs):
-    out = _t(xs[0])
-    for x in xs[1:]:
-        out = torch.maximum(out, _t(x))
-    return out
+def _fold(op):
+    """``op`` over any number of arguments, left to right (sympy's Add, Mul, Min, Max)."""
+    return lambda *xs: functools.reduce(op, xs)
 
 
 def _compare(op):
@@ -916,24 +899,15 @@ def _compare(op):
     return f
 
 
-def _and(*xs):
-    if all(isinstance(x, bool) for x in xs):
-        return all(xs)
-    out = None
-    for x in xs:
-        x = _t(x)
-        out = x if out is None else out & x
-    return out
+def _logical(op, fold):
+    """``and`` / ``or``: Python's of per-step conditions, elementwise of per-element ones."""
 
+    def f(*xs):
+        if all(isinstance(x, bool) for x in xs):
+            return fold(xs)
+        return functools.reduce(op, (_t(x) for x in xs))
 
-def _or(*xs):
-    if all(isinstance(x, bool) for x in xs):
-        return any(xs)
-    out = None
-    for x in xs:
-        x = _t(x)
-        out = x if out is None else out | x
-    return out
+    return f
 
 
 def _mod(a, b):
@@ -943,8 +917,8 @@ def _mod(a, b):
 
 
 _ELEMENTWISE = {
-    sympy.Add: _add,
-    sympy.Mul: _mul,
+    sympy.Add: _fold(operator.add),
+    sympy.Mul: _fold(operator.mul),
     sympy.Pow: _pow,
     sympy.exp: lambda x: math.exp(x) if isinstance(x, float) else torch.exp(x),
     sympy.log: lambda x: math.log(x) if isinstance(x, float) else torch.log(x),
@@ -956,8 +930,8 @@ _ELEMENTWISE = {
     sympy.cos: lambda x: math.cos(x) if isinstance(x, float) else torch.cos(x),
     sympy.sin: lambda x: math.sin(x) if isinstance(x, float) else torch.sin(x),
     sympy.floor: lambda x: float(math.floor(x)) if isinstance(x, float) else torch.floor(x),
-    sympy.Min: _min,
-    sympy.Max: _max,
+    sympy.Min: _fold(lambda a, b: torch.minimum(_t(a), _t(b))),
+    sympy.Max: _fold(lambda a, b: torch.maximum(_t(a), _t(b))),
     Remainder: _mod,
     sympy.StrictLessThan: _compare(lambda a, b: a < b),
     sympy.LessThan: _compare(lambda a, b: a <= b),
@@ -965,19 +939,12 @@ _ELEMENTWISE = {
     sympy.GreaterThan: _compare(lambda a, b: a >= b),
     sympy.Equality: _compare(lambda a, b: a == b),
     sympy.Unequality: _compare(lambda a, b: a != b),
-    sympy.And: _and,
-    sympy.Or: _or,
+    sympy.And: _logical(operator.and_, all),
+    sympy.Or: _logical(operator.or_, any),
+    Log1p: lambda x: math.log1p(x) if isinstance(x, float) else torch.log1p(x),
+    Expm1: lambda x: math.expm1(x) if isinstance(x, float) else torch.expm1(x),
     sympy.Not: lambda x: (not x) if isinstance(x, bool) else ~_t(x),
 }
-
-
-def _generic(e, args):
-    name = type(e).__name__
-    if name == "log1p":
-        return math.log1p(args[0]) if isinstance(args[0], float) else torch.log1p(args[0])
-    if name == "expm1":
-        return math.expm1(args[0]) if isinstance(args[0], float) else torch.expm1(args[0])
-    raise RuleError(f"{name} is not supported inside a matrix value")
 
 
 def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
@@ -988,7 +955,5 @@ def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
             "are not supported for matrix rules yet)"
         )
     program = MatrixProgram(rule)
-    from fuser.runtime.plans import dtype_plan, plan_and_sources
-
     plan_and_sources(program.update_rule, dtype_plan(program.update_rule, opts, "fp32", "fp32"), False)
     return rule_class(rule, name, MatrixRuleOptimizer, "matrix rule", program=program, options=opts)
