@@ -2,8 +2,8 @@
 of a tensor's 2-D view, products (``@``), transposes and matrix functions, as sympy objects.
 
 A rule that holds or computes a matrix is a *matrix rule* (``is_matrix_rule``); its step is
-lowered by ``fuser.optim.matrix_rules`` into fused element phases between batched matrix
-phases. ``*`` stays elementwise on matrices as on everything else; ``@`` is the product.
+lowered by ``fuser.optim.matrix_rules`` into a matrix phase in torch, batched over matrices of
+one shape, then one fused update kernel. ``*`` stays elementwise on matrices as on everything else; ``@`` is the product.
 
 What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here): ``rowmat``
 (``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor) and
@@ -17,7 +17,6 @@ import re
 import sympy
 
 ROWMAT, COLMAT, ELEMENT_T = "rowmat", "colmat", "element_t"
-MATRIX_KINDS = frozenset({ROWMAT, COLMAT})
 
 # How a matrix state starts: a state declared ``"zeros(rows, rows)"`` is [rows, rows] of
 # zeros, ``"eye(cols)"`` the [cols, cols] identity.
@@ -242,10 +241,6 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "solve_upper": (SolveUpper, 2),
     "solve_lower": (SolveLower, 2),
 }
-
-
-def matmul(a, b):
-    return MatMul(a, b)
 
 
 def is_matrix_rule(rule) -> bool:
