@@ -3,7 +3,8 @@ of a tensor's 2-D view, products (``@``), transposes and matrix functions, as sy
 
 A rule that holds or computes a matrix is a *matrix rule* (``is_matrix_rule``); its step is
 lowered by ``fuser.optim.matrix_rules`` into a matrix phase in torch, batched over matrices of
-one shape, then one fused update kernel. ``*`` stays elementwise on matrices as on everything else; ``@`` is the product.
+one shape, then one fused update kernel. ``*`` stays elementwise on matrices as on
+everything else; ``@`` is the product.
 
 What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here): ``rowmat``
 (``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor) and
