@@ -297,3 +297,19 @@ SMOKES = dict(muon=_muon_smoke, post_training=_post_training_smoke, shaped=_shap
 @pytest.mark.parametrize("bench", sorted(SMOKES))
 def test_bench_smoke_runs_on_cpu(bench, tmp_path):
     SMOKES[bench](tmp_path)
+
+
+def test_precond_bench_times_one_refresh_interval_however_the_window_falls():
+    # heavyball's refresh gate drifts (steps 5, 11, 15, 20 at an interval of 5): a window of
+    # ten steps holds one to three refreshes, and the time of one interval must not depend on it.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from precond_bench import interval_ms
+
+    step, refresh = 900.0, 7400.0
+    expected = (4 * step + refresh) / 5
+    for at in ({4}, {4, 9}, {0, 4, 9}, {3, 8}):
+        per = [refresh if i in at else step + 0.1 * i for i in range(10)]
+        ms, n = interval_ms(per, 5)
+        assert n == len(at) and abs(ms - expected) < 1.0, (at, ms)
+    flat = [10.0, 12.0, 11.0]  # (no refresh step: every step updates, PSGD's early steps)
+    assert interval_ms(flat, 5) == (11.0, 0)
