@@ -1,5 +1,6 @@
 """Whole tensors of DTensor parameters sharded by dim 0 (FSDP2's ``Shard(0)``), for the
-built-ins whose matrix work reads whole tensors (SOAP, Shampoo, PSGDKron).
+optimizers whose matrix work reads whole tensors (SOAP, Shampoo, PSGDKron, the optimizers
+of matrix rules).
 
 Each such parameter is owned by one rank of its shard group (``Owners``: in the
 parameters' order, each to the rank with the fewest elements so far). A step gathers
@@ -183,16 +184,23 @@ def _broadcast(w: Whole, skeleton, value):
     return skeleton
 
 
-def published(w: Whole, state: dict) -> dict:
+def is_like_param(p: torch.Tensor, key: str, value, keys=None) -> bool:
+    """Whether state ``key``'s ``value`` is laid out like ``p``: of its shape, and named
+    in ``keys`` where given (a square factor has the shape of a square parameter)."""
+    return torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape) and (keys is None or key in keys)
+
+
+def published(w: Whole, state: dict, keys=None) -> dict:
     """The state dict entry of ``w.p`` from its owner's ``state`` (the others pass
-    theirs, a marker): values of the parameter's shape as DTensors laid out like it,
-    the rest replicated plain tensors (a collective of the shard group)."""
+    theirs, a marker): values laid out like the parameter (``is_like_param``) as
+    DTensors like it, the rest replicated plain tensors (a collective of the shard
+    group)."""
     skeleton = [{k: _skeleton(v) for k, v in state.items()} if w.mine else None]
     dist.broadcast_object_list(skeleton, group=w.group, group_src=w.owner)
     out = {}
     for key, sk in skeleton[0].items():
         value = _broadcast(w, sk, state.get(key) if w.mine else None)
-        if torch.is_tensor(value) and tuple(value.shape) == tuple(w.p.shape):
+        if is_like_param(w.p, key, value, keys):
             first, end = w.spans[w.me]
             value = from_local_like(w.p, value[first:end].clone())
         out[key] = value

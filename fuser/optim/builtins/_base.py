@@ -23,7 +23,16 @@ from fuser.runtime.distributed import from_local_like, local, local_pair
 from fuser.runtime.engine import StepEngine
 from fuser.runtime.plans import check_state_formats
 from fuser.runtime.state import validate
-from fuser.runtime.wholes import OWNER, Owners, gather, owned, published, scatter, whole_values
+from fuser.runtime.wholes import (
+    OWNER,
+    Owners,
+    gather,
+    is_like_param,
+    owned,
+    published,
+    scatter,
+    whole_values,
+)
 
 # --- reading a param group ---------------------------------------------------------------
 
@@ -276,17 +285,18 @@ class RuleKernel:
         self.engine.forget()
 
 
-def whole_tensor_gradients(opt) -> tuple[list[tuple], Callable[[], None]]:
+def whole_tensor_gradients(opt, check=validate) -> tuple[list[tuple], Callable[[], None]]:
     """``(p, tensor, gradient, group index)`` of every parameter of ``opt`` with a gradient
-    whose matrix work runs on this rank, checked (``validate``) before anything changes,
-    and the call that ends the step. ``tensor`` and ``gradient`` are whole: ``p`` itself
-    for a plain parameter; for a DTensor parameter, buffers of ``opt``'s that hold it and
-    its gradient whole. A DTensor sharded by dim 0 (``Shard(0)``) is gathered onto the rank
-    of its shard group that owns it (``runtime.wholes``: one all_to_all per shard group for
-    all of them) and left out on the others, which keep the marker ``{OWNER: rank}`` as
-    its state; a replicated one is copied on every rank. The call writes each rank's rows
-    of the stepped tensors back into its shards (one more all_to_all). Other layouts
-    raise, before anything changes."""
+    whose matrix work runs on this rank, checked (``check(opt, [(p, gradient, group
+    index)])``, ``validate`` by default) before anything changes, and the call that ends
+    the step. ``tensor`` and ``gradient`` are whole: ``p`` itself for a plain parameter;
+    for a DTensor parameter, buffers of ``opt``'s that hold it and its gradient whole. A
+    DTensor sharded by dim 0 (``Shard(0)``) is gathered onto the rank of its shard group
+    that owns it (``runtime.wholes``: one all_to_all per shard group for all of them) and
+    left out on the others, which keep the marker ``{OWNER: rank}`` as its state; a
+    replicated one is copied on every rank. The call writes each rank's rows of the
+    stepped tensors back into its shards (one more all_to_all). Other layouts raise,
+    before anything changes."""
     attr = opt.options.grad_attr
     found = []
     for gi, group in enumerate(opt.param_groups):
@@ -294,7 +304,7 @@ def whole_tensor_gradients(opt) -> tuple[list[tuple], Callable[[], None]]:
             g = getattr(p, attr, None)
             if g is not None:
                 found.append((p, local_pair(p, g, attr)[0], gi))
-    validate(opt, found)
+    check(opt, found)
     owners = opt.__dict__.setdefault("_owners", Owners(f"{type(opt).__name__}'s matrix work"))
     owners.update([p for group in opt.param_groups for p in group["params"]])
     items, wholes, parts, into, copies = [], [], [], [], []
@@ -342,11 +352,13 @@ def _whole_buffers(opt, p, g) -> tuple[torch.Tensor, torch.Tensor]:
     return found
 
 
-def published_state_dict(opt, sd: dict) -> dict:
+def published_state_dict(opt, sd: dict, keys=None) -> dict:
     """``sd`` (torch's state dict of ``opt``) with the states of its DTensor parameters as
     state dicts keep them (``runtime.wholes.published``; a replicated parameter's states
-    of its shape as DTensors like it). A collective of every shard group where ``opt``
-    has DTensor parameters sharded by dim 0."""
+    of its shape as DTensors like it). ``keys``, where given, names the states laid out
+    like the parameter (a square factor has its shape too); else every one of its shape.
+    A collective of every shard group where ``opt`` has DTensor parameters sharded by
+    dim 0."""
     params = [p for group in opt.param_groups for p in group["params"]]
     owners = opt.__dict__.setdefault("_owners", Owners(f"{type(opt).__name__}'s matrix work"))
     owners.update(params)
@@ -356,10 +368,10 @@ def published_state_dict(opt, sd: dict) -> dict:
             continue
         w = owners.get(p)
         if w is not None:
-            st = published(w, opt.state.get(p, {}))
+            st = published(w, opt.state.get(p, {}), keys)
         else:
             st = {
-                k: from_local_like(p, v) if torch.is_tensor(v) and v.shape == p.shape else v
+                k: from_local_like(p, v) if is_like_param(p, k, v, keys) else v
                 for k, v in opt.state.get(p, {}).items()
             }
         if st:
