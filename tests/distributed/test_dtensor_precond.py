@@ -29,6 +29,7 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch was built without gloo", allow_module_level=True)
 
+from published import assert_state, kinds, local_value, rows_of  # noqa: E402
 from seeds import session_seed  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
@@ -74,29 +75,6 @@ def data():
     return params, grads
 
 
-def rows_of(t: torch.Tensor, pl, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``t`` under placement ``pl`` (torch.chunk's split)."""
-    if not isinstance(pl, Shard):
-        return t
-    chunks = t.chunk(world, dim=0)
-    return chunks[rank] if rank < len(chunks) else t[t.shape[0] :]
-
-
-def _local(value):
-    """This rank's part of a state value (DTensors' local tensors, copied), lists too."""
-    if isinstance(value, (list, tuple)):
-        return [_local(v) for v in value]
-    if torch.is_tensor(value):
-        return (value.to_local() if hasattr(value, "to_local") else value).clone()
-    return value
-
-
-def _kinds(value):
-    if isinstance(value, (list, tuple)):
-        return [_kinds(v) for v in value]
-    return type(value).__name__
-
-
 def _next_step(name, mesh, params, grads, load, warm=False) -> list[torch.Tensor]:
     """A new optimizer on copies of ``params``, its state from ``load(model, optimizer)``:
     this rank's shards after its next step. ``warm``: a step at lr 0 first, which changes
@@ -136,8 +114,8 @@ def worker(rank, world, name, path, whole_sd):
     marks = [opt.state[p].get("whole_on_rank") for p in params]
     holds = [FACTORS[name] in opt.state[p] for p in params]
     sd = opt.state_dict()
-    states = {pid: {k: _local(v) for k, v in st.items()} for pid, st in sd["state"].items()}
-    kinds = {pid: {k: _kinds(v) for k, v in st.items()} for pid, st in sd["state"].items()}
+    states = {pid: {k: local_value(v) for k, v in st.items()} for pid, st in sd["state"].items()}
+    types = {pid: {k: kinds(v) for k, v in st.items()} for pid, st in sd["state"].items()}
     dcp.save({"optim": sd}, checkpoint_id=path)
     # the next step of new optimizers loaded from DCP's state dict of this one (by
     # parameter names), and from the single process's state dict of whole tensors
@@ -154,7 +132,7 @@ def worker(rank, world, name, path, whole_sd):
         params=[p.to_local().clone() for p in params],
         nexts=nexts,
         states=states,
-        kinds=kinds,
+        kinds=types,
         collectives=collectives,
         marks=marks,
         holds=holds,
@@ -182,21 +160,6 @@ def single_process(name):
     return sd, before, [p.detach() for p in params]
 
 
-def _assert_state(got, want, rank, world, pl, what):
-    """A published state value against the single process's: this rank's rows of a state
-    of the parameter's shape, the whole value of anything else."""
-    if isinstance(want, (list, tuple)):
-        assert isinstance(got, list) and len(got) == len(want), what
-        for g, w in zip(got, want):
-            _assert_state(g, w, rank, world, None, what)
-        return
-    if torch.is_tensor(want):
-        want = rows_of(want, pl, rank, world) if pl is not None else want
-        assert torch.equal(got, want), what
-    else:
-        assert got == want, what
-
-
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
     path = str(tmp_path / "dcp")
@@ -222,8 +185,8 @@ def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
             for key, value in st.items():
                 per_element = torch.is_tensor(value) and value.shape == p.shape
                 kind = got["kinds"][i][key]
-                assert kind == ("DTensor" if per_element else _kinds(value)), (what, key, kind)
-                _assert_state(
+                assert kind == ("DTensor" if per_element else kinds(value)), (what, key, kind)
+                assert_state(
                     got["states"][i][key], value, rank, world, pl if per_element else None, (what, key)
                 )
         # an all_to_all to the owners and one back, for all row-sharded parameters
@@ -253,7 +216,7 @@ def _load_checkpoint_into_one_process(name, path, reference, reference_params, t
     for i in range(len(params)):
         assert set(loaded[i]) == set(want[i]), (name, i)
         for key, value in want[i].items():
-            _assert_state(_local(loaded[i][key]), value, 0, 1, None, (name, i, key))
+            assert_state(local_value(loaded[i][key]), value, 0, 1, None, (name, i, key))
     for p, g in zip(params, data()[1][STEPS]):
         p.grad = g
     threads = torch.get_num_threads()
