@@ -38,6 +38,7 @@ from sympy.codegen.cfunctions import log1p as Log1p
 
 from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
+from fuser.optim.builtins._base import own_loaded_states, published_state_dict, whole_tensor_gradients
 from fuser.optim.factory import rule_class
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
@@ -56,8 +57,10 @@ from fuser.rules.functions import Sum as _Sum
 from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
+from fuser.runtime.distributed import DTensor
 from fuser.runtime.matrix import workspace_budget
 from fuser.runtime.plans import Options, dtype_plan, plan_and_sources
+from fuser.runtime.state import validate
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
 
 DEFAULT_MAX_MATRIX_DIM = 8192
@@ -268,7 +271,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
     ``options`` set on the subclass). State per parameter: ``step`` (a float tensor, as
     torch.optim keeps it), the element states (fp32, the parameter's shape) and the matrix
     states (fp32 ``[rows, rows]`` / ``[cols, cols]``, or an empty tensor for a side over
-    ``max_matrix_dim``)."""
+    ``max_matrix_dim``). A DTensor parameter sharded by dim 0 is stepped whole by the rank
+    that owns it, which keeps these states whole; the other ranks keep the marker
+    ``{"whole_on_rank": owner}`` (``builtins._base.whole_tensor_gradients``)."""
 
     rule: Rule
     program: MatrixProgram
@@ -291,6 +296,11 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._kernel = _UpdateKernel(self.program.update_rule, self.options)
 
+    def state_dict(self) -> dict:
+        # (a collective of every shard group where parameters are DTensors sharded by rows)
+        keys = {s for s, _ in self.program.element_states}
+        return published_state_dict(self, super().state_dict(), keys)
+
     def load_state_dict(self, state_dict) -> None:
         # torch casts each loaded state to its parameter's dtype (a bf16 parameter's fp32
         # factors rounded to bf16) and keeps a tensor of that dtype shared with the saved dict
@@ -308,74 +318,86 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(value):
                     dtype = torch.float32 if value.is_floating_point() else value.dtype
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+        own_loaded_states(self)  # (a DTensor parameter's states whole on its owner)
 
     # --- one step --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """One step. A DTensor parameter sharded by rows is stepped whole by the rank that
+        owns it (``whole_tensor_gradients``: its rows gathered, the result's sent back)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = self._items()
-        if not items:
-            return loss
-        for group in {id(group): group for group, _, _ in items}.values():
-            self._check_hyper(group)  # (every group before any state is made)
-        for group, p, _ in items:
+        found, finish = whole_tensor_gradients(self, check=MatrixRuleOptimizer._check)
+        items = [(self.param_groups[gi], p, t, g) for p, t, g, gi in found]
+        if items:
+            self._step(items)
+        finish()  # (every rank: the owners send the stepped rows)
+        return loss
+
+    def _step(self, items: list) -> None:
+        """The step of ``items`` (group, parameter, its whole tensor, gradient)."""
+        for group, p, t, _ in items:
             if len(self.state[p]) == 0:
-                self._init_state(p, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
-        steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _ in items}  # (CPU counts)
+                self._init_state(p, t, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
+        steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _, _ in items}  # (CPU counts)
         batches = defaultdict(list)
-        for group, p, g in items:
-            batches[(id(group), steps[p], matrix_2d(p.shape, self._view(group)))].append((group, p, g))
+        for group, p, t, g in items:
+            batches[(id(group), steps[p], matrix_2d(p.shape, self._view(group)))].append((group, p, t, g))
         buffers = {}
         new_matrices = []
         positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         for (_, step, (rows, cols)), members in batches.items():
             for part in _slices(members):
-                out = _Batch(self, part, step, rows, cols, [positions[p] for _, p, _ in part]).run()
+                out = _Batch(self, part, step, rows, cols, [positions[p] for _, p, _, _ in part]).run()
                 buffers.update(out[0])
                 new_matrices += out[1]
         groups = defaultdict(list)
-        for group, p, _ in items:
-            groups[(id(group), steps[p])].append((group, p))
+        for group, p, t, _ in items:
+            groups[(id(group), steps[p])].append((group, p, t))
         launch, states = [], {}
         for (_, step), members in groups.items():
             group = members[0][0]
             hyper = {k: float(group[k]) for k, _ in self.rule.hyper}
             hyper[_STEP] = float(step)
-            launch.append(([p for _, p in members], hyper))
-            for _, p in members:
+            launch.append(([t for _, _, t in members], hyper))
+            for _, p, t in members:
                 st = self.state[p]
-                states[p] = {s: st[s] for s, _ in self.program.element_states}
-                states[p].update(buffers[p])
-        self._kernel.views = {p: self._view(group) for group, p, _ in items}
+                states[t] = {s: st[s] for s, _ in self.program.element_states}
+                states[t].update(buffers[p])
+        self._kernel.views = {t: self._view(group) for group, _, t, _ in items}
         self._kernel.run(launch, states)
         for tensor, value in new_matrices:
             tensor.copy_(value)
-        for _, p, _ in items:
+        for _, p, _, _ in items:
             self.state[p]["step"] += 1
         self._kernel.forget()  # (the buffers and their tables go; the states stay)
-        return loss
 
-    def _items(self) -> list:
-        attr = self.options.grad_attr
-        found = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = getattr(p, attr, None)
-                if g is None:
-                    continue
-                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
-                    raise TypeError(
-                        f"{type(self).__name__} (a matrix rule) takes plain tensors, not {type(p).__name__}"
-                    )
-                if g.shape != p.shape:
-                    raise ValueError(
-                        f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}"
-                    )
-                found.append((group, p, g))
-        return found
+    def _check(self, found: list) -> None:
+        """Raise, before anything changes on any rank, on what this step cannot run:
+        ``found`` is (parameter, gradient laid out like it, group index)."""
+        for gi in sorted({gi for _, _, gi in found}):
+            self._check_hyper(self.param_groups[gi])
+        for p, g, _ in found:
+            if type(p) not in (torch.nn.Parameter, torch.Tensor) and not isinstance(p, DTensor):
+                raise TypeError(
+                    f"{type(self).__name__} (a matrix rule) takes plain tensors and DTensors, "
+                    f"not {type(p).__name__}"
+                )
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}"
+                )
+        for p, _, gi in found:
+            if isinstance(p, DTensor) and is_batched(p.shape, self._view(self.param_groups[gi])):
+                raise NotImplementedError(
+                    f"{type(self).__name__} takes a batched 2-D view of a parameter of shape "
+                    f"{tuple(p.shape)}, a DTensor: batched views of sharded tensors are not supported; "
+                    "use view='flatten' for its param group, or a plain tensor"
+                )
+        # What the update kernel checks of its tensors, here on every rank's shards.
+        validate(_update_checks(type(self).__name__)(self), found)
 
     def _check_hyper(self, group: dict) -> None:
         limit = group.get("max_matrix_dim", self.max_matrix_dim)
@@ -389,28 +411,28 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
     def _view(self, group: dict) -> str:
         return check_view(group.get("view", self.options.view), f"{type(self).__name__}'s param group")
 
-    def _init_state(self, p: torch.Tensor, limit: int, view: str) -> None:
+    def _init_state(self, p: torch.Tensor, t: torch.Tensor, limit: int, view: str) -> None:
+        """``p``'s first states, from ``t`` (``p``, or its whole tensor)."""
         st = self.state[p]
         st["step"] = torch.tensor(0.0)
+        device = t.device
         for s, init in self.program.element_states:
             st[s] = (
-                p.detach().float().clone()
-                if init == "p"
-                else torch.full(p.shape, float(init), device=p.device)
+                t.detach().float().clone() if init == "p" else torch.full(t.shape, float(init), device=device)
             )
-        rows, cols = matrix_2d(p.shape, view)
-        lead = tuple(p.shape[:-2]) if is_batched(p.shape, view) else ()
+        rows, cols = matrix_2d(t.shape, view)
+        lead = tuple(t.shape[:-2]) if is_batched(t.shape, view) else ()
         for s, (kind, init) in self.program.phase_states.items():
             tail = {SCALAR: (), ROW: (rows,), COL: (cols,)}[kind]
-            st[s] = torch.full((*lead, *tail), init, device=p.device)
+            st[s] = torch.full((*lead, *tail), init, device=device)
         for s, (kind, how) in self.program.matrix_states.items():
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
-                st[s] = torch.empty(0, device=p.device)
+                st[s] = torch.empty(0, device=device)
             elif how == "eye":
-                st[s] = torch.eye(n, device=p.device).expand(*lead, n, n).clone()
+                st[s] = torch.eye(n, device=device).expand(*lead, n, n).clone()
             else:
-                st[s] = torch.zeros(*lead, n, n, device=p.device)
+                st[s] = torch.zeros(*lead, n, n, device=device)
 
 
 def _quadratic_form(e):
@@ -454,6 +476,22 @@ def _slices(members: list) -> list[list]:
     return out
 
 
+class _UpdateChecks:
+    """What ``runtime.state.validate`` reads of an optimizer, for the update kernel's rule
+    over a matrix optimizer's param groups."""
+
+    def __init__(self, opt: MatrixRuleOptimizer):
+        self.rule, self.options, self.param_groups = opt.program.update_rule, opt.options, opt.param_groups
+        self._state_keys = {s: s for s, _ in self.rule.state}
+        self._view_of = opt._view
+
+
+@functools.cache
+def _update_checks(name: str) -> type:
+    """``_UpdateChecks`` named as the optimizer, which ``validate``'s messages name."""
+    return type(name, (_UpdateChecks,), {})
+
+
 class _UpdateKernel(_RuleKernel):
     """The update's launch, each tensor in its param group's view (``views``, set per step)."""
 
@@ -464,7 +502,8 @@ class _UpdateKernel(_RuleKernel):
 
 
 class _Batch:
-    """The matrix phase of the tensors of one param group, step and 2-D shape."""
+    """The matrix phase of the tensors of one param group, step and 2-D shape: ``members``
+    (group, parameter, its whole tensor, gradient)."""
 
     def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int, positions):
         self.opt, self.members, self.step, self.rows, self.cols = opt, members, step, rows, cols
@@ -473,11 +512,11 @@ class _Batch:
         group = members[0][0]
         self.limit = group.get("max_matrix_dim", opt.max_matrix_dim)
         # Each tensor's matrices (one, or a batched view's several), stacked: [n, rows, cols].
-        self.counts = [p.numel() // (rows * cols) if rows * cols else 0 for _, p, _ in members]
+        self.counts = [p.numel() // (rows * cols) if rows * cols else 0 for _, p, _, _ in members]
         self.starts = [sum(self.counts[:k]) for k in range(len(members))]
         n = sum(self.counts)
         env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
-        env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _ in members])
+        env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _, _ in members])
         env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
 
         # The tensors' stacks, built when the rule first reads them (p often only the update).
@@ -491,7 +530,7 @@ class _Batch:
                 env[symbol(s)] = Identity(side, True)
             else:
                 self.shapes[symbol(s)] = (side, side)
-        self.n, self.device = n, members[0][1].device
+        self.n, self.device = n, members[0][2].device
         self.env, self.memo = env, {}
 
     def per_matrix(self, values: list):
@@ -515,11 +554,11 @@ class _Batch:
         """The fp32 stack ``[n, r, c]`` of ``name``'s tensor (p, g or a state) per member."""
         r, c = self.shapes[name]
         if name.name == "p":
-            tensors = [p.detach().float() for _, p, _ in self.members]
+            tensors = [t.detach().float() for _, _, t, _ in self.members]
         elif name.name == "g":
-            tensors = [g.float() for _, _, g in self.members]
+            tensors = [g.float() for _, _, _, g in self.members]
         else:
-            tensors = [self.opt.state[p][name.name] for _, p, _ in self.members]
+            tensors = [self.opt.state[p][name.name] for _, p, _, _ in self.members]
         return torch.cat([t.reshape(-1, r, c) for t in tensors])
 
     def side(self, kind: str) -> int:
@@ -536,7 +575,7 @@ class _Batch:
                 raise AssertionError("an identity where a value per element was expected")
             v = torch.as_tensor(v, dtype=torch.float32, device=self.device)
             v = torch.broadcast_to(v if v.dim() == 3 else v.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
-            for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
+            for a, c, (_, p, _, _) in zip(self.starts, self.counts, self.members):
                 buffers[p][name] = v[a : a + c].reshape(p.shape).contiguous()
         new = []
         for s, value in self.program.matrix_outputs:
@@ -546,7 +585,7 @@ class _Batch:
                 continue
             v = self.real(v)
             v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float32), (self.n, *self.shapes[symbol(s)]))
-            for a, c, (_, p, _) in zip(self.starts, self.counts, self.members):
+            for a, c, (_, p, _, _) in zip(self.starts, self.counts, self.members):
                 state = self.opt.state[p][s]
                 new.append((state, v[a : a + c].reshape(state.shape)))
         return buffers, new

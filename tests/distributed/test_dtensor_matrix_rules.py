@@ -1,0 +1,386 @@
+"""Optimizers of matrix rules (``fuser.compile`` of a rule with matrix states) on DTensor
+parameters sharded by rows (2 gloo processes), against the same optimizer on the whole
+tensors in one process: each full gradient is gathered once a step onto the rank that owns
+its matrix work (one all_to_all for all of them), that rank alone runs both phases of the
+step on the whole tensor, and every rank gets its rows back (one more all_to_all). The
+owner keeps every state; state_dict() publishes the element states as DTensors like the
+parameter and the matrix, row, column and per-tensor states replicated, which
+torch.distributed.checkpoint saves on 2 ranks and loads into one process.
+
+The rules: the zoo's SOAP (eigh at step 1, a QR refresh with sort_perm at step 3) and a
+Shampoo-like rule with a state of one number per tensor, one per row and one per column
+(inverse roots at steps 1 and 3). Bit for bit, as in test_dtensor_precond.py: an owner
+batches its own parameters' matrix work, and on CPU a batch's products and decompositions
+round some sizes differently at another place of the batch; here both (6, 11) matrices
+are on rank 0 and every other shape occurs once, so each batch is as in one process."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import run_ranks
+
+import fuser
+
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch was built without gloo", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from published import assert_state, kinds, local_value, rows_of  # noqa: E402
+from seeds import session_seed  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+from zoo import ZOO  # noqa: E402
+
+ROWED = fuser.rule(
+    """
+    L = beta * L + (1 - beta) * g @ transpose(g)
+    bound = maximum(beta * bound, norm(L))
+    r = beta * r + (1 - beta) * rowmean(g**2)
+    c = beta * c + (1 - beta) * colmean(g**2)
+    PL = where(mod(step - 1, 2) == 0, inv_root(L / bound + eps * eye(rows), 4), PL)
+    m = beta * m + (1 - beta) * g
+    p = p - lr * (PL @ m) / sqrt(r * c + eps)
+    """,
+    name="rowed",
+    hyper=dict(lr=0.05, beta=0.9, eps=1e-3),
+    state=dict(L="zeros(rows, rows)", PL="eye(rows)", bound=0.0, r=0.0, c=0.0, m=0.0),
+)
+RULES = {"soap": ZOO["soap"].rule, "rowed": ROWED}
+HYPER = {
+    "soap": dict(
+        lr=1e-2, beta1=0.9, beta2=0.8, shampoo_beta=0.7, weight_decay=0.1, precondition_frequency=2.0
+    ),
+    "rowed": dict(lr=0.05),
+}
+ELEMENT_STATES = {"soap": {"m", "v"}, "rowed": {"m"}}  # the states of the parameter's layout
+
+# Wide (11 columns over the factor limit of 6: no right factor), tall (7 rows over it), a
+# square one (its factors have its shape, and are replicated all the same), a 1-D tensor
+# (its view [1, 5]), one whose second shard is empty, a replicated matrix, and another of
+# the first's shape.
+LAYOUTS = [
+    ((6, 11), Shard(0)),
+    ((7, 5), Shard(0)),
+    ((5, 5), Shard(0)),
+    ((5,), Shard(0)),
+    ((1, 6), Shard(0)),
+    ((3, 4), Replicate()),
+    ((6, 11), Shard(0)),
+]
+# each sharded parameter to the rank owning the fewest elements so far (66, 35, 25, 5, 6,
+# 66 elements), which alone holds its states; the other rank holds the marker
+OWNERS = [0, 1, 1, 1, 1, None, 0]
+STEPS = 3  # then one more after loading the state dict
+
+
+@functools.cache
+def optimizer_class(name):
+    return fuser.compile(RULES[name])
+
+
+def make(name, params):
+    return optimizer_class(name)(params, max_matrix_dim=6, **HYPER[name])
+
+
+def data(layouts=LAYOUTS, steps=STEPS + 1, salt=1357):
+    gen = torch.Generator().manual_seed(session_seed(salt))
+    params = [torch.randn(shape, generator=gen) for shape, _ in layouts]
+    grads = [[torch.randn(shape, generator=gen) for shape, _ in layouts] for _ in range(steps)]
+    return params, grads
+
+
+def _next_step(name, mesh, params, grads, load, warm=False) -> list[torch.Tensor]:
+    """A new optimizer on copies of ``params``, its state from ``load(model, optimizer)``:
+    this rank's shards after its next step. ``warm``: a step at lr 0 first, which changes
+    no parameter (DCP's set_optimizer_state_dict would otherwise step it on zero
+    gradients)."""
+    again = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = make(name, again)
+    if warm:
+        for p in again:
+            p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        opt.step()
+    load(torch.nn.ParameterList(again), opt)
+    for p, g, (_, pl) in zip(again, grads, LAYOUTS):
+        p.grad = distribute_tensor(g, mesh, [pl])
+    opt.step()
+    return [p.to_local().clone() for p in again]
+
+
+def worker(rank, world, name, path, whole_sd):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data()
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [pl])) for t, (_, pl) in zip(full, LAYOUTS)]
+    opt = make(name, params)
+    collectives = []
+    for step_grads in grads[:STEPS]:
+        for p, g, (_, pl) in zip(params, step_grads, LAYOUTS):
+            p.grad = distribute_tensor(g, mesh, [pl])
+        before = fuser.stats()["collectives"]
+        opt.step()
+        collectives.append(fuser.stats()["collectives"] - before)
+    marks = [opt.state[p].get("whole_on_rank") for p in params]
+    holds = ["m" in opt.state[p] for p in params]
+    sd = opt.state_dict()
+    states = {pid: {k: local_value(v) for k, v in st.items()} for pid, st in sd["state"].items()}
+    types = {pid: {k: kinds(v) for k, v in st.items()} for pid, st in sd["state"].items()}
+    dcp.save({"optim": sd}, checkpoint_id=path)
+    # the next step of new optimizers loaded from DCP's state dict of this one (by
+    # parameter names), and from the single process's state dict of whole tensors
+    model = torch.nn.ParameterList(params)
+    named = get_optimizer_state_dict(model, opt)
+    nexts = [
+        _next_step(
+            name, mesh, params, grads[STEPS], lambda m, o: set_optimizer_state_dict(m, o, named), True
+        ),
+        # (copied: the ranks' arguments share memory with the test process's tensors)
+        _next_step(name, mesh, params, grads[STEPS], lambda m, o: o.load_state_dict(copy.deepcopy(whole_sd))),
+    ]
+    return dict(
+        params=[p.to_local().clone() for p in params],
+        nexts=nexts,
+        states=states,
+        kinds=types,
+        collectives=collectives,
+        marks=marks,
+        holds=holds,
+    )
+
+
+def one_thread(fn):
+    """``fn()`` on one thread, as the ranks run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def single_process(name):
+    """The optimizer on whole tensors in one process: its state dict and parameters after
+    ``STEPS`` steps (copies), and its parameters after one more."""
+    full, grads = data()
+    params = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = make(name, params)
+    for step, step_grads in enumerate(grads):
+        if step == STEPS:
+            sd, before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        one_thread(opt.step)
+    return sd, before, [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
+    path = str(tmp_path / "dcp")
+    sd, params, then = single_process(name)
+    ranks = run_ranks(worker, name, path, sd)
+    world = len(ranks)
+    for rank, got in enumerate(ranks):
+        assert got["holds"] == [o in (None, rank) for o in OWNERS], (rank, got["holds"])
+        assert got["marks"] == [None if o in (None, rank) else o for o in OWNERS], (rank, got["marks"])
+        # an all_to_all to the owners and one back, for all row-sharded parameters
+        assert got["collectives"] == [2] * STEPS, got["collectives"]
+        for i, ((shape, pl), p) in enumerate(zip(LAYOUTS, params)):
+            what = f"{name}, rank {rank}, parameter {i} {shape} {pl}"
+            assert torch.equal(got["params"][i], rows_of(p, pl, rank, world)), what
+            for how, shards in zip(("DCP's state dict", "whole state dict"), got["nexts"]):
+                assert torch.equal(shards[i], rows_of(then[i], pl, rank, world)), f"{what}, {how}"
+            st = sd["state"][i]
+            assert set(got["states"][i]) == set(st), what
+            for key, value in st.items():
+                like_p = key in ELEMENT_STATES[name]
+                kind = got["kinds"][i][key]
+                assert kind == ("DTensor" if like_p else "Tensor"), (what, key, kind)
+                assert_state(got["states"][i][key], value, rank, world, pl if like_p else None, (what, key))
+    _load_checkpoint_into_one_process(name, path, sd, params, then)
+
+
+def _load_checkpoint_into_one_process(name, path, reference, reference_params, then):
+    """The 2 ranks' checkpoint loaded by DCP into an optimizer on whole tensors whose
+    states differ (one step from other gradients): it then holds the reference's states,
+    and its next step is the reference's."""
+    import torch.distributed.checkpoint as dcp
+
+    params = [torch.nn.Parameter(p.clone()) for p in reference_params]
+    opt = make(name, params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p, q in zip(params, reference_params):
+        p.data.copy_(q)
+    template = opt.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
+    opt.load_state_dict(template)
+    loaded, want = opt.state_dict()["state"], reference["state"]
+    for i in range(len(params)):
+        assert set(loaded[i]) == set(want[i]), (name, i)
+        for key, value in want[i].items():
+            assert_state(local_value(loaded[i][key]), value, 0, 1, None, (name, i, key))
+    for p, g in zip(params, data()[1][STEPS]):
+        p.grad = g
+    one_thread(opt.step)
+    for i, (p, want) in enumerate(zip(params, then)):
+        assert torch.equal(p.detach(), want), (name, i, "the step after loading")
+
+
+def refused_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = 2 if rank == 0 else 4  # Shard(0) split 2 + 4, not torch.chunk's 3 + 3
+    uneven = dict(shape=(6, 8), stride=(8, 1))
+    messages = []
+    for make_tensor, view in (
+        (lambda: distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)]), "flatten"),
+        (lambda: DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], **uneven), "flatten"),
+        (lambda: distribute_tensor(torch.randn(4, 3, 5), mesh, [Shard(0)]), "batched"),
+    ):
+        p = torch.nn.Parameter(make_tensor())
+        p.grad = make_tensor()
+        before = p.to_local().clone()
+        opt = make("soap", [dict(params=[p], view=view)])
+        try:
+            opt.step()
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append((str(e), torch.equal(p.to_local(), before), len(opt.state)))
+    return messages
+
+
+def test_layouts_other_than_row_shards_are_refused_before_any_change():
+    for columns, uneven, batched in run_ranks(refused_worker):
+        assert columns is not None and "shard it by rows" in columns[0], columns
+        assert "Shard(0)" in columns[0] and "Soap" in columns[0], columns
+        assert uneven is not None and "torch.chunk's split" in uneven[0], uneven
+        assert batched is not None and "batched views of sharded tensors" in batched[0], batched
+        assert "Soap" in batched[0], batched
+        for refused in (columns, uneven, batched):
+            assert refused[1:] == (True, 0), refused
+
+
+# One parameter, owned by rank 0: rank 1 steps nothing but the exchanges, so it must learn
+# of a refused step before them. Its third gradient (a refresh of PL) holds a NaN.
+FAILING = [((6, 4), Shard(0))]
+
+
+def failing_data():
+    full, grads = data(FAILING, 3, 2468)
+    grads[2][0][1, 2] = float("nan")
+    return full, grads
+
+
+def _snapshot(opt, params) -> tuple:
+    sd = opt.state_dict()
+    return [p.to_local().clone() for p in params], {
+        pid: {k: local_value(v) for k, v in st.items()} for pid, st in sd["state"].items()
+    }
+
+
+def _bad_inputs(opt, params, mesh) -> list:
+    """A step with a non-finite learning rate, then one with a float64 gradient: each
+    error, and whether the parameters and published states stayed as they were."""
+    out = []
+    before = _snapshot(opt, params)
+    for bad in ("lr", "dtype"):
+        saved = [p.grad for p in params]
+        if bad == "lr":
+            opt.param_groups[0]["lr"] = float("nan")
+        else:
+            params[0].grad_dtype = None  # (torch refuses a gradient of another dtype otherwise)
+            params[0].grad = distribute_tensor(
+                torch.ones(params[0].shape, dtype=torch.float64), mesh, [Shard(0)]
+            )
+        try:
+            opt.step()
+            out.append(None)
+        except (ValueError, RuntimeError) as e:
+            out.append((type(e).__name__, str(e), _same(_snapshot(opt, params), before)))
+        opt.param_groups[0]["lr"] = HYPER["rowed"]["lr"]
+        for p, g in zip(params, saved):
+            p.grad = g
+    return out
+
+
+def _same(a, b) -> bool:
+    """Whether two snapshots (nested lists and dicts of tensors) hold equal tensors."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def failing_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = failing_data()
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [pl])) for t, (_, pl) in zip(full, FAILING)]
+    opt = make("rowed", params)
+    refused = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k, step_grads in enumerate(grads):
+            for p, g, (_, pl) in zip(params, step_grads, FAILING):
+                p.grad = distribute_tensor(g, mesh, [pl])
+            if k == 1:
+                refused = _bad_inputs(opt, params, mesh)
+            opt.step()
+    params_now, states = _snapshot(opt, params)
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return dict(params=params_now, states=states, refused=refused, warned=warned)
+
+
+def test_a_failed_root_or_bad_input_changes_what_one_process_does():
+    """A step refused for its input changes nothing on either rank; a root that fails in
+    fp32 and fp64 keeps its state's previous value on its owner, which alone warns, and
+    every rank ends where one process ends (NaNs included)."""
+    full, grads = failing_data()
+    params = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = make("rowed", params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            if k == 2:
+                kept = opt.state[params[0]]["PL"].clone()
+            one_thread(opt.step)
+    assert torch.equal(opt.state[params[0]]["PL"], kept)
+    assert any("keeps its previous value" in str(w.message) for w in caught)
+    sd = opt.state_dict()["state"]
+    ranks = run_ranks(failing_worker)
+    for rank, got in enumerate(ranks):
+        lr, dtype = got["refused"]
+        assert lr is not None and lr[0] == "ValueError" and "'lr'" in lr[1] and lr[2], (rank, lr)
+        assert dtype is not None and "float64" in dtype[1] and dtype[2], (rank, dtype)
+        # the NaN's parameter is rank 0's, its root fails there only
+        root_failed = any("inv_root()" in w and "keeps its previous value" in w for w in got["warned"])
+        assert root_failed == (rank == 0), (rank, got["warned"])
+        for i, (p, (_, pl)) in enumerate(zip(params, FAILING)):
+            want = rows_of(p.detach(), pl, rank, len(ranks))
+            torch.testing.assert_close(got["params"][i], want, rtol=0, atol=0, equal_nan=True)
+            assert got["states"][i].keys() == sd[i].keys()
+            for key, value in sd[i].items():
+                value = rows_of(value, pl, rank, len(ranks)) if key in ELEMENT_STATES["rowed"] else value
+                torch.testing.assert_close(got["states"][i][key], value, rtol=0, atol=0, equal_nan=True)
