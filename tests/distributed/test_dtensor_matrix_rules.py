@@ -10,9 +10,10 @@ torch.distributed.checkpoint saves on 2 ranks and loads into one process.
 The rules: the zoo's SOAP (eigh at step 1, a QR refresh with sort_perm at step 3) and a
 Shampoo-like rule with a state of one number per tensor, one per row and one per column
 (inverse roots at steps 1 and 3). Bit for bit, as in test_dtensor_precond.py: an owner
-batches its own parameters' matrix work, and on CPU a batch's products and decompositions
-round some sizes differently at another place of the batch; here both (6, 11) matrices
-are on rank 0 and every other shape occurs once, so each batch is as in one process."""
+batches its own parameters' matrix work, and on CPU MKL rounds some sizes of products and
+decompositions (docs/distributed.md) differently at another place of a batch; here both
+(6, 11) matrices are on rank 0 and every other shape occurs once, so each batch is as in
+one process whatever the sizes."""
 
 from __future__ import annotations
 
