@@ -8,6 +8,7 @@ printer in ``fuser.codegen`` knows how to print every object these builders prod
 from __future__ import annotations
 
 import itertools
+import threading
 
 import sympy
 from sympy.codegen.cfunctions import expm1 as _Expm1
@@ -134,8 +135,15 @@ class Randn(RandomValue):
     spelling = "randn"
 
 
-# Numbers each call of rand() / randn() as it is made; a rule renumbers its own from 0.
-_DRAWS = itertools.count()
+# Numbers each call of rand() / randn() as it is made, per thread; each rule restarts the
+# count (``restart_draws``), so its calls are already 0, 1, ... and renumbering them rebuilds
+# nothing (rebuilding re-evaluates every minimum, maximum and where above a draw).
+_DRAWS = threading.local()
+
+
+def restart_draws() -> None:
+    """Number the next ``rand()`` / ``randn()`` call of this thread 0."""
+    _DRAWS.count = itertools.count()
 
 
 def draw_symbol(i: int) -> sympy.Symbol:
@@ -144,7 +152,12 @@ def draw_symbol(i: int) -> sympy.Symbol:
 
 
 def _drawer(cls):
-    return lambda: cls(draw_symbol(next(_DRAWS)))
+    def draw():
+        if not hasattr(_DRAWS, "count"):
+            restart_draws()
+        return cls(draw_symbol(next(_DRAWS.count)))
+
+    return draw
 
 
 class Reduction(sympy.Function):
