@@ -297,8 +297,30 @@ def _where(cond, a, b):
     return sympy.Piecewise((a, cond), (b, True))
 
 
+def _small(e, nodes: int = 200) -> bool:
+    """Whether ``e`` has at most ``nodes`` nodes (a matrix rule's values have thousands)."""
+    return next(itertools.islice(sympy.preorder_traversal(e), nodes, None), None) is None
+
+
+def _extreme(cls):
+    """``minimum`` / ``maximum``: sympy's own, except that arguments not small are only
+    folded when equal: sympy orders two expressions by factoring their difference, which
+    over a matrix rule's values takes seconds."""
+
+    def build(*args):
+        args = [sympy.sympify(a) for a in args]
+        if all(_small(a) for a in args) or len(set(args)) == 1:
+            return cls(*args)
+        return cls(*args, evaluate=False)
+
+    return build
+
+
+_MIN, _MAX = _extreme(sympy.Min), _extreme(sympy.Max)
+
+
 def _clamp(x, lo, hi):
-    return sympy.Min(sympy.Max(x, lo), hi)
+    return _MIN(_MAX(x, lo), hi)
 
 
 def _mod(a, b):
@@ -329,8 +351,8 @@ ELEMENTWISE: dict[str, tuple] = {
     "tanh": (sympy.tanh, 1),
     "approx_tanh": (ApproxTanh, 1),
     "sigmoid": (Sigmoid, 1),
-    "minimum": (sympy.Min, 2),
-    "maximum": (sympy.Max, 2),
+    "minimum": (_MIN, 2),
+    "maximum": (_MAX, 2),
     "where": (_where, 3),
     "clamp": (_clamp, 3),
     "cos": (sympy.cos, 1),
