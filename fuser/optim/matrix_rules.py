@@ -182,9 +182,15 @@ class MatrixProgram:
             return True
         return any(self.kinds.get(s) in _MATRIX_LIKE or s.name in self.phase_states for s in e.free_symbols)
 
-    def _split(self, e):
+    def _split(self, e, memo=None):
         """``e`` (a per-element value) with each matrix-phase value it reads replaced by a
-        buffer's symbol."""
+        buffer's symbol (``memo``: each shared subexpression once)."""
+        memo = {} if memo is None else memo
+        if e not in memo:
+            memo[e] = self._split_one(e, memo)
+        return memo[e]
+
+    def _split_one(self, e, memo):
         if not self.needs_torch(e):
             return e
         # (A draw too: the matrix phase makes every draw of a matrix rule, so that one value
@@ -197,24 +203,29 @@ class MatrixProgram:
         if rooted:
             name = self.boundaries.setdefault(e, f"matrix_value{len(self.boundaries)}")
             return symbol(name)
-        return e.func(*[self._split(a) if isinstance(a, sympy.Basic) else a for a in e.args])
+        return e.func(*[self._split(a, memo) if isinstance(a, sympy.Basic) else a for a in e.args])
 
     def _check_torch_values(self, e) -> None:
-        for node in sympy.preorder_traversal(e):
-            if isinstance(node, mx.MatrixOp) or (
-                isinstance(node, sympy.Symbol) and self.kinds.get(node) in _MATRIX_LIKE
+        """No global reduction, ``orthogonalize`` or ``loss`` inside a matrix value (each
+        distinct subexpression visited once, inside a matrix value or not)."""
+        seen, stack = set(), [(e, False)]
+        while stack:
+            node, inside = stack.pop()
+            if (node, inside) in seen:
+                continue
+            seen.add((node, inside))
+            inside = inside or isinstance(node, mx.MatrixOp)
+            if (
+                inside
+                and isinstance(node, Reduction)
+                and (node.op == "orthogonalize" or node.op.startswith("global_"))
             ):
-                bad = [
-                    a
-                    for a in node.atoms(Reduction)
-                    if a.op in ("orthogonalize",) or a.op.startswith("global_")
-                ]
-                if bad:
-                    raise RuleError(
-                        f"{bad[0].op}() inside a matrix value is not supported in a matrix rule"
-                    ).with_rule(self.rule.name)
-                if symbol("loss") in node.free_symbols:
-                    raise RuleError("a matrix value cannot read loss").with_rule(self.rule.name)
+                raise RuleError(
+                    f"{node.op}() inside a matrix value is not supported in a matrix rule"
+                ).with_rule(self.rule.name)
+            if inside and node == symbol("loss"):
+                raise RuleError("a matrix value cannot read loss").with_rule(self.rule.name)
+            stack.extend((a, inside) for a in node.args if isinstance(a, sympy.Basic))
 
     def _owners(self) -> dict:
         """Each decomposition -> the matrix state that keeps its old value where it fails."""
