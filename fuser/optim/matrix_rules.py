@@ -744,6 +744,8 @@ class _Batch:
                 return x.scale
             d = x.diagonal(dim1=-2, dim2=-1)
             return d.unsqueeze(-1) if arg_kind == mx.ROWMAT else d.unsqueeze(-2)
+        if isinstance(e, mx.ArgmaxOnehot):
+            return self._argmax_onehot(self.real(x), kind)
         if isinstance(x, Identity):
             return x
         if isinstance(e, mx.Triu):
@@ -757,6 +759,14 @@ class _Batch:
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _argmax_onehot(self, x, kind):
+        """1 at the first largest entry of each matrix's row (column) values, 0 elsewhere."""
+        side = self.side(kind)
+        d = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        shape = (self.n, side, 1) if kind == ROW else (self.n, 1, side)
+        d = torch.broadcast_to(d if d.dim() == 3 else d.reshape(-1, 1, 1), shape).reshape(self.n, side)
+        return torch.nn.functional.one_hot(d.argmax(-1), side).to(torch.float32).reshape(shape)
 
     def _quadratic(self, e, kind):
         """``diag(transpose(Q) @ M @ Q)`` as the column sums of ``Q * (M @ Q)``: one product,
