@@ -1782,6 +1782,7 @@ _add(
 # 1 / prob (the reference's update_counter, one number per tensor here).
 _KRON_UPDATE = "(prob > 0) and ((update_counter + 1) * prob >= 1)"
 _KRON = """
+    tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
     gs = (1 - 2 * maximize) * g
     gd = gs + (1 - weight_decouple) * weight_decay * p
     momentum_buffer = momentum * momentum_buffer + (1 - momentum) * gd
@@ -1801,13 +1802,13 @@ _KRON = """
     SL = (AL + BL) / amax(abs(AL + BL))
     xl = SL @ (SL @ argmax_onehot(diag(SL @ SL)))
     boundl = amax(abs(AL + BL)) * norm(SL @ xl) / norm(xl)
-    QL = where(UPDATE, QL - triu(precondition_lr * (AL - BL)) / (boundl + 1.1754943508222875e-38) @ QL, QL)
+    QL = where(UPDATE, QL - triu(precondition_lr * (AL - BL)) / (boundl + tiny) @ QL, QL)
     AR = transpose(A) @ A
     BR = transpose(B) @ B
     SR = (AR + BR) / amax(abs(AR + BR))
     xr = SR @ (SR @ argmax_onehot(diag(SR @ SR)))
     boundr = amax(abs(AR + BR)) * norm(SR @ xr) / norm(xr)
-    QR = where(UPDATE, QR - triu(precondition_lr * (AR - BR)) / (boundr + 1.1754943508222875e-38) @ QR, QR)
+    QR = where(UPDATE, QR - triu(precondition_lr * (AR - BR)) / (boundr + tiny) @ QR, QR)
     update_counter = where(UPDATE, 0, update_counter + 1)
     u = transpose(QL) @ QL @ m @ transpose(QR) @ QR
     u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
@@ -1873,10 +1874,61 @@ _add(
     "parameters, unchanged to rounding: the zoo compares balance_prob=1 (and 0) with the factors, "
     "the default 0.01 on the parameters only. The reference's probes are torch.randn_like on "
     "torch's generator; the zoo test gives it the rule's own probes, rebuilt in float64 from the "
-    "documented generator, and precondition_dtype=torch.float64. Not covered: diagonal factors "
-    "(memory_save_mode, a side over max_size_triangular: a side over the optimizer's "
-    "max_matrix_dim has no factor in the rule instead), 1-D and N-D tensors (one factor per "
-    "dimension in the reference), mu_dtype and precondition_init_scale (1).",
+    "documented generator, and precondition_dtype=torch.float64. memory_save_mode='all_diag' is "
+    "the entry kron_all_diag. Not covered: 'one_diag' and 'smart_one_diag' (a diagonal factor on "
+    "the longer side, a triangular one on the other), a side over max_size_triangular (diagonal "
+    "in the reference; a side over the optimizer's max_matrix_dim has no factor in the rule), 1-D "
+    "and N-D tensors (one factor per dimension in the reference), mu_dtype and "
+    "precondition_init_scale (1).",
+)
+
+# memory_save_mode="all_diag": each factor a diagonal, one number per row (column) of the
+# tensor, fitted by the same step with sums over the other side.
+_KRON_ALL_DIAG = """
+    tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
+    gs = (1 - 2 * maximize) * g
+    gd = gs + (1 - weight_decouple) * weight_decay * p
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * gd
+    m = momentum_buffer / (1 - momentum**step)
+    target = momentum_into_precondition_update * m + (1 - momentum_into_precondition_update) * gd
+    prob = clamp(update_prob_max * exp(-update_prob_decay * (step - 1 - update_prob_flat_start)),
+                 update_prob_min, update_prob_max)
+    nl = amax(abs(dl))
+    nr = amax(abs(dr))
+    dl = where(UPDATE and (balance_prob > 0), dl * (sqrt(nl * nr) / nl), dl)
+    dr = where(UPDATE and (balance_prob > 0), dr * (sqrt(nl * nr) / nr), dr)
+    V = randn()
+    A = dl * target * dr
+    B = V / dl / dr
+    al = rowsum(A**2)
+    bl = rowsum(B**2)
+    ar = colsum(A**2)
+    br = colsum(B**2)
+    dl = where(UPDATE, dl - precondition_lr * (al - bl) * dl / (amax(abs(al + bl)) + tiny), dl)
+    dr = where(UPDATE, dr - precondition_lr * (ar - br) * dr / (amax(abs(ar + br)) + tiny), dr)
+    update_counter = where(UPDATE, 0, update_counter + 1)
+    u = dl**2 * m * dr**2
+    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
+    p = p - lr * (u + weight_decouple * weight_decay * p)
+    """.replace("UPDATE", _KRON_UPDATE)
+
+_add(
+    "kron_all_diag",
+    _KRON_ALL_DIAG,
+    reference="kron",
+    defaults=dict(ZOO["kron"].rule.hyper),
+    state=dict(momentum_buffer=0.0, update_counter=0.0, dl=1.0, dr=1.0),
+    reference_kwargs={**ZOO["kron"].reference_kwargs, "memory_save_mode": "all_diag"},
+    reference_group=ZOO["kron"].reference_group,
+    hyper=ZOO["kron"].hyper,
+    states=dict(momentum_buffer="momentum_buffer", dl=("Q", 0), dr=("Q", 1)),
+    shapes=ZOO["kron"].shapes,
+    doc="Kron as the kron entry, with memory_save_mode='all_diag': the factors are diagonals dl "
+    "and dr (a state per row and one per column, the reference's Q), fitted to the probe by "
+    "dl - precondition_lr * (rowsum(A**2) - rowsum(B**2)) * dl / amax(rowsum(A**2) + rowsum(B**2)) "
+    "with A = dl * M * dr and B = V / (dl * dr) (and the same by columns), the update "
+    "dl**2 * M * dr**2. Balancing, the refresh counter, clipping and weight decay are the kron "
+    "entry's.",
 )
 
 NOT_EXPRESSIBLE: dict[str, str] = {
