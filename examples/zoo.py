@@ -1778,15 +1778,167 @@ _add(
     "whole to the graft and the rule preconditions on its other side.",
 )
 
+# Kron's preconditioner refresh: a counter of the steps since the last one reaches
+# 1 / prob (the reference's update_counter, one number per tensor here).
+_KRON_UPDATE = "(prob > 0) and ((update_counter + 1) * prob >= 1)"
+_KRON = """
+    tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
+    gs = (1 - 2 * maximize) * g
+    gd = gs + (1 - weight_decouple) * weight_decay * p
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * gd
+    m = momentum_buffer / (1 - momentum**step)
+    target = momentum_into_precondition_update * m + (1 - momentum_into_precondition_update) * gd
+    prob = clamp(update_prob_max * exp(-update_prob_decay * (step - 1 - update_prob_flat_start)),
+                 update_prob_min, update_prob_max)
+    nl = amax(abs(QL))
+    nr = amax(abs(QR))
+    QL = where(UPDATE and (balance_prob > 0), QL * (sqrt(nl * nr) / nl), QL)
+    QR = where(UPDATE and (balance_prob > 0), QR * (sqrt(nl * nr) / nr), QR)
+    V = randn()
+    A = QL @ target @ transpose(QR)
+    B = transpose(solve_lower(transpose(QR), transpose(solve_lower(transpose(QL), V))))
+    AL = A @ transpose(A)
+    BL = B @ transpose(B)
+    SL = (AL + BL) / amax(abs(AL + BL))
+    xl = SL @ (SL @ argmax_onehot(diag(SL @ SL)))
+    boundl = amax(abs(AL + BL)) * norm(SL @ xl) / norm(xl)
+    QL = where(UPDATE, QL - triu(precondition_lr * (AL - BL)) / (boundl + tiny) @ QL, QL)
+    AR = transpose(A) @ A
+    BR = transpose(B) @ B
+    SR = (AR + BR) / amax(abs(AR + BR))
+    xr = SR @ (SR @ argmax_onehot(diag(SR @ SR)))
+    boundr = amax(abs(AR + BR)) * norm(SR @ xr) / norm(xr)
+    QR = where(UPDATE, QR - triu(precondition_lr * (AR - BR)) / (boundr + tiny) @ QR, QR)
+    update_counter = where(UPDATE, 0, update_counter + 1)
+    u = transpose(QL) @ QL @ m @ transpose(QR) @ QR
+    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
+    p = p - lr * (u + weight_decouple * weight_decay * p)
+    """.replace("UPDATE", _KRON_UPDATE)
+
+_add(
+    "kron",
+    _KRON,
+    defaults=dict(
+        lr=1e-3,
+        momentum=0.9,
+        weight_decay=0.0,
+        weight_decouple=1.0,
+        update_prob_max=1.0,
+        update_prob_min=0.03,
+        update_prob_decay=0.001,
+        update_prob_flat_start=500.0,
+        momentum_into_precondition_update=1.0,
+        precondition_lr=0.1,
+        balance_prob=0.01,
+        maximize=0.0,
+    ),
+    state=dict(momentum_buffer=0.0, update_counter=0.0, QL="eye(rows)", QR="eye(cols)"),
+    reference_kwargs=dict(
+        lr=0.1,
+        momentum=0.8,
+        weight_decay=0.1,
+        pre_conditioner_update_probability=0.5,
+        balance_prob=1.0,
+        precondition_dtype=torch.float64,
+    ),
+    reference_group=dict(precondition_lr=0.2),
+    hyper=dict(
+        lr=0.1,
+        momentum=0.8,
+        weight_decay=0.1,
+        update_prob_max=0.5,
+        update_prob_min=0.5,
+        balance_prob=1.0,
+        precondition_lr=0.2,
+    ),
+    states=dict(momentum_buffer="momentum_buffer", QL=("Q", 0), QR=("Q", 1)),
+    shapes=((7, 5), (5, 7), (4, 4)),
+    doc="Kron (PSGD with Kronecker-factored preconditioners: lr, momentum, weight_decay, "
+    "weight_decouple, pre_conditioner_update_probability, momentum_into_precondition_update, "
+    "balance_prob, maximize; the flags as 0/1) on 2-D parameters, each with two upper "
+    "triangular factors QL and QR (matrix states, the reference's Q) as by default "
+    "(max_size_triangular=8192, min_ndim_triangular=2, memory_save_mode=None). Debiased "
+    "momentum; on a refresh step the Lie-group fit of the factors to the probe V = randn() "
+    "(triangular solves for QL^-T V QR^-1, a step of precondition_lr, a param-group key of the "
+    "reference, normalised by the reference's two-step power-iteration bound started from the "
+    "column of largest norm, argmax_onehot); the update QL^T QL M QR^T QR clipped to an RMS of "
+    "1.1, then decoupled weight decay. The refresh follows the reference's deterministic counter: "
+    "a refresh when the steps since the last reach 1 / prob, prob = clamp(update_prob_max * "
+    "exp(-update_prob_decay * (step - 1 - update_prob_flat_start)), update_prob_min, "
+    "update_prob_max), the reference's default schedule, a fixed probability q being "
+    "update_prob_max = update_prob_min = q (the reference computes the schedule in fp32, the rule "
+    "in fp64: a step where 1 / prob is within fp32 rounding of a whole number may refresh one step "
+    "apart). The counter is a state, one number per tensor, so its gate is not one number per step: "
+    "the fit is computed every step and kept on refresh steps. Balancing draws no coin: the "
+    "reference balances a refresh step with probability "
+    "balance_prob (np.random); the rule balances every refresh step when balance_prob > 0. "
+    "Balancing scales QL and QR by reciprocal numbers, which leaves the preconditioner, and so the "
+    "parameters, unchanged to rounding: the zoo compares balance_prob=1 (and 0) with the factors, "
+    "the default 0.01 on the parameters only. The reference's probes are torch.randn_like on "
+    "torch's generator; the zoo test gives it the rule's own probes, rebuilt in float64 from the "
+    "documented generator, and precondition_dtype=torch.float64. memory_save_mode='all_diag' is "
+    "the entry kron_all_diag. Not covered: 'one_diag' and 'smart_one_diag' (a diagonal factor on "
+    "the longer side, a triangular one on the other), a side over max_size_triangular (diagonal "
+    "in the reference; a side over the optimizer's max_matrix_dim has no factor in the rule), 1-D "
+    "and N-D tensors (one factor per dimension in the reference), mu_dtype and "
+    "precondition_init_scale (1).",
+)
+
+# memory_save_mode="all_diag": each factor a diagonal, one number per row (column) of the
+# tensor, fitted by the same step with sums over the other side.
+_KRON_ALL_DIAG = """
+    tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
+    gs = (1 - 2 * maximize) * g
+    gd = gs + (1 - weight_decouple) * weight_decay * p
+    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * gd
+    m = momentum_buffer / (1 - momentum**step)
+    target = momentum_into_precondition_update * m + (1 - momentum_into_precondition_update) * gd
+    prob = clamp(update_prob_max * exp(-update_prob_decay * (step - 1 - update_prob_flat_start)),
+                 update_prob_min, update_prob_max)
+    nl = amax(abs(dl))
+    nr = amax(abs(dr))
+    dl = where(UPDATE and (balance_prob > 0), dl * (sqrt(nl * nr) / nl), dl)
+    dr = where(UPDATE and (balance_prob > 0), dr * (sqrt(nl * nr) / nr), dr)
+    V = randn()
+    A = dl * target * dr
+    B = V / dl / dr
+    al = rowsum(A**2)
+    bl = rowsum(B**2)
+    ar = colsum(A**2)
+    br = colsum(B**2)
+    dl = where(UPDATE, dl - precondition_lr * (al - bl) * dl / (amax(abs(al + bl)) + tiny), dl)
+    dr = where(UPDATE, dr - precondition_lr * (ar - br) * dr / (amax(abs(ar + br)) + tiny), dr)
+    update_counter = where(UPDATE, 0, update_counter + 1)
+    u = dl**2 * m * dr**2
+    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
+    p = p - lr * (u + weight_decouple * weight_decay * p)
+    """.replace("UPDATE", _KRON_UPDATE)
+
+_add(
+    "kron_all_diag",
+    _KRON_ALL_DIAG,
+    reference="kron",
+    defaults=dict(ZOO["kron"].rule.hyper),
+    state=dict(momentum_buffer=0.0, update_counter=0.0, dl=1.0, dr=1.0),
+    reference_kwargs={**ZOO["kron"].reference_kwargs, "memory_save_mode": "all_diag"},
+    reference_group=ZOO["kron"].reference_group,
+    hyper=ZOO["kron"].hyper,
+    states=dict(momentum_buffer="momentum_buffer", dl=("Q", 0), dr=("Q", 1)),
+    shapes=ZOO["kron"].shapes,
+    doc="Kron as the kron entry, with memory_save_mode='all_diag': the factors are diagonals dl "
+    "and dr (a state per row and one per column, the reference's Q), fitted to the probe by "
+    "dl - precondition_lr * (rowsum(A**2) - rowsum(B**2)) * dl / amax(rowsum(A**2) + rowsum(B**2)) "
+    "with A = dl * M * dr and B = V / (dl * dr) (and the same by columns), the update "
+    "dl**2 * M * dr**2. Balancing, the refresh counter, clipping and weight decay are the kron "
+    "entry's.",
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
     "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",
     "distributedmuon": "needs matrix functions: Newton-Schulz over gathered shards",
     "muonclip": "needs matrix functions: Newton-Schulz, and the attention logits for QK-clip",
     "spectralsphere": "needs matrix functions: spectral-norm projection of 2-D parameters",
-    "kron": "needs the reference's probes: torch.randn_like on torch's global generator, which "
-    "a rule's counter-based randn() does not reproduce; and a per-step random gate for the "
-    "refresh probability",
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",

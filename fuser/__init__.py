@@ -64,6 +64,7 @@ eigh = _FUNCTIONS["eigh"]
 qr = _FUNCTIONS["qr"]
 inv_root = _FUNCTIONS["inv_root"]
 sort_perm = _FUNCTIONS["sort_perm"]
+argmax_onehot = _FUNCTIONS["argmax_onehot"]
 solve_upper = _FUNCTIONS["solve_upper"]
 solve_lower = _FUNCTIONS["solve_lower"]
 # Reductions for traced optimizer rules: per tensor, over every tensor, along an axis.
@@ -172,6 +173,7 @@ __all__ = [
     "qr",
     "inv_root",
     "sort_perm",
+    "argmax_onehot",
     "solve_upper",
     "solve_lower",
     "optim",

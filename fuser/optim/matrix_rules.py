@@ -185,9 +185,15 @@ class MatrixProgram:
             return True
         return any(self.kinds.get(s) in _MATRIX_LIKE or s.name in self.phase_states for s in e.free_symbols)
 
-    def _split(self, e):
+    def _split(self, e, memo=None):
         """``e`` (a per-element value) with each matrix-phase value it reads replaced by a
-        buffer's symbol."""
+        buffer's symbol (``memo``: each shared subexpression once)."""
+        memo = {} if memo is None else memo
+        if e not in memo:
+            memo[e] = self._split_one(e, memo)
+        return memo[e]
+
+    def _split_one(self, e, memo):
         if not self.needs_torch(e):
             return e
         # (A draw too: the matrix phase makes every draw of a matrix rule, so that one value
@@ -200,24 +206,29 @@ class MatrixProgram:
         if rooted:
             name = self.boundaries.setdefault(e, f"matrix_value{len(self.boundaries)}")
             return symbol(name)
-        return e.func(*[self._split(a) if isinstance(a, sympy.Basic) else a for a in e.args])
+        return e.func(*[self._split(a, memo) if isinstance(a, sympy.Basic) else a for a in e.args])
 
     def _check_torch_values(self, e) -> None:
-        for node in sympy.preorder_traversal(e):
-            if isinstance(node, mx.MatrixOp) or (
-                isinstance(node, sympy.Symbol) and self.kinds.get(node) in _MATRIX_LIKE
+        """No global reduction, ``orthogonalize`` or ``loss`` inside a matrix value (each
+        distinct subexpression visited once, inside a matrix value or not)."""
+        seen, stack = set(), [(e, False)]
+        while stack:
+            node, inside = stack.pop()
+            if (node, inside) in seen:
+                continue
+            seen.add((node, inside))
+            inside = inside or isinstance(node, mx.MatrixOp)
+            if (
+                inside
+                and isinstance(node, Reduction)
+                and (node.op == "orthogonalize" or node.op.startswith("global_"))
             ):
-                bad = [
-                    a
-                    for a in node.atoms(Reduction)
-                    if a.op in ("orthogonalize",) or a.op.startswith("global_")
-                ]
-                if bad:
-                    raise RuleError(
-                        f"{bad[0].op}() inside a matrix value is not supported in a matrix rule"
-                    ).with_rule(self.rule.name)
-                if symbol("loss") in node.free_symbols:
-                    raise RuleError("a matrix value cannot read loss").with_rule(self.rule.name)
+                raise RuleError(
+                    f"{node.op}() inside a matrix value is not supported in a matrix rule"
+                ).with_rule(self.rule.name)
+            if inside and node == symbol("loss"):
+                raise RuleError("a matrix value cannot read loss").with_rule(self.rule.name)
+            stack.extend((a, inside) for a in node.args if isinstance(a, sympy.Basic))
 
     def _owners(self) -> dict:
         """Each decomposition -> the matrix state that keeps its old value where it fails."""
@@ -772,6 +783,8 @@ class _Batch:
                 return x.scale
             d = x.diagonal(dim1=-2, dim2=-1)
             return d.unsqueeze(-1) if arg_kind == mx.ROWMAT else d.unsqueeze(-2)
+        if isinstance(e, mx.ArgmaxOnehot):
+            return self._argmax_onehot(self.real(x), kind)
         if isinstance(x, Identity):
             return x
         if isinstance(e, mx.Triu):
@@ -785,6 +798,14 @@ class _Batch:
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _argmax_onehot(self, x, kind):
+        """1 at the first largest entry of each matrix's row (column) values, 0 elsewhere."""
+        side = self.side(kind)
+        d = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        shape = (self.n, side, 1) if kind == ROW else (self.n, 1, side)
+        d = torch.broadcast_to(d if d.dim() == 3 else d.reshape(-1, 1, 1), shape).reshape(self.n, side)
+        return torch.nn.functional.one_hot(d.argmax(-1), side).to(torch.float32).reshape(shape)
 
     def _quadratic(self, e, kind):
         """``diag(transpose(Q) @ M @ Q)`` as the column sums of ``Q * (M @ Q)``: one product,

@@ -8,6 +8,7 @@ printer in ``fuser.codegen`` knows how to print every object these builders prod
 from __future__ import annotations
 
 import itertools
+import threading
 
 import sympy
 from sympy.codegen.cfunctions import expm1 as _Expm1
@@ -134,8 +135,15 @@ class Randn(RandomValue):
     spelling = "randn"
 
 
-# Numbers each call of rand() / randn() as it is made; a rule renumbers its own from 0.
-_DRAWS = itertools.count()
+# Numbers each call of rand() / randn() as it is made, per thread; each rule restarts the
+# count (``restart_draws``), so its calls are already 0, 1, ... and renumbering them rebuilds
+# nothing (rebuilding re-evaluates every minimum, maximum and where above a draw).
+_DRAWS = threading.local()
+
+
+def restart_draws() -> None:
+    """Number the next ``rand()`` / ``randn()`` call of this thread 0."""
+    _DRAWS.count = itertools.count()
 
 
 def draw_symbol(i: int) -> sympy.Symbol:
@@ -144,7 +152,12 @@ def draw_symbol(i: int) -> sympy.Symbol:
 
 
 def _drawer(cls):
-    return lambda: cls(draw_symbol(next(_DRAWS)))
+    def draw():
+        if not hasattr(_DRAWS, "count"):
+            restart_draws()
+        return cls(draw_symbol(next(_DRAWS.count)))
+
+    return draw
 
 
 class Reduction(sympy.Function):
@@ -284,8 +297,30 @@ def _where(cond, a, b):
     return sympy.Piecewise((a, cond), (b, True))
 
 
+def _small(e, nodes: int = 200) -> bool:
+    """Whether ``e`` has at most ``nodes`` nodes (a matrix rule's values have thousands)."""
+    return next(itertools.islice(sympy.preorder_traversal(e), nodes, None), None) is None
+
+
+def _extreme(cls):
+    """``minimum`` / ``maximum``: sympy's own, except that arguments not small are only
+    folded when equal: sympy orders two expressions by factoring their difference, which
+    over a matrix rule's values takes seconds."""
+
+    def build(*args):
+        args = [sympy.sympify(a) for a in args]
+        if all(_small(a) for a in args) or len(set(args)) == 1:
+            return cls(*args)
+        return cls(*args, evaluate=False)
+
+    return build
+
+
+_MIN, _MAX = _extreme(sympy.Min), _extreme(sympy.Max)
+
+
 def _clamp(x, lo, hi):
-    return sympy.Min(sympy.Max(x, lo), hi)
+    return _MIN(_MAX(x, lo), hi)
 
 
 def _mod(a, b):
@@ -316,8 +351,8 @@ ELEMENTWISE: dict[str, tuple] = {
     "tanh": (sympy.tanh, 1),
     "approx_tanh": (ApproxTanh, 1),
     "sigmoid": (Sigmoid, 1),
-    "minimum": (sympy.Min, 2),
-    "maximum": (sympy.Max, 2),
+    "minimum": (_MIN, 2),
+    "maximum": (_MAX, 2),
     "where": (_where, 3),
     "clamp": (_clamp, 3),
     "cos": (sympy.cos, 1),

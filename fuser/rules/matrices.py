@@ -180,6 +180,16 @@ class SortPerm(MatrixOp):
     spelling = "sort_perm"
 
 
+class ArgmaxOnehot(MatrixOp):
+    """``argmax_onehot(d)``: of a value per row (per column), the value of that side that is
+    1 at ``d``'s largest entry (the first of equal ones) and 0 elsewhere: ``M @
+    argmax_onehot(diag(transpose(M) @ M))`` is ``M``'s column of largest norm (a power
+    iteration's start)."""
+
+    nargs = 1
+    spelling = "argmax_onehot"
+
+
 class Solve(MatrixOp):
     """``solve_upper(A, B)`` / ``solve_lower(A, B)``: ``A⁻¹ B`` for a triangular factor ``A``
     (its other triangle is not read), ``B`` a factor of its side, a value per element
@@ -239,6 +249,7 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "qr": (QR, 1),
     "inv_root": (_inv_root, 2),
     "sort_perm": (SortPerm, 1),
+    "argmax_onehot": (ArgmaxOnehot, 1),
     "solve_upper": (SolveUpper, 2),
     "solve_lower": (SolveLower, 2),
 }

@@ -21,6 +21,7 @@ from fuser.rules.functions import (
     MatrixFunction,
     RandomValue,
     draw_symbol,
+    restart_draws,
 )
 from fuser.rules.matrices import matrix_init
 from fuser.rules.parse import Language, Statement, parse_text, symbol
@@ -165,6 +166,7 @@ def rule(source=None, *, name: str | None = None, hyper: dict | None = None, sta
     rule_name = name or getattr(source, "__name__", None) or "rule"
     try:
         lines = None
+        restart_draws()
         if callable(source):
             text, statements, env = _trace_optim(source, lang, hyper, state)
         else:
@@ -218,7 +220,9 @@ def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement
     if not draws:
         return statements, env
     order = sorted(draws, key=lambda d: d.index)
-    mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order)}
+    mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order) if d.index != i}
+    if not mapping:
+        return statements, env
     statements = [Statement(s.target, s.expr.xreplace(mapping), s.line, s.col) for s in statements]
     env = {n: e.xreplace(mapping) if isinstance(e, sympy.Basic) else e for n, e in env.items()}
     return statements, env

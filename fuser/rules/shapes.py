@@ -107,6 +107,10 @@ def _matrix_kind(e, args: list[str]) -> str:
         if args[0] not in (ROW, COL):
             raise RuleError(f"sort_perm() takes a value per row or per column, not {DESCRIBE[args[0]]}")
         return ROWMAT if args[0] == ROW else COLMAT
+    if isinstance(e, mx.ArgmaxOnehot):
+        if args[0] not in (ROW, COL):
+            raise RuleError(f"argmax_onehot() takes a value per row or per column, not {DESCRIBE[args[0]]}")
+        return args[0]
     if args[0] not in _SQUARE:
         raise RuleError(f"{name}() takes a [rows, rows] or [cols, cols] matrix, not {DESCRIBE[args[0]]}")
     if isinstance(e, mx.Trace):

@@ -113,3 +113,34 @@ def test_sort_perm_products_follow_explicit_permutation_matrices(device):
     assert not torch.equal(P, torch.eye(5, dtype=torch.float64))  # (a permutation that moves rows)
     want = P.T @ gd @ C + 2 * P @ gd @ C.T + 3 * torch.diag(P.T @ gd @ gd.T @ P).unsqueeze(1)
     assert (p.double().cpu() - want).norm() / want.norm() < 1e-6
+
+
+ARGMAX = fuser.rule(
+    """
+    L = g @ transpose(g)
+    R = transpose(g) @ g
+    p = L @ argmax_onehot(rowsum(g)) + 2 * (R @ argmax_onehot(diag(R)))
+    """,
+    name="argmax",
+    hyper=dict(),
+)
+
+
+def test_argmax_onehot_picks_the_first_largest_row_and_column(device):
+    # Rows 1 and 3 have the largest sum, 8 exactly in fp32, and differ: the first of them is
+    # picked; the column of R = GᵀG of largest diagonal is G's column of largest norm.
+    g = torch.rand(5, 4)
+    g[1], g[3] = torch.tensor([3.0, 1.0, 2.0, 2.0]), torch.tensor([2.0, 2.0, 1.0, 3.0])
+    p = torch.zeros(5, 4).to(device)
+    p.grad = g.to(device)
+    fuser.compile(ARGMAX)([p]).step()
+    gd = g.double()
+    L, R = gd @ gd.T, gd.T @ gd
+    j = int(torch.diag(R).argmax())
+    want = L[:, 1].unsqueeze(1) + 2 * R[:, j].unsqueeze(0)
+    assert (p.double().cpu() - want).norm() / want.norm() < 1e-6
+
+
+def test_argmax_onehot_of_a_value_per_element_is_a_rule_error():
+    with pytest.raises(fuser.RuleError, match=r"line 1, column 1: argmax_onehot\(\) takes a value per row"):
+        fuser.rule("p = p - lr * argmax_onehot(g)", name="bad", hyper=dict(lr=0.1))

@@ -4,7 +4,9 @@ fuser runs the rule on fp32 parameters; the reference runs on float64 copies of 
 starting point. Both see the same fresh, nonzero random gradients for several steps, and
 the parameters (and the states both keep) must agree to a relative error of 1e-6, or the
 entry's ``rtol`` where fuser's bf16 Newton–Schulz sets it, against the references'
-iteration run in float64 (its states from a Newton–Schulz result to ``NS_RTOL``)."""
+iteration run in float64 (its states from a Newton–Schulz result to ``NS_RTOL``). A rule
+that draws ``randn()`` (PSGD Kron's probes) has its reference's ``torch.randn_like`` return
+the rule's own draws, rebuilt in float64 from the documented generator."""
 
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+from test_matrix_draws import documented_draws  # noqa: E402
 from test_muon import exact_newton_schulz  # noqa: E402
 from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
@@ -37,6 +40,38 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).norm().item() / (scale if scale > 0 else 1.0)
 
 
+def reference_state(state: dict, key):
+    """A reference's state ``key``, or ``(key, i)``: the ``i``-th tensor of a list (Kron's Q)."""
+    return state[key] if isinstance(key, str) else state[key[0]][key[1]]
+
+
+def rule_probes(opt, step: int, params) -> list[torch.Tensor]:
+    """Each tensor's first ``randn()`` of ``step``, rebuilt in float64 from the generator as
+    docs/rules.md documents it (``t`` the tensor's position in the optimizer)."""
+    return [
+        documented_draws(opt.options.seed, step, t, p.numel(), 0, normal=True).reshape(p.shape)
+        for t, p in enumerate(params)
+    ]
+
+
+def reference_step(ref, monkeypatch, probes=None) -> None:
+    """``ref.step()``; with ``probes``, its ``torch.randn_like`` calls (PSGD's, one per tensor
+    it refreshes, in order) return them instead of torch's draws."""
+    if probes is None:
+        ref.step()
+        return
+    left = list(probes)
+
+    def randn_like(x, *, dtype=None, **_):
+        v = left.pop(0)
+        assert v.shape == x.shape, (v.shape, x.shape)
+        return v.to(dtype or x.dtype)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "randn_like", randn_like)
+        ref.step()
+
+
 def _cases():
     for name in sorted(ZOO):
         bug = ZOO[name].fuser_bug
@@ -50,6 +85,8 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
     entry = ZOO[name]
     if "orthogonalize(" in entry.rule.text:
         exact_newton_schulz(monkeypatch)
+    # A rule's probes are given to its reference in place of torch's draws (PSGD's).
+    probes = "randn()" in entry.rule.text
     shapes = entry.shapes or SHAPES
     start = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(STEPS)]
@@ -63,7 +100,7 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
             p.grad = g.to(device)
             q.grad = g.clone().double()
         opt.step()
-        ref.step()
+        reference_step(ref, monkeypatch, rule_probes(opt, step, ours) if probes else None)
         for i, (p, q) in enumerate(zip(ours, theirs)):
             err = relative_error(p, q)
             assert err <= entry.rtol, (
@@ -71,7 +108,7 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
             )
             for keys, rtol in ((entry.states, entry.state_rtol), (entry.ns_states, NS_RTOL)):
                 for ours_key, ref_key in keys.items():
-                    err = relative_error(opt.state[p][ours_key], ref.state[q][ref_key])
+                    err = relative_error(opt.state[p][ours_key], reference_state(ref.state[q], ref_key))
                     assert err <= rtol, f"{name}: state {ours_key!r} of parameter {i}, step {step}: {err:.2e}"
     assert all(not torch.equal(p.cpu(), s) for p, s in zip(ours, start)), f"{name}: a parameter never moved"
 
@@ -165,3 +202,63 @@ def test_d_adaptation_follows_its_reference_as_d_grows(name, device):
     assert d_ref >= 2 * d_start, (
         f"{name}: d went from {d_start:.3g} to {d_ref:.3g}; the test needs it to grow"
     )
+
+
+def _kron_against_reference(monkeypatch, device, hyper, reference_kwargs, states, steps):
+    """The kron rule and pytorch-optimizer's Kron (float64, fed the rule's probes) over
+    ``steps``: the largest relative error of the parameters and of ``states``."""
+    entry = ZOO["kron"]
+    start = [torch.randn(s) for s in entry.shapes]
+    ours = [p.clone().to(device) for p in start]
+    theirs = [p.clone().double() for p in start]
+    opt = fuser.compile(entry.rule)(ours, **hyper)
+    ref = pytorch_optimizer.load_optimizer("kron")(
+        theirs, precondition_dtype=torch.float64, **reference_kwargs
+    )
+    worst = [0.0, 0.0]
+    for step in range(1, steps + 1):
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape) + 0.1
+            p.grad, q.grad = g.to(device), g.double()
+        opt.step()
+        reference_step(ref, monkeypatch, rule_probes(opt, step, ours))
+        for p, q in zip(ours, theirs):
+            worst[0] = max(worst[0], relative_error(p, q))
+            for ours_key, ref_key in states.items():
+                got, want = opt.state[p][ours_key], reference_state(ref.state[q], ref_key)
+                worst[1] = max(worst[1], relative_error(got, want))
+    assert all(not torch.equal(p.cpu(), s) for p, s in zip(ours, start)), "a parameter never moved"
+    return worst
+
+
+def test_kron_follows_its_reference_on_its_default_schedule(device, monkeypatch):
+    # The zoo entry refreshes every other step (a fixed probability 0.5) and balances; here the
+    # default schedule refreshes every step (prob 1 before step 500) with no balancing, coupled
+    # weight decay, maximize, and the gradient (not the momentum) fitted.
+    flags = dict(weight_decay=0.1, weight_decouple=0.0, maximize=1.0, momentum_into_precondition_update=0.0)
+    worst = _kron_against_reference(
+        monkeypatch,
+        device,
+        dict(lr=0.1, balance_prob=0.0, **flags),
+        dict(
+            lr=0.1, balance_prob=0.0, **{k: bool(v) if k != "weight_decay" else v for k, v in flags.items()}
+        ),
+        dict(momentum_buffer="momentum_buffer", QL=("Q", 0), QR=("Q", 1)),
+        steps=3,
+    )
+    assert max(worst) <= RTOL, worst
+
+
+def test_kron_balances_every_refresh_with_the_parameters_of_its_random_reference(device, monkeypatch):
+    # With the default balance_prob=0.01 the reference balances a refresh when np.random's
+    # coin says so (here: no step of these three), the rule on every refresh. Balancing scales
+    # QL and QR by reciprocal numbers, so the parameters still agree; the factors do not.
+    np = pytest.importorskip("numpy")
+    np.random.seed(0)
+    assert all(np.random.random() >= 0.01 for _ in range(3))
+    np.random.seed(0)
+    worst = _kron_against_reference(
+        monkeypatch, device, dict(lr=0.1), dict(lr=0.1), dict(QL=("Q", 0)), steps=3
+    )
+    assert worst[0] <= RTOL, worst
+    assert worst[1] > 1e-3, worst  # (the factors were balanced: the comparison is not vacuous)
