@@ -9,7 +9,8 @@ Workloads:
   4.1.0's `SOAP`, all with the same betas, `precondition_frequency` and a dimension limit of
   10000 (the embedding's and head's 32000 rows take no factor in any of them);
 - `psgdkron_llama1b`: `fuser.optim.PSGDKron` beside heavyball's `PSGDKron` and kron-torch
-  0.3.3's `Kron`, each at its defaults;
+  0.3.3's `Kron`, and the zoo's Kron rule beside pytorch-optimizer's `Kron`, each at its
+  defaults;
 - `shampoo_llama1b`: `fuser.optim.Shampoo` (where it exists) beside pytorch-optimizer's
   `ScalableShampoo`, both recomputing their roots every `--interval` steps.
 
@@ -98,6 +99,21 @@ def _soap_rule(ps, interval: int):
     return opt_cls(groups, precondition_frequency=float(interval), max_matrix_dim=MAX_DIM, **hyper)
 
 
+def _kron_rule(ps):
+    """The zoo's Kron rule (pytorch-optimizer's ``Kron`` at its defaults, which it is checked
+    against): 1-D parameters without factors; a side over 8192 (the embedding's and head's
+    32000 rows) has no factor, where the reference keeps a diagonal one."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from zoo import ZOO
+
+    groups = [
+        dict(params=[p for p in ps if p.dim() >= 2]),
+        dict(params=[p for p in ps if p.dim() < 2], max_matrix_dim=1),
+    ]
+    opt_cls = fuser.compile(ZOO["kron"].rule)
+    return opt_cls([g for g in groups if g["params"]], max_matrix_dim=8192)
+
+
 def _heavyball():
     import heavyball
     import heavyball.utils
@@ -122,6 +138,8 @@ def builds(workload: str, interval: int) -> dict:
         )
     elif workload == "psgdkron_llama1b":
         out["fuser.optim.PSGDKron"] = lambda ps: fuser.optim.PSGDKron(ps)
+        out["fuser Kron rule (examples/zoo.py)"] = _kron_rule
+        out[f"pytorch_optimizer {_version('pytorch_optimizer')} Kron"] = lambda ps: _po().Kron(ps)
         out[f"heavyball {_version('heavyball')} PSGDKron"] = lambda ps: _heavyball().PSGDKron(ps)
 
         def kron(ps):

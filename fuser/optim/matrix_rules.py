@@ -577,7 +577,10 @@ class _Batch:
 
     def run(self):
         buffers = defaultdict(dict)
-        roots = [*self.program.boundaries, *(e for _, e in self.program.matrix_outputs)]
+        # (a state of a side with no factor is the identity, whatever its rule computes: a
+        # gate of one number per tensor, PSGD's counter, would otherwise build that side's value)
+        outputs = [(s, e) for s, e in self.program.matrix_outputs if symbol(s) in self.shapes]
+        roots = [*self.program.boundaries, *(e for _, e in outputs)]
         self.uses = self.count_uses(roots)
         for value, name in self.program.boundaries.items():
             v = self.ev(value)
@@ -589,7 +592,7 @@ class _Batch:
             for a, c, (_, p, _, _) in zip(self.starts, self.counts, self.members):
                 buffers[p][name] = v[a : a + c].reshape(p.shape).contiguous()
         new = []
-        for s, value in self.program.matrix_outputs:
+        for s, value in outputs:
             v = self.ev(value)
             self.release(value)
             if isinstance(v, Identity) and v.absorbing:

@@ -75,3 +75,39 @@ def test_state_dict_keeps_the_phase_states(device):
     opt.step()
     again.step()
     assert torch.equal(p, q) and torch.equal(opt.state[p]["bound"], again.state[q]["bound"])
+
+
+def test_a_side_without_a_factor_stays_the_identity_under_a_per_tensor_gate(device):
+    # The gate reads a state of one number per tensor, so both branches are values of the
+    # stack; a side over max_matrix_dim (rows 7 and 9 > 4) must still be the identity.
+    rule = fuser.rule(
+        """
+        c = c + 1
+        L = where(c > 1.5, L + g @ transpose(g), L * 2)
+        p = p - lr * L @ g
+        """,
+        name="gated",
+        hyper=dict(lr=0.1),
+        state=dict(c=0.0, L="eye(rows)"),
+    )
+    shapes = [(7, 3), (9, 2), (3, 5)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    ps = [x.clone().to(device) for x in start]
+    opt = fuser.compile(rule)(ps, max_matrix_dim=4)
+    for gs in grads:
+        for p, g in zip(ps, gs):
+            p.grad = g.to(device)
+        opt.step()
+    for k in (0, 1):  # (no factor: the identity, times the 2 of the first step's branch)
+        want = start[k].double() - 0.1 * sum((2 if i == 0 else 1) * gs[k].double() for i, gs in enumerate(grads))
+        assert opt.state[ps[k]]["L"].numel() == 0
+        assert (ps[k].double().cpu() - want).norm() / want.norm() < 1e-6
+    L = torch.eye(3, dtype=torch.float64)
+    want = start[2].double()
+    for i, gs in enumerate(grads):
+        g = gs[2].double()
+        L = L * 2 if i == 0 else L + g @ g.T
+        want = want - 0.1 * L @ g
+    assert (ps[2].double().cpu() - want).norm() / want.norm() < 1e-5
+    assert (opt.state[ps[2]]["L"].double().cpu() - L).norm() / L.norm() < 1e-6
