@@ -56,7 +56,7 @@ from fuser.rules.functions import Mean as _Mean
 from fuser.rules.functions import Sum as _Sum
 from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
-from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, state_kinds
+from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, product_kind, state_kinds
 from fuser.runtime.distributed import DTensor
 from fuser.runtime.matrix import workspace_budget
 from fuser.runtime.plans import Options, dtype_plan, plan_and_sources
@@ -446,6 +446,34 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = torch.zeros(*lead, n, n, device=device)
 
 
+def _chain_order(dims: list, kinds: list):
+    """The multiplication order of fewest flops of factors of sizes ``dims`` (``(rows, cols)``
+    each) whose every partial product is a kind of value (``product_kind``): a tree of
+    factor indices (``((0, 1), 2)`` is left to right), or None if none is."""
+    n = len(dims)
+    best = {(i, i): (0, i, kinds[i]) for i in range(n)}  # (flops, tree, kind)
+    for width in range(2, n + 1):
+        for i in range(n - width + 1):
+            j = i + width - 1
+            for k in range(i, j):
+                left, right = best.get((i, k)), best.get((k + 1, j))
+                kind = left and right and product_kind(left[2], right[2])
+                if not kind:
+                    continue
+                flops = left[0] + right[0] + dims[i][0] * dims[k][1] * dims[j][1]
+                if (i, j) not in best or flops < best[(i, j)][0]:
+                    best[(i, j)] = (flops, (left[1], right[1]), kind)
+    return best[(0, n - 1)][1] if (0, n - 1) in best else None
+
+
+def _is_left_to_right(tree) -> bool:
+    while isinstance(tree, tuple):
+        if not isinstance(tree[1], int):
+            return False
+        tree = tree[0]
+    return True
+
+
 def _quadratic_form(e):
     """``(Q, M)`` where ``e`` is ``diag(transpose(Q) @ M @ Q)``, else None."""
     if not isinstance(e, mx.Diag):
@@ -751,6 +779,8 @@ class _Batch:
     def _matrix(self, e):
         kind = self.program.kind(e)
         quadratic = self._quadratic(e, kind)
+        if quadratic is None:
+            quadratic = self._diagonal_of_product(e)
         if quadratic is not None:
             return quadratic
         if kind in (mx.ROWMAT, mx.COLMAT) and self.side(kind) > self.limit:
@@ -762,6 +792,10 @@ class _Batch:
                 return Identity(self.side(kind), True)
         if isinstance(e, mx.Eye):
             return Identity(self.rows if e.args[0].name == "rows" else self.cols)
+        if isinstance(e, mx.MatMul):
+            chained = self._chain(e)
+            if chained is not None:
+                return chained
         args = [self.ev(a) for a in e.args]
         if isinstance(e, mx.Solve):
             return self._solve(e, *args)
@@ -822,6 +856,23 @@ class _Batch:
         d = (q * torch.matmul(m, q)).sum(-2)
         return d.unsqueeze(-1) if kind == ROW else d.unsqueeze(-2)
 
+    def _diagonal_of_product(self, e):
+        """``diag(A @ B)`` as the row sums of ``A * Bᵀ`` where nothing else reads ``A @ B``:
+        ``k²`` a side, not a ``k³`` product (PSGD's power-iteration start); None otherwise."""
+        ab = e.args[0] if isinstance(e, mx.Diag) else None
+        if not isinstance(ab, mx.MatMul) or self.uses.get(ab, 0) != 1 or ab in self.memo:
+            return None
+        kind = self.program.kind(ab)
+        if self.side(kind) > self.limit:
+            return None
+        a, b = (self.ev(x) for x in ab.args)
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return None  # (an identity or a permutation: the product as usual)
+        d = (a * b.mT).sum(-1)
+        for x in _children(ab):  # (the product's turn as their reader)
+            self.release(x)
+        return d.unsqueeze(-1) if kind == mx.ROWMAT else d.unsqueeze(-2)
+
     def _product(self, e, a, b):
         """``a @ b``: an identity skipped, a permutation gathered, else batched matmul."""
         if isinstance(a, Identity):
@@ -837,6 +888,49 @@ class _Batch:
         if kb == COL:  # a column value is [n, 1, cols]: as a vector [n, cols, 1]
             return torch.matmul(a, torch.as_tensor(b).mT).mT
         return torch.matmul(a, b)
+
+    def _chain(self, e):
+        """``e``, a product of three or more factors whose inner products nothing else reads,
+        multiplied in the order of fewest flops for this stack's sizes (``transpose(QL) @ QL
+        @ m`` as ``QLᵀ (QL m)``: ``r² c`` twice, not ``r³ + r² c``); None where the written
+        order is that order, or a factor is an identity, a permutation or a number."""
+        leaves, inner = self._chain_factors(e)
+        if len(leaves) < 3:
+            return None
+        dims = {mx.ROWMAT: (self.rows, self.rows), mx.COLMAT: (self.cols, self.cols), ELEMENT: (self.rows, self.cols)}
+        dims.update({mx.ELEMENT_T: (self.cols, self.rows), ROW: (self.rows, 1), COL: (self.cols, 1)})
+        kinds = [self.program.kind(x) for x in leaves]
+        order = _chain_order([dims[k] for k in kinds], kinds) if all(k in dims for k in kinds) else None
+        values = [self.ev(x) for x in leaves]
+        if order is None or _is_left_to_right(order) or not all(torch.is_tensor(v) for v in values):
+            return None  # (the written order: its inner products evaluate as usual)
+        mats = [v.mT if k == COL else v for v, k in zip(values, kinds)]  # (a column value as [cols, 1])
+
+        def product(tree):
+            return mats[tree] if isinstance(tree, int) else torch.matmul(product(tree[0]), product(tree[1]))
+
+        out = product(order)
+        for node in inner:  # (their readers' turn: the factors they would have read)
+            for a in _children(node):
+                self.release(a)
+        return out.mT if self.program.kind(e) == COL else out
+
+    def _chain_factors(self, e) -> tuple[list, list]:
+        """The factors of the product ``e`` through the inner products only it reads, left to
+        right, and those inner products."""
+        leaves, inner = [], []
+
+        def walk(x):
+            if isinstance(x, mx.MatMul) and (x is e or (self.uses.get(x, 0) == 1 and x not in self.memo)):
+                if x is not e:
+                    inner.append(x)
+                walk(x.args[0])
+                walk(x.args[1])
+            else:
+                leaves.append(x)
+
+        walk(e)
+        return leaves, inner
 
     def _solve(self, e, a, b):
         """``A⁻¹ B`` per matrix of the stack (``Solve``), retried in fp64 where not finite,

@@ -73,6 +73,13 @@ _PRODUCTS = {
     (ROWMAT, ROW): ROW,
     (COLMAT, COL): COL,
 }
+
+
+def product_kind(a: str, b: str) -> str | None:
+    """The kind of ``a @ b`` for operands of kinds ``a`` and ``b`` (None: sizes that do not match)."""
+    return _PRODUCTS.get((a, b))
+
+
 _TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT}
 _SQUARE = (ROWMAT, COLMAT)
 
