@@ -446,6 +446,16 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = torch.zeros(*lead, n, n, device=device)
 
 
+def _uniform(c):
+    """A condition of one number per matrix that is the same for every matrix of the stack
+    (PSGD's refresh counter, a state per tensor that all step alike) as that bool, so that
+    ``where`` evaluates only the branch it takes (one host sync); else ``c``."""
+    if not torch.is_tensor(c) or c.dim() < 2 or c.shape[-2:] != (1, 1) or c.numel() == 0:
+        return c
+    flat = c.flatten()
+    return bool(flat[0]) if bool((flat == flat[0]).all()) else c
+
+
 def _chain_order(dims: list, kinds: list):
     """The multiplication order of fewest flops of factors of sizes ``dims`` (``(rows, cols)``
     each) whose every partial product is a kind of value (``product_kind``): a tree of
@@ -721,7 +731,7 @@ class _Batch:
         out = None
         pending = []  # (value, condition tensor) still to combine
         for value, cond in e.args:
-            c = self.ev(cond)
+            c = _uniform(self.ev(cond))
             if isinstance(c, bool):
                 if c:
                     out = self.ev(value)

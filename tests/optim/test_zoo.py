@@ -249,6 +249,29 @@ def test_kron_follows_its_reference_on_its_default_schedule(device, monkeypatch)
     assert max(worst) <= RTOL, worst
 
 
+def test_kron_fits_on_refresh_steps_only(monkeypatch):
+    # Its counter is a state per tensor, the same for every tensor: its gate takes one branch,
+    # so the fit's triangular solves (2 a tensor) run on refresh steps (2 and 4 at 0.5) only.
+    ps = [torch.randn(s) for s in ((7, 5), (5, 7), (7, 5))]
+    opt = fuser.compile(ZOO["kron"].rule)(ps, update_prob_max=0.5, update_prob_min=0.5)
+    solve, calls = torch.linalg.solve_triangular, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "solve_triangular", counted)
+    per_step = []
+    for _ in range(5):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        calls.clear()
+        opt.step()
+        per_step.append(len(calls))
+    # (the two (7, 5) tensors share a stack: one batched solve for both, on each side)
+    assert per_step[0] == per_step[2] == per_step[4] == 0 and per_step[1] == per_step[3] > 0, per_step
+
+
 def test_kron_balances_every_refresh_with_the_parameters_of_its_random_reference(device, monkeypatch):
     # With the default balance_prob=0.01 the reference balances a refresh when np.random's
     # coin says so (here: no step of these three), the rule on every refresh. Balancing scales
