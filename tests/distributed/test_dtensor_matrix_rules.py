@@ -17,7 +17,6 @@ one process whatever the sizes."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 import warnings
@@ -35,8 +34,9 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from published import assert_state, kinds, local_value, rows_of  # noqa: E402
-from seeds import session_seed  # noqa: E402
+import precond_ranks  # noqa: E402
+from precond_ranks import data, one_thread  # noqa: E402
+from published import local_value, rows_of  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
@@ -79,7 +79,6 @@ LAYOUTS = [
 # each sharded parameter to the rank owning the fewest elements so far (66, 35, 25, 5, 6,
 # 66 elements), which alone holds its states; the other rank holds the marker
 OWNERS = [0, 1, 1, 1, 1, None, 0]
-STEPS = 3  # then one more after loading the state dict
 
 
 @functools.cache
@@ -91,156 +90,26 @@ def make(name, params):
     return optimizer_class(name)(params, max_matrix_dim=6, **HYPER[name])
 
 
-def data(layouts=LAYOUTS, steps=STEPS + 1, salt=1357):
-    gen = torch.Generator().manual_seed(session_seed(salt))
-    params = [torch.randn(shape, generator=gen) for shape, _ in layouts]
-    grads = [[torch.randn(shape, generator=gen) for shape, _ in layouts] for _ in range(steps)]
-    return params, grads
-
-
-def _next_step(name, mesh, params, grads, load, warm=False) -> list[torch.Tensor]:
-    """A new optimizer on copies of ``params``, its state from ``load(model, optimizer)``:
-    this rank's shards after its next step. ``warm``: a step at lr 0 first, which changes
-    no parameter (DCP's set_optimizer_state_dict would otherwise step it on zero
-    gradients)."""
-    again = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = make(name, again)
-    if warm:
-        for p in again:
-            p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
-        for group in opt.param_groups:
-            group["lr"] = 0.0
-        opt.step()
-    load(torch.nn.ParameterList(again), opt)
-    for p, g, (_, pl) in zip(again, grads, LAYOUTS):
-        p.grad = distribute_tensor(g, mesh, [pl])
-    opt.step()
-    return [p.to_local().clone() for p in again]
-
-
 def worker(rank, world, name, path, whole_sd):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    full, grads = data()
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [pl])) for t, (_, pl) in zip(full, LAYOUTS)]
-    opt = make(name, params)
-    collectives = []
-    for step_grads in grads[:STEPS]:
-        for p, g, (_, pl) in zip(params, step_grads, LAYOUTS):
-            p.grad = distribute_tensor(g, mesh, [pl])
-        before = fuser.stats()["collectives"]
-        opt.step()
-        collectives.append(fuser.stats()["collectives"] - before)
-    marks = [opt.state[p].get("whole_on_rank") for p in params]
-    holds = ["m" in opt.state[p] for p in params]
-    sd = opt.state_dict()
-    states = {pid: {k: local_value(v) for k, v in st.items()} for pid, st in sd["state"].items()}
-    types = {pid: {k: kinds(v) for k, v in st.items()} for pid, st in sd["state"].items()}
-    dcp.save({"optim": sd}, checkpoint_id=path)
-    # the next step of new optimizers loaded from DCP's state dict of this one (by
-    # parameter names), and from the single process's state dict of whole tensors
-    model = torch.nn.ParameterList(params)
-    named = get_optimizer_state_dict(model, opt)
-    nexts = [
-        _next_step(
-            name, mesh, params, grads[STEPS], lambda m, o: set_optimizer_state_dict(m, o, named), True
-        ),
-        # (copied: the ranks' arguments share memory with the test process's tensors)
-        _next_step(name, mesh, params, grads[STEPS], lambda m, o: o.load_state_dict(copy.deepcopy(whole_sd))),
-    ]
-    return dict(
-        params=[p.to_local().clone() for p in params],
-        nexts=nexts,
-        states=states,
-        kinds=types,
-        collectives=collectives,
-        marks=marks,
-        holds=holds,
-    )
-
-
-def one_thread(fn):
-    """``fn()`` on one thread, as the ranks run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def single_process(name):
-    """The optimizer on whole tensors in one process: its state dict and parameters after
-    ``STEPS`` steps (copies), and its parameters after one more."""
-    full, grads = data()
-    params = [torch.nn.Parameter(t.clone()) for t in full]
-    opt = make(name, params)
-    for step, step_grads in enumerate(grads):
-        if step == STEPS:
-            sd, before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
-        one_thread(opt.step)
-    return sd, before, [p.detach() for p in params]
+    return precond_ranks.worker(rank, world, functools.partial(make, name), LAYOUTS, "m", path, whole_sd)
 
 
 @pytest.mark.parametrize("name", list(RULES))
 def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
     path = str(tmp_path / "dcp")
-    sd, params, then = single_process(name)
+    sd, params, then = precond_ranks.single_process(functools.partial(make, name), LAYOUTS)
     ranks = run_ranks(worker, name, path, sd)
-    world = len(ranks)
     for rank, got in enumerate(ranks):
         assert got["holds"] == [o in (None, rank) for o in OWNERS], (rank, got["holds"])
         assert got["marks"] == [None if o in (None, rank) else o for o in OWNERS], (rank, got["marks"])
-        # an all_to_all to the owners and one back, for all row-sharded parameters
-        assert got["collectives"] == [2] * STEPS, got["collectives"]
-        for i, ((shape, pl), p) in enumerate(zip(LAYOUTS, params)):
-            what = f"{name}, rank {rank}, parameter {i} {shape} {pl}"
-            assert torch.equal(got["params"][i], rows_of(p, pl, rank, world)), what
-            for how, shards in zip(("DCP's state dict", "whole state dict"), got["nexts"]):
-                assert torch.equal(shards[i], rows_of(then[i], pl, rank, world)), f"{what}, {how}"
-            st = sd["state"][i]
-            assert set(got["states"][i]) == set(st), what
-            for key, value in st.items():
-                like_p = key in ELEMENT_STATES[name]
-                kind = got["kinds"][i][key]
-                assert kind == ("DTensor" if like_p else "Tensor"), (what, key, kind)
-                assert_state(got["states"][i][key], value, rank, world, pl if like_p else None, (what, key))
-    _load_checkpoint_into_one_process(name, path, sd, params, then)
 
+    def kind_of(key, value, p):
+        return "DTensor" if key in ELEMENT_STATES[name] else "Tensor"
 
-def _load_checkpoint_into_one_process(name, path, reference, reference_params, then):
-    """The 2 ranks' checkpoint loaded by DCP into an optimizer on whole tensors whose
-    states differ (one step from other gradients): it then holds the reference's states,
-    and its next step is the reference's."""
-    import torch.distributed.checkpoint as dcp
-
-    params = [torch.nn.Parameter(p.clone()) for p in reference_params]
-    opt = make(name, params)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    for p, q in zip(params, reference_params):
-        p.data.copy_(q)
-    template = opt.state_dict()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"optim": template}, checkpoint_id=path, no_dist=True)
-    opt.load_state_dict(template)
-    loaded, want = opt.state_dict()["state"], reference["state"]
-    for i in range(len(params)):
-        assert set(loaded[i]) == set(want[i]), (name, i)
-        for key, value in want[i].items():
-            assert_state(local_value(loaded[i][key]), value, 0, 1, None, (name, i, key))
-    for p, g in zip(params, data()[1][STEPS]):
-        p.grad = g
-    one_thread(opt.step)
-    for i, (p, want) in enumerate(zip(params, then)):
-        assert torch.equal(p.detach(), want), (name, i, "the step after loading")
+    precond_ranks.assert_ranks_follow(ranks, name, LAYOUTS, sd, params, then, kind_of)
+    precond_ranks.load_checkpoint_into_one_process(
+        functools.partial(make, name), LAYOUTS, name, path, sd, params, then
+    )
 
 
 def refused_worker(rank, world):
