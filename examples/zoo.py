@@ -1781,7 +1781,9 @@ _add(
 # Kron's preconditioner refresh: a counter of the steps since the last one reaches
 # 1 / prob (the reference's update_counter, one number per tensor here).
 _KRON_UPDATE = "(prob > 0) and ((update_counter + 1) * prob >= 1)"
-_KRON = """
+# The lines both factor forms share: momentum, the fit's target, the refresh probability
+# and the balancing of the left and right factors {L} and {R}.
+_KRON_PRELUDE = """
     tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
     gs = (1 - 2 * maximize) * g
     gd = gs + (1 - weight_decouple) * weight_decay * p
@@ -1790,12 +1792,15 @@ _KRON = """
     target = momentum_into_precondition_update * m + (1 - momentum_into_precondition_update) * gd
     prob = clamp(update_prob_max * exp(-update_prob_decay * (step - 1 - update_prob_flat_start)),
                  update_prob_min, update_prob_max)
-    nl = amax(abs(QL))
-    nr = amax(abs(QR))
-    QL = where(UPDATE and (balance_prob > 0), QL * (sqrt(nl * nr) / nl), QL)
-    QR = where(UPDATE and (balance_prob > 0), QR * (sqrt(nl * nr) / nr), QR)
+    nl = amax(abs({L}))
+    nr = amax(abs({R}))
+    {L} = where(UPDATE and (balance_prob > 0), {L} * (sqrt(nl * nr) / nl), {L})
+    {R} = where(UPDATE and (balance_prob > 0), {R} * (sqrt(nl * nr) / nr), {R})
     V = randn()
-    A = QL @ target @ transpose(QR)
+"""
+_KRON = (
+    _KRON_PRELUDE.format(L="QL", R="QR")
+    + """    A = QL @ target @ transpose(QR)
     B = transpose(solve_lower(transpose(QR), transpose(solve_lower(transpose(QL), V))))
     AL = A @ transpose(A)
     BL = B @ transpose(B)
@@ -1813,7 +1818,8 @@ _KRON = """
     u = transpose(QL) @ QL @ m @ transpose(QR) @ QR
     u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
     p = p - lr * (u + weight_decouple * weight_decay * p)
-    """.replace("UPDATE", _KRON_UPDATE)
+    """
+).replace("UPDATE", _KRON_UPDATE)
 
 _add(
     "kron",
@@ -1886,21 +1892,9 @@ _add(
 
 # memory_save_mode="all_diag": each factor a diagonal, one number per row (column) of the
 # tensor, fitted by the same step with sums over the other side.
-_KRON_ALL_DIAG = """
-    tiny = 1.1754943508222875e-38  # the reference's eps (bfloat16's smallest normal)
-    gs = (1 - 2 * maximize) * g
-    gd = gs + (1 - weight_decouple) * weight_decay * p
-    momentum_buffer = momentum * momentum_buffer + (1 - momentum) * gd
-    m = momentum_buffer / (1 - momentum**step)
-    target = momentum_into_precondition_update * m + (1 - momentum_into_precondition_update) * gd
-    prob = clamp(update_prob_max * exp(-update_prob_decay * (step - 1 - update_prob_flat_start)),
-                 update_prob_min, update_prob_max)
-    nl = amax(abs(dl))
-    nr = amax(abs(dr))
-    dl = where(UPDATE and (balance_prob > 0), dl * (sqrt(nl * nr) / nl), dl)
-    dr = where(UPDATE and (balance_prob > 0), dr * (sqrt(nl * nr) / nr), dr)
-    V = randn()
-    A = dl * target * dr
+_KRON_ALL_DIAG = (
+    _KRON_PRELUDE.format(L="dl", R="dr")
+    + """    A = dl * target * dr
     B = V / dl / dr
     al = rowsum(A**2)
     bl = rowsum(B**2)
@@ -1912,7 +1906,8 @@ _KRON_ALL_DIAG = """
     u = dl**2 * m * dr**2
     u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
     p = p - lr * (u + weight_decouple * weight_decay * p)
-    """.replace("UPDATE", _KRON_UPDATE)
+    """
+).replace("UPDATE", _KRON_UPDATE)
 
 _add(
     "kron_all_diag",
