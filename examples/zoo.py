@@ -1798,6 +1798,12 @@ _KRON_PRELUDE = """
     {R} = where(UPDATE and (balance_prob > 0), {R} * (sqrt(nl * nr) / nr), {R})
     V = randn()
 """
+# Their common end: the refresh counter, the update {u} clipped to an RMS of 1.1, weight decay.
+_KRON_CLOSE = """    update_counter = where(UPDATE, 0, update_counter + 1)
+    u = {u}
+    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
+    p = p - lr * (u + weight_decouple * weight_decay * p)
+    """
 _KRON = (
     _KRON_PRELUDE.format(L="QL", R="QR")
     + """    A = QL @ target @ transpose(QR)
@@ -1814,11 +1820,8 @@ _KRON = (
     xr = SR @ (SR @ argmax_onehot(diag(SR @ SR)))
     boundr = amax(abs(AR + BR)) * norm(SR @ xr) / norm(xr)
     QR = where(UPDATE, QR - triu(precondition_lr * (AR - BR)) / (boundr + tiny) @ QR, QR)
-    update_counter = where(UPDATE, 0, update_counter + 1)
-    u = transpose(QL) @ QL @ m @ transpose(QR) @ QR
-    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
-    p = p - lr * (u + weight_decouple * weight_decay * p)
-    """
+"""
+    + _KRON_CLOSE.format(u="transpose(QL) @ QL @ m @ transpose(QR) @ QR")
 ).replace("UPDATE", _KRON_UPDATE)
 
 _add(
@@ -1902,11 +1905,8 @@ _KRON_ALL_DIAG = (
     br = colsum(B**2)
     dl = where(UPDATE, dl - precondition_lr * (al - bl) * dl / (amax(abs(al + bl)) + tiny), dl)
     dr = where(UPDATE, dr - precondition_lr * (ar - br) * dr / (amax(abs(ar + br)) + tiny), dr)
-    update_counter = where(UPDATE, 0, update_counter + 1)
-    u = dl**2 * m * dr**2
-    u = u * minimum(1.1 / (sqrt(mean(u**2)) + 1e-6), 1)
-    p = p - lr * (u + weight_decouple * weight_decay * p)
-    """
+"""
+    + _KRON_CLOSE.format(u="dl**2 * m * dr**2")
 ).replace("UPDATE", _KRON_UPDATE)
 
 _add(

@@ -13,7 +13,7 @@ import warnings
 import torch
 from published import assert_state, kinds, local_value, rows_of
 from seeds import session_seed
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import fuser
 
@@ -170,3 +170,31 @@ def load_checkpoint_into_one_process(make, layouts, name, path, reference, refer
     one_thread(opt.step)
     for i, (p, want) in enumerate(zip(params, then)):
         assert torch.equal(p.detach(), want), (name, i, "the step after loading")
+
+
+def refused_layouts(rank, mesh):
+    """Makers of (6, 8) tensors sharded other than by torch.chunk's rows: by columns, and
+    by rows split 2 + 4 instead of 3 + 3."""
+    from torch.distributed.tensor import DTensor
+
+    rows = 2 if rank == 0 else 4
+    uneven = dict(shape=(6, 8), stride=(8, 1))
+    return (
+        lambda: distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)]),
+        lambda: DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], **uneven),
+    )
+
+
+def refusal(make_tensor, make_opt):
+    """A step of ``make_opt(p)`` on a parameter and gradient from ``make_tensor()``: None if
+    it ran, else its error's message, whether the parameter is unchanged, and how many
+    parameters have a state."""
+    p = torch.nn.Parameter(make_tensor())
+    p.grad = make_tensor()
+    before = p.to_local().clone()
+    opt = make_opt(p)
+    try:
+        opt.step()
+        return None
+    except RuntimeError as e:
+        return str(e), torch.equal(p.to_local(), before), len(opt.state)

@@ -114,27 +114,17 @@ def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
 
 def refused_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
-    rows = 2 if rank == 0 else 4  # Shard(0) split 2 + 4, not torch.chunk's 3 + 3
-    uneven = dict(shape=(6, 8), stride=(8, 1))
-    messages = []
-    for make_tensor, view in (
-        (lambda: distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)]), "flatten"),
-        (lambda: DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], **uneven), "flatten"),
-        (lambda: distribute_tensor(torch.randn(4, 3, 5), mesh, [Shard(0)]), "batched"),
-    ):
-        p = torch.nn.Parameter(make_tensor())
-        p.grad = make_tensor()
-        before = p.to_local().clone()
-        opt = make("soap", [dict(params=[p], view=view)])
-        try:
-            opt.step()
-            messages.append(None)
-        except RuntimeError as e:
-            messages.append((str(e), torch.equal(p.to_local(), before), len(opt.state)))
-    return messages
+    columns, uneven = precond_ranks.refused_layouts(rank, mesh)
+
+    def batched():
+        return distribute_tensor(torch.randn(4, 3, 5), mesh, [Shard(0)])
+
+    return [
+        precond_ranks.refusal(make_tensor, lambda p, view=view: make("soap", [dict(params=[p], view=view)]))
+        for make_tensor, view in ((columns, "flatten"), (uneven, "flatten"), (batched, "batched"))
+    ]
 
 
 def test_layouts_other_than_row_shards_are_refused_before_any_change():

@@ -28,7 +28,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 import precond_ranks  # noqa: E402
 from published import kinds  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 # Wide, tall (shards of 6 and 5 rows), a matrix over the factor size limit of 8 (no factor
 # for SOAP; 4 blocks for Shampoo; diagonal factors for PSGDKron), a 1-D tensor, one whose
@@ -92,27 +92,14 @@ def test_row_shards_follow_the_optimizer_on_whole_tensors(tmp_path, name):
 
 def refused_worker(rank, world, names):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
-    rows = 2 if rank == 0 else 4  # Shard(0) split 2 + 4, not torch.chunk's 3 + 3
-    uneven = dict(shape=(6, 8), stride=(8, 1))
-    messages = []
-    for name in names:
-        for make in (
-            lambda: distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)]),
-            lambda: DTensor.from_local(torch.randn(rows, 8), mesh, [Shard(0)], **uneven),
-        ):
-            p = torch.nn.Parameter(make())
-            p.grad = make()
-            before = p.to_local().clone()
-            opt = OPTIMIZERS[name]([p])
-            try:
-                opt.step()
-                messages.append(None)
-            except RuntimeError as e:
-                messages.append((str(e), torch.equal(p.to_local(), before), len(opt.state)))
-    return messages
+    columns, uneven = precond_ranks.refused_layouts(rank, mesh)
+    return [
+        precond_ranks.refusal(make, lambda p, name=name: OPTIMIZERS[name]([p]))
+        for name in names
+        for make in (columns, uneven)
+    ]
 
 
 def test_layouts_other_than_row_shards_are_refused_before_any_change():
