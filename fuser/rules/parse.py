@@ -73,6 +73,9 @@ _CONSTRUCT_NAMES = {
 }
 
 
+_OPERATOR_TEXT = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
+
+
 @dataclass(frozen=True)
 class Statement:
     """One assignment of a rule: ``target = expr``; ``expr`` uses the values current then."""
@@ -81,6 +84,9 @@ class Statement:
     expr: sympy.Expr
     line: int
     col: int
+    # (each matrix product's and call's value -> the column of its `@` or name, for the
+    # errors found after parsing: shapes.check_kinds)
+    spots: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class Walker:
         self.lang = lang
         self.lines = lines
         self.env: dict[str, sympy.Expr] = {n: symbol(n) for n in lang.readable}
+        self.spots: dict = {}
 
     def error(self, node: ast.AST, message: str) -> RuleError:
         line = getattr(node, "lineno", None)
@@ -152,6 +159,7 @@ class Walker:
         return RuleError(message, line=line, col=None if col is None else col + 1, source_line=src)
 
     def statement(self, node: ast.stmt) -> Statement:
+        self.spots = {}
         if isinstance(node, ast.Assign):
             if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
                 raise self.error(node, "assign to one plain name per statement, e.g. `m = beta1 * m + g`")
@@ -181,7 +189,18 @@ class Walker:
             raise self.error(target, f"{name!r} is a function name and cannot be assigned")
         value = self.finite(node, value)
         self.env[name] = value
-        return Statement(name, value, node.lineno, node.col_offset + 1)
+        return Statement(name, value, node.lineno, node.col_offset + 1, self.spots)
+
+    def spot(self, value, node: ast.expr, at: str | None = None):
+        """``value``, remembered at ``node``'s column (at its ``at`` operator when given)."""
+        col = node.col_offset + 1
+        line = self.lines[node.lineno - 1] if 0 < node.lineno <= len(self.lines) else ""
+        if at is not None and getattr(node.left, "end_lineno", None) == node.lineno:
+            found = line.find(at, node.left.end_col_offset)
+            col = found + 1 if found >= 0 else col
+        if isinstance(value, sympy.Basic):
+            self.spots.setdefault(value, col)
+        return value
 
     def finite(self, node: ast.AST, value) -> sympy.Expr:
         value = sympy.sympify(value)
@@ -217,14 +236,16 @@ class Walker:
             and isinstance(node.op, ast.MatMult)
             and "transpose" in self.lang.functions
         ):
-            return MatMul(self.expr(node.left), self.expr(node.right))  # (optimizer rules: matrix products)
+            product = MatMul(self.expr(node.left), self.expr(node.right))  # (optimizer rules: matrix products)
+            return self.spot(product, node, "@")
         if isinstance(node, ast.BinOp):
             op = _BINOPS.get(type(node.op))
             if op is None:
                 hint = "; a remainder is mod(a, b)" if isinstance(node.op, (ast.Mod, ast.FloorDiv)) else ""
                 name = type(node.op).__name__
                 raise self.error(node, f"operator {name} is not supported (use + - * / **{hint})")
-            return self.finite(node, op(self.expr(node.left), self.expr(node.right)))
+            value = self.finite(node, op(self.expr(node.left), self.expr(node.right)))
+            return self.spot(value, node, _OPERATOR_TEXT.get(type(node.op)))
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
                 return -self.expr(node.operand)
@@ -234,7 +255,7 @@ class Walker:
                 return sympy.Not(self.expr(node.operand, condition=True))
             raise self.error(node, f"operator {type(node.op).__name__} is not supported here")
         if isinstance(node, ast.Call):
-            return self.call(node, condition)
+            return self.spot(self.call(node, condition), node)
         if isinstance(node, ast.IfExp):
             cond = self.condition(node.test)
             return ELEMENTWISE["where"][0](cond, self.expr(node.body), self.expr(node.orelse))

@@ -223,7 +223,9 @@ def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement
     mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order) if d.index != i}
     if not mapping:
         return statements, env
-    statements = [Statement(s.target, s.expr.xreplace(mapping), s.line, s.col) for s in statements]
+    statements = [
+        Statement(s.target, s.expr.xreplace(mapping), s.line, s.col, _replaced(s.spots, mapping)) for s in statements
+    ]
     env = {n: e.xreplace(mapping) if isinstance(e, sympy.Basic) else e for n, e in env.items()}
     return statements, env
 
@@ -364,3 +366,7 @@ def _export_reduction(name: str):
 
 FUNCTIONS = {n: _export(n) for n in (*ELEMENTWISE, *OPTIM_FUNCTIONS)}
 REDUCTIONS = {n: _export_reduction(n) for n in OPTIM_REDUCTIONS}
+
+
+def _replaced(spots: dict | None, mapping: dict) -> dict | None:
+    return None if spots is None else {k.xreplace(mapping): v for k, v in spots.items()}

@@ -133,6 +133,17 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
     memo = {} if memo is None else memo
     if e in memo:
         return memo[e]
+    try:
+        kind = _kind_of(e, kinds, memo)
+    except RuleError as err:
+        if getattr(err, "node", None) is None:
+            err.node = e  # (the innermost value that failed: check_kinds places the caret)
+        raise
+    memo[e] = kind
+    return kind
+
+
+def _kind_of(e: sympy.Expr, kinds: dict, memo: dict) -> str:
     if isinstance(e, RandomValue):  # (a draw per element, though it reads no symbol)
         kind = ELEMENT
     elif isinstance(e, mx.MatrixOp):
@@ -167,7 +178,6 @@ def kind_of(e: sympy.Expr, kinds: dict[sympy.Symbol, str], memo: dict | None = N
         for a in e.args:
             if isinstance(a, sympy.Basic):
                 kind = join(kind, kind_of(a, kinds, memo))
-    memo[e] = kind
     return kind
 
 
@@ -231,6 +241,7 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
             if st.target == "p" and kind in _MATRIX_LIKE:
                 raise RuleError(f"p is a value per element, but this assigns it {DESCRIBE[kind]}")
         except RuleError as e:
-            raise RuleError(e.message, line=st.line, col=st.col, source_line=src) from None
+            col = (st.spots or {}).get(getattr(e, "node", None), st.col)
+            raise RuleError(e.message, line=st.line, col=col, source_line=src) from None
     if failed:  # (a failure no single statement shows)
         _state_kinds(outputs, state)

@@ -594,43 +594,50 @@ def _error(text: str, state=None, compile_it=False):
 
 
 @pytest.mark.parametrize(
-    "text, line, fragment",
+    "text, line, at, fragment",
     [
         (
             "L = L + g @ transpose(g)\np = p - lr * g @ g",
             2,
+            "@ g",
             "`@` cannot multiply a value per element ([rows, cols]) by a value per element ([rows, cols]): "
             "their sizes do not match",
         ),
         (
             "L = L + g @ transpose(g)\np = p - lr * (L + g)",
             2,
+            "+ g)",
             "a [rows, rows] matrix and a value per element ([rows, cols]) cannot be combined elementwise",
         ),
         (
             "R = R + transpose(g) @ g\nL = g * g\np = p - lr * L @ g",
             2,
+            None,
             "state 'L' is a [rows, rows] matrix, but this assigns it a value per element ([rows, cols])",
         ),
         (
             "L = L + g @ transpose(g)\np = p - lr * trace(g) * g",
             2,
+            "trace",
             "trace() takes a [rows, rows] or [cols, cols] matrix, not a value per element ([rows, cols])",
         ),
         (
             "L = L + g @ transpose(g)\nR = R\np = transpose(g)",
             3,
+            None,
             "p is a transposed value per element ([cols, rows]): transpose it back, or multiply it by a "
             "matrix",
         ),
     ],
     ids=["matmul-sizes", "elementwise", "state-kind", "trace", "transposed-p"],
 )
-def test_rule_errors_name_line_and_column(text, line, fragment):
+def test_rule_errors_name_line_and_column(text, line, at, fragment):
+    # The column of the operator or call that fails (`at` in the line), else the statement's.
     err = _error(text)
-    assert err.line == line and err.col == 1, (err.line, err.col)
+    col = 1 if at is None else text.splitlines()[line - 1].index(at) + 1
+    assert err.line == line and err.col == col, (err.line, err.col)
     first = str(err).splitlines()[0]
-    assert first.startswith(f"rule 'r', line {line}, column 1: ") and fragment in first, first
+    assert first.startswith(f"rule 'r', line {line}, column {col}: ") and fragment in first, first
     assert str(err).splitlines()[1].strip() == text.splitlines()[line - 1]  # the line quoted
 
 

@@ -142,5 +142,5 @@ def test_argmax_onehot_picks_the_first_largest_row_and_column(device):
 
 
 def test_argmax_onehot_of_a_value_per_element_is_a_rule_error():
-    with pytest.raises(fuser.RuleError, match=r"line 1, column 1: argmax_onehot\(\) takes a value per row"):
+    with pytest.raises(fuser.RuleError, match=r"line 1, column 14: argmax_onehot\(\) takes a value per row"):
         fuser.rule("p = p - lr * argmax_onehot(g)", name="bad", hyper=dict(lr=0.1))
