@@ -157,7 +157,7 @@ class MatrixProgram:
         kinds.update({symbol(s): kind for s, (kind, _) in self.matrix_states.items()})
         kinds.update({symbol(s): kind for s, (kind, _) in self.phase_states.items()})
         kinds.update({symbol(s): ELEMENT for s, _ in self.element_states})
-        self.kinds, self._memo = kinds, {}
+        self.kinds, self._memo, self._uses = kinds, {}, {}
         outputs = dict(rule.outputs)
         for s in self.phase_states:
             if s in outputs and any(r.op.startswith("global_") for r in outputs[s].atoms(Reduction)):
@@ -179,6 +179,28 @@ class MatrixProgram:
 
     def kind(self, e) -> str:
         return kind_of(e, self.kinds, self._memo)
+
+    def uses(self, outputs: tuple) -> dict:
+        """How many distinct values read each value of the matrix phase that writes the
+        buffers and the matrix states ``outputs`` (each root once more: its writer); counted
+        once per set of outputs (a side over the limit writes none of its states)."""
+        if outputs not in self._uses:
+            roots = [*self.boundaries, *(e for s, e in self.matrix_outputs if s in outputs)]
+            uses: dict = defaultdict(int)
+            seen = set()
+            stack = list(roots)
+            for r in roots:
+                uses[r] += 1
+            while stack:
+                e = stack.pop()
+                if e in seen or e.is_Symbol or e.is_Number:
+                    continue
+                seen.add(e)
+                for a in _children(e):
+                    uses[a] += 1
+                    stack.append(a)
+            self._uses[outputs] = dict(uses)
+        return self._uses[outputs]
 
     def needs_torch(self, e) -> bool:
         if e.atoms(mx.MatrixOp, RandomValue):
@@ -452,8 +474,8 @@ def _uniform(c):
     ``where`` evaluates only the branch it takes (one host sync); else ``c``."""
     if not torch.is_tensor(c) or c.dim() < 2 or c.shape[-2:] != (1, 1) or c.numel() == 0:
         return c
-    flat = c.flatten()
-    return bool(flat[0]) if bool((flat == flat[0]).all()) else c
+    held = int(c.count_nonzero())  # (the one sync)
+    return c if 0 < held < c.numel() else held > 0
 
 
 def _chain_order(dims: list, kinds: list):
@@ -618,8 +640,7 @@ class _Batch:
         # (a state of a side with no factor is the identity, whatever its rule computes: a
         # gate of one number per tensor, PSGD's counter, would otherwise build that side's value)
         outputs = [(s, e) for s, e in self.program.matrix_outputs if symbol(s) in self.shapes]
-        roots = [*self.program.boundaries, *(e for _, e in outputs)]
-        self.uses = self.count_uses(roots)
+        self.uses = dict(self.program.uses(tuple(s for s, _ in outputs)))  # (counted down as read)
         for value, name in self.program.boundaries.items():
             v = self.ev(value)
             self.release(value)
@@ -658,24 +679,6 @@ class _Batch:
         self.uses[e] = left
         if left <= 0 and not e.is_Symbol:
             self.memo.pop(e, None)
-
-    def count_uses(self, roots) -> dict:
-        """How many distinct values read each value, over every root (each root once more:
-        its writer)."""
-        uses: dict = defaultdict(int)
-        seen = set()
-        stack = list(roots)
-        for r in roots:
-            uses[r] += 1
-        while stack:
-            e = stack.pop()
-            if e in seen or e.is_Symbol or e.is_Number:
-                continue
-            seen.add(e)
-            for a in _children(e):
-                uses[a] += 1
-                stack.append(a)
-        return uses
 
     def _ev(self, e):
         if e.is_Symbol:
