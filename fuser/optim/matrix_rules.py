@@ -59,7 +59,8 @@ from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, product_kind, state_kinds
 from fuser.runtime.distributed import DTensor
 from fuser.runtime.matrix import workspace_budget
-from fuser.runtime.plans import Options, dtype_plan, plan_and_sources
+from fuser.runtime.plans import MASTER_WEIGHTS, QFORMATS, Options, dtype_plan, plan_and_sources, state_dtype
+from fuser.runtime.quant import master_join
 from fuser.runtime.state import validate
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
 
@@ -302,11 +303,12 @@ class MatrixProgram:
 class MatrixRuleOptimizer(torch.optim.Optimizer):
     """Base of the optimizers ``fuser.compile`` makes of matrix rules (``rule``, ``program``,
     ``options`` set on the subclass). State per parameter: ``step`` (a float tensor, as
-    torch.optim keeps it), the element states (fp32, the parameter's shape) and the matrix
-    states (fp32 ``[rows, rows]`` / ``[cols, cols]``, or an empty tensor for a side over
-    ``max_matrix_dim``). A DTensor parameter sharded by dim 0 is stepped whole by the rank
-    that owns it, which keeps these states whole; the other ranks keep the marker
-    ``{"whole_on_rank": owner}`` (``builtins._base.whole_tensor_gradients``)."""
+    torch.optim keeps it), the element states (the parameter's shape, fp32 or as
+    ``state_dtype`` asks), a split master's ``master_lo`` (``master_weights``, bf16
+    parameters) and the matrix states (fp32 ``[rows, rows]`` / ``[cols, cols]``, or an empty
+    tensor for a side over ``max_matrix_dim``). A DTensor parameter sharded by dim 0 is
+    stepped whole by the rank that owns it, which keeps these states whole; the other ranks
+    keep the marker ``{"whole_on_rank": owner}`` (``builtins._base.whole_tensor_gradients``)."""
 
     rule: Rule
     program: MatrixProgram
@@ -331,14 +333,15 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         # (a collective of every shard group where parameters are DTensors sharded by rows)
-        keys = {s for s, _ in self.program.element_states}
+        keys = {s for s, _ in self.program.element_states} | {_MASTER}
         return published_state_dict(self, super().state_dict(), keys)
 
     def load_state_dict(self, state_dict) -> None:
         # torch casts each loaded state to its parameter's dtype (a bf16 parameter's fp32
         # factors rounded to bf16) and keeps a tensor of that dtype shared with the saved dict
         # (a live optimizer's, whose steps would then move this one's states and step count):
-        # take the saved values back, fp32 and copied.
+        # take the saved values back, copied, in the state's dtype (fp32 but for element
+        # states under state_dtype; a split master's integer low part as saved).
         saved = state_dict["state"]
         ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         params = dict(zip(ids, (p for group in self.param_groups for p in group["params"])))
@@ -347,9 +350,12 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             p = params.get(pid)
             if p is None:
                 continue
+            elements = {s for s, _ in self.program.element_states}
             for key, value in st.items():
                 if torch.is_tensor(value):
                     dtype = torch.float32 if value.is_floating_point() else value.dtype
+                    if key in elements:
+                        dtype = state_dtype(self.options, p.dtype, self.program.update_rule, key)
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
         own_loaded_states(self)  # (a DTensor parameter's states whole on its owner)
 
@@ -374,6 +380,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, t, _ in items:
             if len(self.state[p]) == 0:
                 self._init_state(p, t, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
+            if self.options.master_weights and t.dtype == torch.bfloat16 and _MASTER not in self.state[p]:
+                lo = getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
+                self.state[p][_MASTER] = torch.zeros_like(t, dtype=lo)  # (the master is p at first)
         steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _, _ in items}  # (CPU counts)
         batches = defaultdict(list)
         for group, p, t, g in items:
@@ -398,6 +407,8 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             for _, p, t in members:
                 st = self.state[p]
                 states[t] = {s: st[s] for s, _ in self.program.element_states}
+                if _MASTER in st:
+                    states[t][_MASTER] = st[_MASTER]
                 states[t].update(buffers[p])
         self._kernel.views = {t: self._view(group) for group, _, t, _ in items}
         self._kernel.run(launch, states)
@@ -450,8 +461,11 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         st["step"] = torch.tensor(0.0)
         device = t.device
         for s, init in self.program.element_states:
+            dtype = state_dtype(self.options, t.dtype, self.program.update_rule, s)
             st[s] = (
-                t.detach().float().clone() if init == "p" else torch.full(t.shape, float(init), device=device)
+                t.detach().to(dtype, copy=True)
+                if init == "p"
+                else torch.full(t.shape, float(init), dtype=dtype, device=device)
             )
         rows, cols = matrix_2d(t.shape, view)
         lead = tuple(t.shape[:-2]) if is_batched(t.shape, view) else ()
@@ -466,6 +480,15 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = torch.eye(n, device=device).expand(*lead, n, n).clone()
             else:
                 st[s] = torch.zeros(*lead, n, n, device=device)
+
+
+_MASTER = "master_lo"  # a split master's low part (master_weights), as FuserOptimizer keeps it
+
+
+def _master(st: dict, t: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of parameter ``t``: with a split master, bf16 ``t`` and its low part."""
+    lo = st.get(_MASTER)
+    return t.float() if lo is None else master_join(t, lo)
 
 
 def _uniform(c):
@@ -624,12 +647,12 @@ class _Batch:
     def stack(self, name: sympy.Symbol) -> torch.Tensor:
         """The fp32 stack ``[n, r, c]`` of ``name``'s tensor (p, g or a state) per member."""
         r, c = self.shapes[name]
-        if name.name == "p":
-            tensors = [t.detach().float() for _, _, t, _ in self.members]
+        if name.name == "p":  # (a split master's fp32 value)
+            tensors = [_master(self.opt.state[p], t.detach()) for _, p, t, _ in self.members]
         elif name.name == "g":
             tensors = [g.float() for _, _, _, g in self.members]
         else:
-            tensors = [self.opt.state[p][name.name] for _, p, _, _ in self.members]
+            tensors = [self.opt.state[p][name.name].float() for _, p, _, _ in self.members]
         return torch.cat([t.reshape(-1, r, c) for t in tensors])
 
     def side(self, kind: str) -> int:
@@ -910,7 +933,11 @@ class _Batch:
         leaves, inner = self._chain_factors(e)
         if len(leaves) < 3:
             return None
-        dims = {mx.ROWMAT: (self.rows, self.rows), mx.COLMAT: (self.cols, self.cols), ELEMENT: (self.rows, self.cols)}
+        dims = {
+            mx.ROWMAT: (self.rows, self.rows),
+            mx.COLMAT: (self.cols, self.cols),
+            ELEMENT: (self.rows, self.cols),
+        }
         dims.update({mx.ELEMENT_T: (self.cols, self.rows), ROW: (self.rows, 1), COL: (self.cols, 1)})
         kinds = [self.program.kind(x) for x in leaves]
         order = _chain_order([dims[k] for k in kinds], kinds) if all(k in dims for k in kinds) else None
@@ -1119,11 +1146,40 @@ _ELEMENTWISE = {
 
 def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
     """The optimizer class of a matrix rule (``fuser.compile``)."""
-    if opts.state_dtype is not None or opts.master_weights is not None:
-        raise ValueError(
-            f"rule {rule.name!r} holds matrices: its states are fp32 (state_dtype and master_weights "
-            "are not supported for matrix rules yet)"
-        )
     program = MatrixProgram(rule)
+    opts = _element_state_dtypes(rule, program, opts)
     plan_and_sources(program.update_rule, dtype_plan(program.update_rule, opts, "fp32", "fp32"), False)
     return rule_class(rule, name, MatrixRuleOptimizer, "matrix rule", program=program, options=opts)
+
+
+def _element_state_dtypes(rule: Rule, program: MatrixProgram, opts: Options) -> Options:
+    """``opts`` with ``state_dtype`` given per state of the update kernel: the element
+    states as asked, the buffers it reads from the matrix phase fp32. Matrix, row, column
+    and per-tensor states are fp32 (the matrix phase's torch work); 8-bit formats are
+    refused."""
+    sd = opts.state_dtype
+    if sd is None:
+        return opts
+    asked = dict(sd) if isinstance(sd, tuple) else {"default": sd}
+    elements = [s for s, _ in program.element_states]
+    for s, fmt in asked.items():
+        if s != "default" and s not in elements:
+            held = "a matrix" if s in program.matrix_states else "a row, column or per-tensor"
+            if s not in dict(rule.state):
+                raise ValueError(
+                    f"state_dtype names {s!r}, which rule {rule.name!r} does not have; its states are "
+                    f"{sorted(dict(rule.state))} (and 'default' names the rest)"
+                )
+            raise ValueError(
+                f"state_dtype[{s!r}]: {s!r} is {held} state of matrix rule {rule.name!r}, kept in fp32 "
+                f"for the matrix phase; state_dtype applies to its element states {elements}"
+            )
+        if fmt in (*QFORMATS, "q8"):
+            raise ValueError(
+                f"state_dtype {fmt!r} for matrix rule {rule.name!r}: 8-bit states are not supported "
+                "for matrix rules; use 'bf16', 'fp16' or 'param'"
+            )
+    default = asked.get("default")
+    per_state = {s: asked.get(s, default) for s in elements}
+    per_state = {s: f for s, f in per_state.items() if f is not None}
+    return dataclasses.replace(opts, state_dtype=(*sorted(per_state.items()), ("default", "fp32")))
