@@ -37,11 +37,11 @@ def linalg(dev, res):
     for k, b in ((5632, 8), (2048, 32)):
         a = torch.randn(b, k, k, device=dev)
         a = a @ a.mT
-        res[f"qr batched [{b},{k},{k}] ms"] = round(_ms(lambda: torch.linalg.qr(a)), 1)
-        res[f"qr looped [{b},{k},{k}] ms"] = round(_ms(lambda: [torch.linalg.qr(x) for x in a]), 1)
-        res[f"matmul [{b},{k},{k}] ms"] = round(_ms(lambda: a @ a, 3), 2)
+        res[f"qr batched [{b},{k},{k}] ms"] = round(_ms(lambda a=a: torch.linalg.qr(a)), 1)
+        res[f"qr looped [{b},{k},{k}] ms"] = round(_ms(lambda a=a: [torch.linalg.qr(x) for x in a]), 1)
+        res[f"matmul [{b},{k},{k}] ms"] = round(_ms(lambda a=a: a @ a, 3), 2)
         ch = a + k * torch.eye(k, device=dev)
-        res[f"cholesky batched [{b},{k},{k}] ms"] = round(_ms(lambda: torch.linalg.cholesky(ch)), 1)
+        res[f"cholesky batched [{b},{k},{k}] ms"] = round(_ms(lambda ch=ch: torch.linalg.cholesky(ch)), 1)
         print(json.dumps({x: y for x, y in res.items() if "[" in x}), flush=True)
         del a, ch
 

@@ -236,7 +236,9 @@ class Walker:
             and isinstance(node.op, ast.MatMult)
             and "transpose" in self.lang.functions
         ):
-            product = MatMul(self.expr(node.left), self.expr(node.right))  # (optimizer rules: matrix products)
+            product = MatMul(
+                self.expr(node.left), self.expr(node.right)
+            )  # (optimizer rules: matrix products)
             return self.spot(product, node, "@")
         if isinstance(node, ast.BinOp):
             op = _BINOPS.get(type(node.op))

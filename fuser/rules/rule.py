@@ -224,7 +224,8 @@ def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement
     if not mapping:
         return statements, env
     statements = [
-        Statement(s.target, s.expr.xreplace(mapping), s.line, s.col, _replaced(s.spots, mapping)) for s in statements
+        Statement(s.target, s.expr.xreplace(mapping), s.line, s.col, _replaced(s.spots, mapping))
+        for s in statements
     ]
     env = {n: e.xreplace(mapping) if isinstance(e, sympy.Basic) else e for n, e in env.items()}
     return statements, env

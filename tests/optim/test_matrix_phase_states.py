@@ -100,7 +100,9 @@ def test_a_side_without_a_factor_stays_the_identity_under_a_per_tensor_gate(devi
             p.grad = g.to(device)
         opt.step()
     for k in (0, 1):  # (no factor: the identity, times the 2 of the first step's branch)
-        want = start[k].double() - 0.1 * sum((2 if i == 0 else 1) * gs[k].double() for i, gs in enumerate(grads))
+        want = start[k].double() - 0.1 * sum(
+            (2 if i == 0 else 1) * gs[k].double() for i, gs in enumerate(grads)
+        )
         assert opt.state[ps[k]]["L"].numel() == 0
         assert (ps[k].double().cpu() - want).norm() / want.norm() < 1e-6
     L = torch.eye(3, dtype=torch.float64)
