@@ -380,6 +380,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, t, _ in items:
             if len(self.state[p]) == 0:
                 self._init_state(p, t, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
+            self._stored_as_asked(self.state[p], t)
             if self.options.master_weights and t.dtype == torch.bfloat16 and _MASTER not in self.state[p]:
                 lo = getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
                 self.state[p][_MASTER] = torch.zeros_like(t, dtype=lo)  # (the master is p at first)
@@ -412,11 +413,25 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 states[t].update(buffers[p])
         self._kernel.views = {t: self._view(group) for group, _, t, _ in items}
         self._kernel.run(launch, states)
+        for _, p, t, _ in items:  # (a state the kernel stored anew, in the layout of its tensor)
+            for key, value in self._kernel.state[t].items():
+                if key in states[t] and value is not states[t][key] and key in self.state[p]:
+                    self.state[p][key] = value
         for tensor, value in new_matrices:
             tensor.copy_(value)
         for _, p, _, _ in items:
             self.state[p]["step"] += 1
         self._kernel.forget()  # (the buffers and their tables go; the states stay)
+
+    def _stored_as_asked(self, st: dict, t: torch.Tensor) -> None:
+        """Element states given in another dtype or on another device (assigned, loaded)
+        stored as the options ask before the step reads them, as every fuser optimizer's
+        are: both phases then read the same values."""
+        for s, _ in self.program.element_states:
+            want = state_dtype(self.options, t.dtype, self.program.update_rule, s)
+            value = st.get(s)
+            if torch.is_tensor(value) and (value.dtype != want or value.device != t.device):
+                st[s] = value.to(device=t.device, dtype=want)
 
     def _check(self, found: list) -> None:
         """Raise, before anything changes on any rank, on what this step cannot run:

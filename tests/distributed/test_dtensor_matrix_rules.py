@@ -54,14 +54,17 @@ ROWED = fuser.rule(
     hyper=dict(lr=0.05, beta=0.9, eps=1e-3),
     state=dict(L="zeros(rows, rows)", PL="eye(rows)", bound=0.0, r=0.0, c=0.0, m=0.0),
 )
-RULES = {"soap": ZOO["soap"].rule, "rowed": ROWED}
+RULES = {"soap": ZOO["soap"].rule, "rowed": ROWED, "rowed_bf16": ROWED}
+OPTIONS = {"rowed_bf16": dict(state_dtype=torch.bfloat16)}  # (its momentum m stored in bf16)
 HYPER = {
     "soap": dict(
         lr=1e-2, beta1=0.9, beta2=0.8, shampoo_beta=0.7, weight_decay=0.1, precondition_frequency=2.0
     ),
     "rowed": dict(lr=0.05),
+    "rowed_bf16": dict(lr=0.05),
 }
-ELEMENT_STATES = {"soap": {"m", "v"}, "rowed": {"m"}}  # the states of the parameter's layout
+# the states of the parameter's layout
+ELEMENT_STATES = {"soap": {"m", "v"}, "rowed": {"m"}, "rowed_bf16": {"m"}}
 
 # Wide (11 columns over the factor limit of 6: no right factor), tall (7 rows over it), a
 # square one (its factors have its shape, and are replicated all the same), a 1-D tensor
@@ -83,7 +86,7 @@ OWNERS = [0, 1, 1, 1, 1, None, 0]
 
 @functools.cache
 def optimizer_class(name):
-    return fuser.compile(RULES[name])
+    return fuser.compile(RULES[name], **OPTIONS.get(name, {}))
 
 
 def make(name, params):

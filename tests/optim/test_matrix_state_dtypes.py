@@ -44,7 +44,8 @@ def expected(before: dict, p0: torch.Tensor, g: torch.Tensor, step: int):
     """(new p, new m before rounding) in float64 from the states before the step."""
     rows = p0.shape[0] if p0.dim() > 1 else 1
     g2, p2 = g.double().reshape(rows, -1), p0.reshape(rows, -1)
-    m = BETA * before["m"].double().reshape(rows, -1) + (1 - BETA) * g2
+    # (the step reads the momentum as stored: a value given in fp32 is first rounded)
+    m = BETA * before["m"].to(torch.bfloat16).double().reshape(rows, -1) + (1 - BETA) * g2
     L = before["L"].double() + g2 @ g2.T
     PL = (
         inv_sqrt64(L + EPS * torch.eye(rows, dtype=torch.float64)) if step % K == 0 else before["PL"].double()
@@ -55,20 +56,20 @@ def expected(before: dict, p0: torch.Tensor, g: torch.Tensor, step: int):
 def _steps(opt, params, steps, master: bool = False):
     """Run ``steps`` one at a time; yield each tensor's (parameter, its fp32 value before the
     step, expected p, expected m before rounding, state after the step)."""
-    for step in range(1, steps + 1):
+    for _ in range(steps):
         before = []
         for p in params:
             p.grad = torch.randn(p.shape).to(p)
             st = {k: v.detach().clone().cpu() for k, v in opt.state[p].items()}
             if not st:  # (the first step: the rule's initial states)
                 rows = p.shape[0] if p.dim() > 1 else 1
-                st = dict(m=torch.zeros(p.shape), L=torch.zeros(rows, rows), PL=torch.eye(rows))
+                st = dict(step=0, m=torch.zeros(p.shape), L=torch.zeros(rows, rows), PL=torch.eye(rows))
             p0 = joined(p.detach().cpu(), st["master_lo"]) if "master_lo" in st else p.double().cpu()
-            assert master == ("master_lo" in st) or step == 1
+            assert master == ("master_lo" in st) or st["step"] == 0
             before.append((st, p0, p.grad.cpu()))
         opt.step()
         for p, (st, p0, g) in zip(params, before):
-            yield (p, p0, *expected(st, p0, g, step), opt.state[p])
+            yield (p, p0, *expected(st, p0, g, int(st["step"]) + 1), opt.state[p])
 
 
 def _err(got: torch.Tensor, want: torch.Tensor, p0: torch.Tensor) -> float:
@@ -95,6 +96,23 @@ def test_bf16_element_states_round_once_per_step(device):
         total += m.numel()
     assert exact >= 0.98 * total, (exact, total)
     assert all(p.dtype == torch.float32 for p in params)
+
+
+def test_a_state_given_in_another_dtype_is_stored_as_asked(device):
+    """A momentum assigned in fp32 to a bf16-state optimizer: the step stores it in bf16
+    first (as every fuser optimizer does), reads that in both phases, and keeps the new
+    value in bf16."""
+    params = [torch.randn(s).to(device) for s in SHAPES]
+    opt = fuser.compile(RULE, state_dtype="bf16")(params)
+    for p in params:
+        p.grad = torch.randn(p.shape).to(device)
+    opt.step()
+    for p in params:
+        opt.state[p]["m"] = opt.state[p]["m"].float() + 0.5
+    for p, p0, p_want, m_full, st in _steps(opt, params, 2):
+        assert st["m"].dtype == torch.bfloat16 and st["m"] is opt.state[p]["m"]
+        assert _err(p, p_want, p0) < 1
+        assert ((st["m"].double().cpu() - m_full).abs() <= 2.0**-8 * m_full.abs()).all()
 
 
 def test_split_masters_hold_what_bf16_parameters_drop(device):
