@@ -207,7 +207,10 @@ def written_statements(rule) -> tuple[Statement, ...]:
         return tuple(rule.statements)
     reductions = OPTIM_REDUCTIONS if rule.kind == "optim" else LOSS_REDUCTIONS
     optim = rule.kind == "optim"
-    per_step = {*(n for n, _ in rule.hyper), *(("step", "numel", "rows", "cols", "loss") if optim else ())}
+    per_step = {
+        *(n for n, _ in rule.hyper),
+        *(("step", "numel", "rows", "cols", "ndim", "loss") if optim else ()),
+    }
     readable = {*per_step, *(n for n, _ in rule.state), *(("p", "g") if optim else ("z", "y"))}
     lang = Language(
         readable=frozenset(readable),

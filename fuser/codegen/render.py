@@ -32,6 +32,7 @@ from fuser.ir.optim import (
     COL,
     COLS,
     MASTER_SLOT,
+    NDIM,
     NUMEL,
     QFORMATS,
     ROW,
@@ -441,6 +442,8 @@ def _phase_context(plan: OptimPlan, phase: Phase, profile: str = "") -> _PhaseCo
     scalar_names = {symbol(h): f"h_{h}" for h in plan.hyper}
     scalar_names.update({STEP: "step", NUMEL: "numel"})
     scalar_names.update({ROWS: "rows", COLS: "cols"})
+    if plan.reads_ndim:
+        scalar_names[NDIM] = "ndim"
     scalar_names.update({symbol(s): f"c_{s}" for s in plan.scalar_states})
     scalar_names.update({r.symbol: r.symbol.name for r in known if not r.axis and not r.matrix})
     scalar_names.update({s: s.name for s, _ in phase.prologue})
@@ -537,6 +540,8 @@ def _scalar_loads(ctx: _PhaseContext, names: dict, row: str, group: str, mask: s
     lines.append(f"{names[NUMEL]} = tl.load(numels + n_tensors + {row}{m}).to(tl.float64)")
     lines.append(f"{names[ROWS]} = tl.load(numels + 2 * n_tensors + {row}{m}).to(tl.float64)")
     lines.append(f"{names[COLS]} = tl.load(numels + 3 * n_tensors + {row}{m}).to(tl.float64)")
+    if NDIM in names:
+        lines.append(f"{names[NDIM]} = tl.load(numels + 6 * n_tensors + {row}{m}).to(tl.float64)")
     lines += [
         f"{names[symbol(s)]} = tl.load(scalars + {row} * {ns} + {j + 1}{m}).to(tl.float64)"
         for j, s in enumerate(plan.scalar_states)
@@ -893,6 +898,7 @@ def _scalar_update_lines(ctx: _PhaseContext) -> dict[str, list[str]]:
     for s in needed:
         used |= defs[s].free_symbols
     used |= {NUMEL, ROWS, COLS}  # a mean's result divides by one of them
+    used |= {NDIM} if ctx.plan.reads_ndim else set()
     update_loads = [
         ln
         for ln in _scalar_loads(ctx, unames, "u_t", "u_grp", "u_mask")

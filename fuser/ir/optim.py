@@ -56,6 +56,7 @@ STEP = symbol("step")
 NUMEL = symbol("numel")
 ROWS = symbol("rows")
 COLS = symbol("cols")
+NDIM = symbol("ndim")
 LOSS = symbol(LOSS_VALUE)
 
 
@@ -151,6 +152,7 @@ class OptimPlan:
     phases: tuple[Phase, ...]
     stochastic_rounding: bool = False
     tiled: bool = False  # phases walk tiles of each tensor's 2-D view (shape-aware rules)
+    reads_ndim: bool = False  # the kernel loads each tensor's number of dimensions
 
     @property
     def dtype_key(self) -> str:
@@ -322,6 +324,7 @@ def lower_optim(
         phases=tuple(phases),
         stochastic_rounding=stochastic_rounding,
         tiled=is_tiled(rule),
+        reads_ndim=any(e.has(NDIM) for _, e in rule.outputs),
     )
 
 
@@ -372,7 +375,7 @@ def _lower_phases(rule: Rule, early, plans, skinds, kinds) -> list[Phase]:
     the other stores and the scalar states' updates."""
     outputs, reds = early.outputs, early.reds
     by_symbol = {r.symbol: r for r in plans}
-    scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS, LOSS}
+    scalar = {symbol(h) for h, _ in rule.hyper} | {STEP, NUMEL, ROWS, COLS, NDIM, LOSS}
     scalar |= {symbol(s) for s, k in skinds.items() if k == SCALAR}
     scalar |= {r.symbol for r in plans if not r.axis and not r.matrix}
     n_phases = 1 + max((f.phase for f in reds), default=-1) + 1

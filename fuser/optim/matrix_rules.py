@@ -626,6 +626,7 @@ class _Batch:
         n = sum(self.counts)
         env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
         env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _, _ in members])
+        env[symbol("ndim")] = self.per_matrix([float(p.dim()) for _, p, _, _ in members])
         env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
 
         # The tensors' stacks, built when the rule first reads them (p often only the update).

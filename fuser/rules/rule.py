@@ -31,7 +31,7 @@ from fuser.rules.shapes import check_kinds
 OPTIM_INPUTS = ("p", "g", "step")
 # Per-tensor sizes an optimizer rule may read: elements, and the rows and columns of the
 # tensor's 2-D view (a 1-D tensor is one row; an N-D one is [shape[0], prod(rest)]).
-SHAPE_SYMBOLS = ("numel", "rows", "cols")
+SHAPE_SYMBOLS = ("numel", "rows", "cols", "ndim")
 # The value a step's closure returned (``opt.step(closure)``), one number per step.
 LOSS_VALUE = "loss"
 LOSS_INPUTS = ("z", "y", "t")
@@ -265,7 +265,7 @@ def _function_source(fn) -> tuple[str, int | None]:
 
 def _trace_arguments(fn, hyper: dict, state: dict, first_line: int | None) -> tuple[list, dict]:
     """The symbols ``fn`` is called with: ``p``, ``g`` and states positionally,
-    hyperparameters, ``step``, ``numel``, ``rows`` and ``cols`` by keyword."""
+    hyperparameters, ``step``, ``numel``, ``rows``, ``cols`` and ``ndim`` by keyword."""
     sig = inspect.signature(fn)
     args, kwargs = [], {}
     element = {"p", "g", *state}

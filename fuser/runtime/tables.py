@@ -96,7 +96,7 @@ def build_tables(
 ) -> Tables:
     """Tables for ``rows`` (one list of per-slot tensors per parameter, all of one numel).
 
-    ``logical_shapes`` give what ``numel`` (and ``mean``), ``rows`` and ``cols`` read: the
+    ``logical_shapes`` give what ``numel`` (and ``mean``), ``rows``, ``cols`` and ``ndim`` read: the
     whole tensor's where a row holds a shard of it (DTensor parameters), the rows' own by
     default; ``views`` the (rows, cols) where not those shapes' 2-D views (a batched view's
     matrices: their own). Kernels walk the tensors here, by their own sizes.
@@ -115,6 +115,7 @@ def build_tables(
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
     shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
     logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
+    ndims = torch.tensor([len(s) for s in shapes_of], dtype=torch.int64).reshape(n)
     sizes = torch.tensor(views or [view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     here = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
@@ -132,7 +133,9 @@ def build_tables(
     count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
-        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1], here[:, 0], here[:, 1]]).to(device),
+        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1], here[:, 0], here[:, 1], ndims]).to(
+            device
+        ),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
