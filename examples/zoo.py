@@ -516,6 +516,37 @@ _add(
 )
 
 _add(
+    "lars",
+    """
+    d = g - 2 * maximize * g
+    p_norm = norm(p)
+    den = norm(d) + weight_decay * p_norm
+    trust = where(p_norm > 0 and den > 0, trust_coefficient * p_norm / den, 1)
+    d = where(ndim > 1, (d + weight_decay * p) * trust, d)
+    momentum_buffer = momentum * momentum_buffer + (1 - dampening) * d
+    p = p - lr * where(momentum > 0, where(nesterov > 0, d + momentum * momentum_buffer, momentum_buffer), d)
+    """,
+    defaults=dict(
+        lr=1e-3,
+        weight_decay=0.0,
+        momentum=0.9,
+        dampening=0.0,
+        trust_coefficient=1e-3,
+        nesterov=0.0,
+        maximize=0.0,
+    ),
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(lr=0.1, weight_decay=0.1, momentum=0.8, dampening=0.2, trust_coefficient=0.5),
+    hyper=dict(lr=0.1, weight_decay=0.1, momentum=0.8, dampening=0.2, trust_coefficient=0.5),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc="LARS(lr, weight_decay, momentum, dampening, trust_coefficient, nesterov and maximize as "
+    "0/1): on tensors of 2 or more dimensions the gradient plus decay scaled by the trust "
+    "ratio trust_coefficient * |p| / (|g| + weight_decay * |p|) (1 where either norm is 0), "
+    "plain SGD on scalars and vectors; momentum without the first step's copy, as the "
+    "reference. The zoo compares the heavy-ball form; nesterov and maximize were compared by hand.",
+)
+
+_add(
     "sgdw",
     """
     p = p * (1 - lr * weight_decay)
@@ -1937,8 +1968,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
-    "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
-    "only to tensors with ndim > 1 (no keyword turns this off)",
     "ranger": "not written as a rule yet: rowmean now gives gradient centralisation; its "
     "lookahead (slow weights swapped every k steps) and RAdam rectification are still to pin",
     "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
