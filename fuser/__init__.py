@@ -63,6 +63,7 @@ tril = _FUNCTIONS["tril"]
 eigh = _FUNCTIONS["eigh"]
 qr = _FUNCTIONS["qr"]
 inv_root = _FUNCTIONS["inv_root"]
+inv_root_newton = _FUNCTIONS["inv_root_newton"]
 sort_perm = _FUNCTIONS["sort_perm"]
 argmax_onehot = _FUNCTIONS["argmax_onehot"]
 solve_upper = _FUNCTIONS["solve_upper"]
@@ -172,6 +173,7 @@ __all__ = [
     "eigh",
     "qr",
     "inv_root",
+    "inv_root_newton",
     "sort_perm",
     "argmax_onehot",
     "solve_upper",

@@ -10,16 +10,17 @@
 2. **The update phase**: the rule's ``p`` and element states, with those results as inputs,
    as one fused fuser kernel over every tensor (the step engine's, as for any rule).
 
-A decomposition (``eigh``, ``qr``, ``inv_root``) is the value of a matrix state (or a branch
-of a ``where`` that is); a matrix whose decomposition fails or is not finite in fp32 is
-retried in fp64, and where that fails too its state keeps its previous value (a
-RuntimeWarning), so no NaN reaches a parameter. A ``where`` whose condition holds one
-number per step (``every(k)``, ``step == 1``) evaluates only the branch it takes: the
-decompositions of a refresh run on refresh steps only. A side over ``max_matrix_dim``
-(a constructor keyword, default 8192) has no factor: every ``[n, n]`` value of that side
-is the identity (its states stay the identity, held as an empty tensor; products with it
-are skipped; its trace is ``n``, its diagonal ones), times the numbers that multiply it
-(``lr * PL @ g`` is ``lr * g``).
+A decomposition (``eigh``, ``qr``, ``inv_root``, ``inv_root_newton``) is the value of a
+matrix state (or a branch of a ``where`` that is); a matrix whose decomposition fails or is
+not finite in fp32 is retried in fp64, and where that fails too its state keeps its
+previous value (a RuntimeWarning), so no NaN reaches a parameter. ``inv_root_newton`` fails
+where its iteration is not within NEWTON_TOLERANCE after NEWTON_MAX_ITERATIONS. A
+``where`` whose condition holds one number per step (``every(k)``, ``step == 1``)
+evaluates only the branch it takes: the decompositions of a refresh run on refresh steps
+only. A side over ``max_matrix_dim`` (a constructor keyword, default 8192) has no factor:
+every ``[n, n]`` value of that side is the identity (its states stay the identity, held as
+an empty tensor; products with it are skipped; its trace is ``n``, its diagonal ones),
+times the numbers that multiply it (``lr * PL @ g`` is ``lr * g``).
 """
 
 from __future__ import annotations
@@ -1085,7 +1086,39 @@ def _inv_root(m: torch.Tensor, k: int) -> torch.Tensor:
     return (vec * root.unsqueeze(-2)) @ vec.mT
 
 
-_DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root}
+# inv_root_newton's stopping rule, Meta's distributed Shampoo's (CoupledNewtonConfig): a
+# matrix is done once the largest entry of |Y - I| is at most NEWTON_TOLERANCE; one that is
+# not within it after NEWTON_MAX_ITERATIONS has failed (a singular M never gets there).
+NEWTON_TOLERANCE = 1e-6
+NEWTON_MAX_ITERATIONS = 100
+
+
+def _inv_root_newton(m: torch.Tensor, k: int) -> torch.Tensor:
+    """``M^(-1/k)`` of each symmetric positive-definite matrix of the stack ``m``, ``[n, d, d]``,
+    by the coupled Newton iteration (Guo & Higham 2006), matrix products only. With
+    ``z = (k + 1) / (2 ||M||_F)`` (``z M``'s eigenvalues lie in ``(0, (k + 1) / 2]``, where
+    it converges), ``X = z^(1/k) I`` and ``Y = z M``, a step takes ``T = ((k + 1) I - Y) / k``,
+    ``X <- X T`` and ``Y <- T^k Y``: ``Y = X^k M`` throughout, so as ``Y`` tends to ``I``,
+    ``X`` tends to ``M^(-1/k)``. Each matrix stops once its own residual is within
+    NEWTON_TOLERANCE (one host sync a step); one that is not within it after
+    NEWTON_MAX_ITERATIONS, or is not finite, comes out NaN (a failure)."""
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    z = (k + 1) / (2 * torch.linalg.matrix_norm(m).reshape(-1, 1, 1))
+    x, y = z ** (1.0 / k) * eye, z * m
+    residual = (y - eye).abs().amax((-2, -1))
+    for _ in range(NEWTON_MAX_ITERATIONS):
+        todo = (residual > NEWTON_TOLERANCE).nonzero().flatten()  # (a NaN residual is done)
+        if len(todo) == 0:
+            break
+        t = ((k + 1) * eye - y[todo]) / k
+        x[todo] = x[todo] @ t
+        y[todo] = torch.linalg.matrix_power(t, k) @ y[todo]
+        residual[todo] = (y[todo] - eye).abs().amax((-2, -1))
+    x = (x + x.mT) / 2  # (symmetric, as the rule language takes it: rounding made it slightly not)
+    return torch.where((residual <= NEWTON_TOLERANCE).reshape(-1, 1, 1), x, float("nan"))
+
+
+_DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root, mx.InvRootNewton: _inv_root_newton}
 
 
 def _t(x):

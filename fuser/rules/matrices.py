@@ -138,9 +138,9 @@ class Tril(MatrixOp):
 
 
 class Decomposition(MatrixOp):
-    """A matrix function that may fail (``eigh``, ``qr``, ``inv_root``): a rule assigns its
-    value to a matrix state, which keeps its previous value where the function fails in fp32
-    and again in fp64 (with a warning)."""
+    """A matrix function that may fail (``eigh``, ``qr``, ``inv_root``, ``inv_root_newton``):
+    a rule assigns its value to a matrix state, which keeps its previous value where the
+    function fails in fp32 and again in fp64 (with a warning)."""
 
 
 class SymmetricFunction(Decomposition):
@@ -169,6 +169,15 @@ class InvRoot(SymmetricFunction):
 
     nargs = 2
     spelling = "inv_root"
+
+
+class InvRootNewton(SymmetricFunction):
+    """``inv_root_newton(M, k)``: ``M^(-1/k)`` of the symmetric positive-definite ``M`` by the
+    coupled Newton iteration, matrix products only; a matrix that is not within its tolerance
+    after its iteration limit (a singular ``M``) is a failure. ``k`` as in ``inv_root``."""
+
+    nargs = 2
+    spelling = "inv_root_newton"
 
 
 class SortPerm(MatrixOp):
@@ -230,10 +239,17 @@ def _eye(side):
     return Eye(side)
 
 
-def _inv_root(m, k):
-    if not (k.is_Integer and 1 <= int(k) <= 8):
-        raise ValueError(f"inv_root(M, k) needs k a whole number from 1 to 8 written in the rule, not {k}")
-    return InvRoot(m, k)
+def _root(cls):
+    """The builder of ``cls(M, k)``, ``k`` a whole number from 1 to 8 written in the rule."""
+
+    def build(m, k):
+        if not (k.is_Integer and 1 <= int(k) <= 8):
+            raise ValueError(
+                f"{cls.spelling}(M, k) needs k a whole number from 1 to 8 written in the rule, not {k}"
+            )
+        return cls(m, k)
+
+    return build
 
 
 # name -> (builder, number of arguments), merged into the optimizer rules' functions.
@@ -247,7 +263,8 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "tril": (Tril, 1),
     "eigh": (Eigh, 1),
     "qr": (QR, 1),
-    "inv_root": (_inv_root, 2),
+    "inv_root": (_root(InvRoot), 2),
+    "inv_root_newton": (_root(InvRootNewton), 2),
     "sort_perm": (SortPerm, 1),
     "argmax_onehot": (ArgmaxOnehot, 1),
     "solve_upper": (SolveUpper, 2),
