@@ -85,6 +85,17 @@ def matrix_2d(shape, view: str) -> tuple[int, int]:
     return tuple(tuple(shape)[-2:]) if is_batched(shape, view) else view_2d(shape)
 
 
+def _sizes(rows: list, numels: torch.Tensor, here: torch.Tensor, logical_shapes, views) -> torch.Tensor:
+    """The numels table's rows: each tensor's numel here, its logical numel, its 2-D view's
+    rows and cols, its rows and cols here, its logical number of dimensions."""
+    n = len(rows)
+    shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
+    logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
+    ndims = torch.tensor([len(s) for s in shapes_of], dtype=torch.int64).reshape(n)
+    sizes = torch.tensor(views or [view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
+    return torch.stack([numels, logical, sizes[:, 0], sizes[:, 1], here[:, 0], here[:, 1], ndims])
+
+
 def build_tables(
     rows: list[list[torch.Tensor]],
     groups: list[int],
@@ -113,10 +124,6 @@ def build_tables(
     n = len(rows)
     ptrs = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64)
     numels = torch.tensor([row[0].numel() for row in rows], dtype=torch.int64)
-    shapes_of = [row[0].shape for row in rows] if logical_shapes is None else logical_shapes
-    logical = torch.tensor([math.prod(s) for s in shapes_of], dtype=torch.int64).reshape(n)
-    ndims = torch.tensor([len(s) for s in shapes_of], dtype=torch.int64).reshape(n)
-    sizes = torch.tensor(views or [view_2d(s) for s in shapes_of], dtype=torch.int64).reshape(n, 2)
     here = torch.tensor([view_2d(row[0].shape) for row in rows], dtype=torch.int64).reshape(n, 2)
     counts = ((numels + block - 1) // block).clamp_min(1)
     starts = None
@@ -133,9 +140,7 @@ def build_tables(
     count("table_builds")
     return Tables(
         ptrs=ptrs.to(device),
-        numels=torch.stack([numels, logical, sizes[:, 0], sizes[:, 1], here[:, 0], here[:, 1], ndims]).to(
-            device
-        ),
+        numels=_sizes(rows, numels, here, logical_shapes, views).to(device),
         groups=torch.tensor(groups, dtype=torch.int32).to(device),
         block_tensor=block_tensor.to(device),
         block_start=block_start.to(device),
