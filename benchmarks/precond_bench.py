@@ -151,6 +151,10 @@ def builds(workload: str, interval: int) -> dict:
     else:
         if hasattr(fuser.optim, "Shampoo"):
             out["fuser.optim.Shampoo"] = lambda ps: fuser.optim.Shampoo(ps, precondition_frequency=interval)
+            # (ScalableShampoo's default blocks are 512 wide, fuser's 1024: the same blocks too)
+            out["fuser.optim.Shampoo, blocks of 512"] = lambda ps: fuser.optim.Shampoo(
+                ps, precondition_frequency=interval, max_preconditioner_dim=512
+            )
         else:
             out["fuser.optim.Shampoo"] = "fuser.optim has no Shampoo in this tree"
         out[f"pytorch_optimizer {_version('pytorch_optimizer')} ScalableShampoo"] = lambda ps: (
