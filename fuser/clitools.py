@@ -195,16 +195,23 @@ def kernel_sources(rule: Rule, variant: Variant = Variant()) -> list[KernelSourc
         from fuser.rules.matrices import is_matrix_rule
 
         if is_matrix_rule(rule):  # its one kernel: the update after the matrix phase
-            from fuser.optim.matrix_rules import MatrixProgram
+            from fuser.optim.matrix_rules import MatrixProgram, update_options
+            from fuser.runtime.plans import parse_options
 
-            if variant.state_dtype not in (None, "fp32") or variant.master_weights:
-                raise RuleError("a rule with matrix values keeps fp32 states", rule=rule.name)
-            rule = MatrixProgram(rule).update_rule
+            program = MatrixProgram(rule)
+            asked = parse_options(state_dtype=variant.state_dtype, master_weights=variant.master_weights)
+            try:  # (the update kernel's: element states as asked, its buffers fp32)
+                state_dtype = update_options(rule, program, asked).state_dtype
+            except ValueError as e:
+                raise RuleError(str(e), rule=rule.name) from None
+            rule, state_dtype = program.update_rule, dict(state_dtype) if state_dtype else None
+        else:
+            state_dtype = variant.state_dtype
         found = sources(
             rule,
             variant.dtype,
             grad_dtype=variant.grad_dtype,
-            state_dtype=variant.state_dtype,
+            state_dtype=state_dtype,
             stochastic_rounding=variant.stochastic_rounding,
             master_weights=variant.master_weights,
             profile=variant.profile,

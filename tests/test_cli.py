@@ -469,11 +469,12 @@ def test_jobs_compile_in_worker_processes(cache_root, fake, rules_file, tmp_path
 MATRIX_RULES = '''
 import fuser
 shampoo = fuser.rule("""
+    m = 0.9 * m + g
     L = L + g @ transpose(g)
     PL = where(every(k), inv_root(L + eps * eye(rows), 2), PL)
-    p = p - lr * PL @ g
+    p = p - lr * PL @ m
 """, name="left_shampoo", hyper=dict(lr=1e-2, eps=1e-6, k=2.0),
-    state=dict(L="zeros(rows, rows)", PL="eye(rows)"))
+    state=dict(m=0.0, L="zeros(rows, rows)", PL="eye(rows)"))
 '''
 
 
@@ -487,5 +488,11 @@ def test_precompile_compiles_a_matrix_rules_update_kernel(cache_root, tmp_path, 
         ("left_shampoo_update_step", "cuda:80", "compiled"),
         ("left_shampoo_update_step", "cuda:90", "compiled"),
     }
+    # bf16 momentum and split masters: kernels of their own (the buffers stay fp32), then hits
+    more = ["--state-dtype", "bf16", "--master-weights", "bf16+int8"]
+    assert cli.main(["precompile", str(path), "--dtype", "bf16", *more]) == 0
+    assert {r[5] for r in _rows(capsys.readouterr().out)} == {"compiled"}
+    assert cli.main(["precompile", str(path), "--dtype", "bf16", *more]) == 0
+    assert {r[5] for r in _rows(capsys.readouterr().out)} == {"hit"}
     assert cli.main(["precompile", str(path), "--dtype", "bf16", "--state-dtype", "q8"]) == 1
-    assert "keeps fp32 states" in capsys.readouterr().err
+    assert "8-bit states are not supported for matrix rules" in capsys.readouterr().err

@@ -1196,12 +1196,12 @@ _ELEMENTWISE = {
 def make_matrix_optimizer(rule: Rule, name: str | None, opts: Options) -> type:
     """The optimizer class of a matrix rule (``fuser.compile``)."""
     program = MatrixProgram(rule)
-    opts = _element_state_dtypes(rule, program, opts)
+    opts = update_options(rule, program, opts)
     plan_and_sources(program.update_rule, dtype_plan(program.update_rule, opts, "fp32", "fp32"), False)
     return rule_class(rule, name, MatrixRuleOptimizer, "matrix rule", program=program, options=opts)
 
 
-def _element_state_dtypes(rule: Rule, program: MatrixProgram, opts: Options) -> Options:
+def update_options(rule: Rule, program: MatrixProgram, opts: Options) -> Options:
     """``opts`` with ``state_dtype`` given per state of the update kernel: the element
     states as asked, the buffers it reads from the matrix phase fp32. Matrix, row, column
     and per-tensor states are fp32 (the matrix phase's torch work); 8-bit formats are
