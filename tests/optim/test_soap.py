@@ -210,6 +210,104 @@ def test_soap_bf16_param_keeps_fp32_states():
     assert torch.isfinite(p).all()
 
 
+def _from_state(ref, st, p):
+    """``ref`` (a Reference) set to the optimizer's values before a step."""
+    ref.p = _fp32_value(p, st)
+    ref.m, ref.v = st["exp_avg"].double(), st["exp_avg_sq"].double()
+    ref.L = [gg.double() if len(gg) else None for gg in st["GG"]]
+    ref.Q = [q.double() if len(q) else None for q in st["Q"]]
+
+
+def _fp32_value(p, st):
+    """``p``'s value in float64: with a split master, bf16 ``p`` plus ``lo`` 2**-16ths of its
+    bf16 spacing ``2**(e - 8)`` for ``|p| = f * 2**e``, ``f`` in [0.5, 1)."""
+    lo = st.get("master_lo")
+    if lo is None:
+        return p.detach().double()
+    _, e = torch.frexp(p.detach().double())
+    return p.detach().double() + lo.double() * torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 24)
+
+
+def _steps_from_state(opt, params, cfg, steps, gen):
+    """Each step of ``opt`` against the float64 reference started from its state before it
+    (moments as stored): the largest error of the parameters as a fraction of fp32's (storing
+    the result, 2**-23 of |p|, and computing the step, 1e-5 of the update), and of each
+    moment's as a fraction of half a bf16 spacing."""
+    worst = dict(p=0.0, exp_avg=0.0, exp_avg_sq=0.0)
+    for _ in range(steps):
+        refs = []
+        for p in params:
+            r = Reference(p.detach().float(), cfg, False)
+            _from_state(r, opt.state[p], p)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            refs.append((r, r.p.clone()))
+        step = opt.param_groups[0]["step"] + 1
+        for p, (r, _) in zip(params, refs):
+            r.step(p.grad.double(), step)
+        opt.step()
+        for p, (r, p0) in zip(params, refs):
+            st = opt.state[p]
+            got = _fp32_value(p, st)
+            bound = 2.0**-23 * r.p.norm() + 1e-5 * (r.p - p0).norm()
+            worst["p"] = max(worst["p"], float((got - r.p).norm() / bound))
+            for key, want in (("exp_avg", r.m), ("exp_avg_sq", r.v)):
+                err = (st[key].double() - want).abs() / (2.0**-8 * want.abs() + 1e-30)
+                worst[key] = max(worst[key], float(err.max()))
+    return worst
+
+
+def test_soap_bf16_moments_round_once_per_step():
+    """``state_dtype=torch.bfloat16``: exp_avg and exp_avg_sq stored in bf16, the factors, bases
+    and the step's buffers fp32; a step reads the stored moments and rounds each new one
+    once (to nearest: within half a bf16 spacing), refresh steps included."""
+    gen = torch.Generator().manual_seed(11)
+    cfg = dict(COMMON, max_precondition_dim=6)
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in ((7, 5), (7,), (3, 5, 4))]
+    opt = fuser.optim.SOAP(params, state_dtype=torch.bfloat16, **cfg)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()  # (the first builds the preconditioner)
+    worst = _steps_from_state(opt, params, cfg, 4, gen)  # (refreshes after steps 3 and 5)
+    assert all(v <= 1 for v in worst.values()), worst
+    for p in params:
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+        assert all(gg.dtype == torch.float32 for gg in st["GG"] if len(gg)), p.shape
+
+
+def test_soap_split_masters_and_param_dtype_moments():
+    """bf16 parameters with ``master_weights="bf16+int16"`` and ``state_dtype="param"``: the
+    moments in bf16 and the parameter's value (bf16 and its low part) following float64 to
+    fp32's precision; a state dict carries it all and the run continues exactly."""
+    gen = torch.Generator().manual_seed(12)
+    cfg = dict(COMMON, max_precondition_dim=6)
+    shapes = ((7, 5), (6,), (3, 5, 4))
+    params = [torch.randn(s, generator=gen).bfloat16().requires_grad_() for s in shapes]
+    make = lambda ps: fuser.optim.SOAP(ps, state_dtype="param", master_weights="bf16+int16", **cfg)  # noqa: E731
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()
+    worst = _steps_from_state(opt, params, cfg, 4, gen)
+    assert all(v <= 1 for v in worst.values()), worst
+    st = opt.state[params[0]]
+    assert st["exp_avg"].dtype == torch.bfloat16 and st["master_lo"].dtype == torch.int16
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    other = make(twins)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            q.grad = p.grad.clone()
+        opt.step()
+        other.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "master_lo"):
+            assert other.state[q][key].dtype == opt.state[p][key].dtype
+            assert torch.equal(other.state[q][key], opt.state[p][key]), key
+
+
 def test_soap_failed_decomposition_keeps_its_basis(monkeypatch):
     soap = sys.modules["fuser.optim.builtins.soap"]  # the module (its name in builtins is the rule)
 
@@ -286,8 +384,8 @@ def test_soap_holds_its_states_alone_between_steps(monkeypatch):
         (dict(precondition_frequency=0), "precondition_frequency"),
         (dict(max_precondition_dim=2.5), "max_precondition_dim"),
         (dict(data_format="nchw"), "data_format"),
-        (dict(state_dtype="bf16"), "fp32"),
-        (dict(stochastic_rounding=True), "stochastic_rounding"),
+        (dict(state_dtype="q8"), "SOAP stores exp_avg and exp_avg_sq in one dtype"),
+        (dict(state_dtype=dict(exp_avg="bf16")), "SOAP stores exp_avg and exp_avg_sq in one dtype"),
     ],
 )
 def test_soap_rejects_bad_keywords(kwargs, match):

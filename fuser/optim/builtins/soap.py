@@ -37,7 +37,8 @@ from fuser.optim.builtins._base import (
     published_state_dict,
     whole_tensor_gradients,
 )
-from fuser.runtime.plans import parse_options
+from fuser.runtime.distributed import DTensor
+from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, parse_options, state_format
 
 # The projected tensors' kernel: ``g`` the projected gradient, ``m`` the projected first
 # moment before this step, ``p`` a buffer that takes the direction in the eigenbasis.
@@ -158,9 +159,12 @@ class SOAP(BuiltinOptimizer):
     there: the identity); 1-D parameters have one only with ``precondition_1d``.
     ``merge_dims`` merges neighbouring dimensions while their product fits in
     ``max_precondition_dim`` (4-D tensors with ``data_format="channels_last"`` seen as
-    NCHW first). States are fp32 whatever the parameter's dtype. A step's kernels take three
-    fp32 buffers per parameter (the projected gradient and first moment, the direction),
-    freed when it ends, as are their tables: between steps SOAP holds its states alone.
+    NCHW first). The factors and bases are fp32 whatever the parameter's dtype; ``exp_avg``
+    and ``exp_avg_sq`` fp32 too, or as ``state_dtype`` asks (``torch.bfloat16``,
+    ``torch.float16``, ``"param"``: the kernels read them, compute in fp32 and round each new
+    value once). A step's kernels take three fp32 buffers per parameter (the projected
+    gradient and first moment, the direction), freed when it ends, as are their tables:
+    between steps SOAP holds its states alone.
 
     As in the reference, each parameter keeps the ``precondition_frequency`` and
     ``shampoo_beta`` of its first step in its state. Differences from the reference:
@@ -168,9 +172,10 @@ class SOAP(BuiltinOptimizer):
     ``merge_dims`` a tensor that fits in one dimension is preconditioned as that one
     dimension (the reference's reshape fails there).
 
-    fuser's keywords: ``grad_attr`` (``"main_grad"``), ``seed`` and ``static``;
-    ``state_dtype`` only fp32, ``stochastic_rounding`` and ``master_weights`` only off
-    (not supported yet: the matrix work reads and writes the states in torch).
+    fuser's keywords: ``state_dtype`` (one dtype for both moments, not 8 bits),
+    ``stochastic_rounding`` (of bf16 parameters and moments), ``master_weights``
+    (``"bf16+int8"``, ``"bf16+int16"``: a bf16 parameter's fp32 master, its low part in
+    ``state["master_lo"]``), ``grad_attr`` (``"main_grad"``), ``seed`` and ``static``.
 
     DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, ``torch.chunk``'s split):
     each is stepped whole by one rank of its shard group, which keeps its states whole
@@ -236,19 +241,17 @@ class SOAP(BuiltinOptimizer):
         options = parse_options(
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, master_weights=master_weights
         )
-        if options.state_dtype not in (None, "fp32"):
+        if options.state_dtype not in (None, "fp32", "bf16", "fp16", "param"):
             raise ValueError(
-                f"SOAP keeps its states in fp32 (its matrix work runs in torch); state_dtype={state_dtype!r} "
-                "is not supported yet: leave it None"
-            )
-        if options.stochastic_rounding or options.master_weights:
-            raise ValueError(
-                "SOAP's matrix work reads and writes its states in torch: stochastic_rounding and "
-                "master_weights are not supported yet; leave them off"
+                f"SOAP stores exp_avg and exp_avg_sq in one dtype: state_dtype must be torch.float32, "
+                f"torch.bfloat16, torch.float16 or 'param', not {state_dtype!r} (its factors and bases "
+                "stay fp32)"
             )
         self.data_format = data_format
         self.maximize = bool(maximize)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
         self._kernels = {}
         self._work = {}  # p -> its kernels' buffers
         self._tensors = {}  # p -> the tensor its kernels update (a DTensor's whole tensor)
@@ -266,27 +269,46 @@ class SOAP(BuiltinOptimizer):
 
     def load_state_dict(self, state_dict) -> None:
         torch.optim.Optimizer.load_state_dict(self, state_dict)
+        # torch casts every state tensor to its parameter's dtype (a bf16 parameter's factors
+        # and bases, a split master's integer low part): the saved values are taken back, the
+        # moments in state_dtype, the low part as saved, the rest in fp32.
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        for pid, p in zip(ids, (p for group in self.param_groups for p in group["params"])):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if key in self.state[p]:
+                    self.state[p][key] = _restored(value, p, self._loaded_dtype(key, p))
         own_loaded_states(self)
-        # torch casts loaded states to each parameter's dtype; SOAP keeps them in fp32.
-        for state in self.state.values():
-            for key, value in state.items():
-                state[key] = _to_fp32(value)
         self._use_variant(self._key(self.param_groups[0]))
         self.refresh()
+
+    def _loaded_dtype(self, key: str, p: torch.Tensor):
+        if key in ("exp_avg", "exp_avg_sq"):
+            return FROM_NAME[state_format(self.options, None, key, TORCH_DTYPES[p.dtype])]
+        return None if key == "master_lo" else torch.float32
 
     def refresh(self) -> None:
         for kernel in self._kernels.values():
             kernel.forget()
         self._work = {}
 
-    def _kernel(self, key) -> RuleKernel:
-        if key not in self._kernels:
-            rule = soap_precondition if key == "precondition" else self._rule_for(key)
-            options = self.options
+    def _kernel(self, key, fmt: str = "fp32") -> RuleKernel:
+        """The kernel of ``key`` (a variant, or ``"precondition"`` with ``exp_avg_sq`` stored
+        in ``fmt``). Its tensors' buffers (``u``, ``m``) are fp32 whatever the states' dtype."""
+        if (key, fmt) not in self._kernels:
             if key == "precondition":  # its tensors are SOAP's buffers, their gradients .grad
-                options = dataclasses.replace(options, grad_attr="grad")
-            self._kernels[key] = RuleKernel(rule, options)
-        return self._kernels[key]
+                rule = soap_precondition
+                options = dataclasses.replace(
+                    self.options, grad_attr="grad", master_weights=None, state_dtype=(("exp_avg_sq", fmt),)
+                )
+            else:
+                rule, asked = self._rule_for(key), self.options.state_dtype or "fp32"
+                options = dataclasses.replace(self.options, state_dtype=(("exp_avg", asked),))
+            self._kernels[key, fmt] = RuleKernel(rule, options)
+        return self._kernels[key, fmt]
+
+    def _format(self, p: torch.Tensor) -> str:
+        """The dtype (a name) of ``p``'s ``exp_avg`` and ``exp_avg_sq``."""
+        return state_format(self.options, None, "exp_avg", TORCH_DTYPES[self._tensors.get(p, p).dtype])
 
     # --- the layout the preconditioner sees -------------------------------------------------
 
@@ -312,11 +334,12 @@ class SOAP(BuiltinOptimizer):
         if g.dim() == 1 and not group["precondition_1d"]:
             limit = 0
         gg = [torch.zeros(d, d, device=g.device) if d <= limit else [] for d in shape]
-        zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        dtype = FROM_NAME[state_format(self.options, None, "exp_avg", TORCH_DTYPES[p.dtype])]
+        zeros = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         # The reference keeps each parameter's first frequency and shampoo_beta, and reads them
         # from its state: kept so, checkpoints load both ways.
         beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else group["betas"][1]
-        return dict(
+        state = dict(
             exp_avg=zeros,
             exp_avg_sq=zeros.clone(),
             GG=gg,
@@ -324,6 +347,11 @@ class SOAP(BuiltinOptimizer):
             precondition_frequency=group["precondition_frequency"],
             shampoo_beta=beta,
         )
+        if self.options.master_weights and p.dtype == torch.bfloat16:  # (the master is p at first)
+            state["master_lo"] = torch.zeros_like(
+                p, dtype=getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
+            )
+        return state
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -359,7 +387,7 @@ class SOAP(BuiltinOptimizer):
         work = self._work.get(p)
         if work is None:
             like = self.state[p]["exp_avg_sq"]
-            work = {k: torch.zeros_like(like) for k in ("direction", "grad", "m")}
+            work = {k: torch.zeros_like(like, dtype=torch.float32) for k in ("direction", "grad", "m")}
             work["direction"].grad = work["grad"]
             work["u"] = work["m"]  # free once the first kernel has read m
             self._work[p] = work
@@ -373,7 +401,7 @@ class SOAP(BuiltinOptimizer):
         states = [self.state[p] for _, p, _ in items]
         bases = [_bases(st) for st in states]
         views = [self._view(g, group) for group, _, g in items]
-        views += [self._view(st["exp_avg"], group) for (group, _, _), st in zip(items, states)]
+        views += [self._view(st["exp_avg"].float(), group) for (group, _, _), st in zip(items, states)]
         projected = _mode_products(views, bases + bases)
         works = [self._buffers(p) for _, p, _ in items]
         for k, ((group, _, g), work) in enumerate(zip(items, works)):
@@ -384,13 +412,16 @@ class SOAP(BuiltinOptimizer):
         for (group, p, _), work in zip(items, works):
             by_group[id(group)].append((group, p, work))
         members = list(by_group.values())
-        self._kernel("precondition").run(
-            [([w["direction"] for _, _, w in ms], _pre_hyper(ms[0][0])) for ms in members],
-            {
-                w["direction"]: dict(exp_avg_sq=self.state[p]["exp_avg_sq"], m=w["m"])
-                for _, p, w in _items_of(members)
-            },
-        )
+        for fmt in dict.fromkeys(self._format(p) for _, p, _ in items):  # (one launch per dtype)
+            mine = [[m for m in ms if self._format(m[1]) == fmt] for ms in members]
+            mine = [ms for ms in mine if ms]
+            self._kernel("precondition", fmt).run(
+                [([w["direction"] for _, _, w in ms], _pre_hyper(ms[0][0])) for ms in mine],
+                {
+                    w["direction"]: dict(exp_avg_sq=self.state[p]["exp_avg_sq"], m=w["m"])
+                    for _, p, w in _items_of(mine)
+                },
+            )
 
         directions = [self._view(w["direction"], group) for (group, _, _), w in zip(items, works)]
         directions = _mode_products(directions, bases, back=True)
@@ -401,8 +432,15 @@ class SOAP(BuiltinOptimizer):
             tensors = self._tensors
             self._kernel(key).run(
                 [([tensors[p] for _, p, _ in ms], self._hyper(ms[0][0])) for ms in mine],
-                {tensors[p]: dict(exp_avg=self.state[p]["exp_avg"], u=w["u"]) for _, p, w in _items_of(mine)},
+                {tensors[p]: self._update_states(p, w) for _, p, w in _items_of(mine)},
             )
+
+    def _update_states(self, p: torch.Tensor, work: dict) -> dict:
+        st = self.state[p]
+        out = dict(exp_avg=st["exp_avg"], u=work["u"])
+        if "master_lo" in st:
+            out["master_lo"] = st["master_lo"]
+        return out
 
     def _hyper(self, group: dict) -> dict:
         beta1, beta2 = group["betas"]
@@ -497,12 +535,16 @@ def _by_size(jobs: list) -> dict:
     return out
 
 
-def _to_fp32(value):
-    if torch.is_tensor(value):
-        return value.float() if value.is_floating_point() else value
+def _restored(value, p: torch.Tensor, dtype):
+    """A saved state value copied onto ``p``'s device (a DTensor stays one), its floating
+    tensors in ``dtype`` (``None``: as saved)."""
     if isinstance(value, list):
-        return [_to_fp32(v) for v in value]
-    return value
+        return [_restored(v, p, dtype) for v in value]
+    if not torch.is_tensor(value):
+        return value
+    device = value.device if isinstance(value, DTensor) else p.device
+    keep = dtype is None or not value.is_floating_point()
+    return value.to(device=device, dtype=value.dtype if keep else dtype, copy=True)
 
 
 def _check_group(group: dict) -> None:
