@@ -4,6 +4,7 @@ the step grafted block by block to Adam's (or AdaGrad's) norm, decoupled weight 
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import math
@@ -310,7 +311,7 @@ def test_a_failed_root_keeps_the_previous_one(monkeypatch):
         (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
         (dict(grafting="lamb"), "grafting"),
         (dict(distributed_config=object()), "distributed_config"),
-        (dict(state_dtype=torch.bfloat16), "state_dtype"),
+        (dict(state_dtype="q8"), "Shampoo stores filtered_grad, grafting and momentum_buffer in one dtype"),
     ],
 )
 def test_bad_keywords_raise(keywords, message):
@@ -331,3 +332,116 @@ def test_a_checkpoint_whose_factors_do_not_fit_is_refused_and_changes_nothing():
         other.load_state_dict(saved)
     assert len(other.state) == 0 and other.param_groups[0]["max_preconditioner_dim"] == 1024
     assert math.isclose(other.param_groups[0]["lr"], 0.5)
+
+
+# --- state dtypes and split masters -----------------------------------------------------------
+
+
+def _fp32_value(p, st):
+    """``p``'s value in float64: with a split master, bf16 ``p`` plus ``lo`` 2**-16ths of its
+    bf16 spacing ``2**(e - 8)`` for ``|p| = f * 2**e``, ``f`` in [0.5, 1)."""
+    lo = st.get("master_lo")
+    if lo is None:
+        return p.detach().double()
+    _, e = torch.frexp(p.detach().double())
+    return p.detach().double() + lo.double() * torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 24)
+
+
+def _reference_from_state(p, st, cfg) -> Reference:
+    """The float64 reference set to the optimizer's values before a step (moments as stored)."""
+    r = Reference(p.detach().float(), cfg)
+    if not st:  # (before the first step: the reference's own start)
+        return r
+    r.p, r.t = _fp32_value(p, st), int(st["step"].item())
+    r.F = [[f.double() for f in fs] for fs in st["factor_matrices"]]
+    r.R = [[x.double() for x in rs] for rs in st["inv_factor_matrices"]]
+    for key, name in (("filtered_grad", "m"), ("grafting", "v"), ("momentum_buffer", "mom")):
+        if key in st:
+            setattr(r, name, st[key].double())
+    return r
+
+
+def _steps_from_state(opt, params, cfg, steps, gen) -> dict:
+    """Each step against the reference started from the optimizer's state before it: the
+    largest error of the parameters as a fraction of fp32's (storing the result, 2**-23 of
+    |p|; computing the step, 1e-5 of the update), and of each stored moment as a fraction
+    of half a bf16 spacing."""
+    worst = {}
+    for _ in range(steps):
+        refs = []
+        for p in params:
+            refs.append(_reference_from_state(p, opt.state[p], cfg))
+            p.grad = (torch.randn(p.shape, generator=gen) + 0.1).to(p.dtype)
+        starts = [r.p.clone() for r in refs]
+        for p, r in zip(params, refs):
+            r.step(p.grad)
+        opt.step()
+        for p, r, p0 in zip(params, refs, starts):
+            st = opt.state[p]
+            bound = 2.0**-23 * r.p.norm() + 1e-5 * (r.p - p0).norm()
+            worst["p"] = max(worst.get("p", 0.0), float((_fp32_value(p, st) - r.p).norm() / bound))
+            for key, want in (("filtered_grad", r.m), ("grafting", r.v), ("momentum_buffer", r.mom)):
+                err = (st[key].double() - want).abs() / (2.0**-8 * want.abs() + 1e-30)
+                worst[key] = max(worst.get(key, 0.0), float(err.max()))
+    return worst
+
+
+# Roots at steps 2 and 4 of blocks 4+3 by 3, and of a 1-D tensor; epsilon keeps the factors
+# of few gradients well conditioned (as in the tests above).
+CFG = dict(
+    lr=0.1,
+    betas=(0.9, 0.99),
+    epsilon=0.1,
+    momentum=0.5,
+    weight_decay=0.05,
+    precondition_frequency=2,
+    start_preconditioning_step=2,
+    max_preconditioner_dim=4,
+    use_merge_dims=False,
+)
+
+
+def test_bf16_moments_round_once_per_step():
+    """``state_dtype=torch.bfloat16``: filtered_grad, grafting and momentum_buffer in bf16,
+    the factors, roots and the step's buffers fp32; each new moment rounded once (to
+    nearest: within half a bf16 spacing of float64's from the stored ones)."""
+    gen = torch.Generator().manual_seed(21)
+    params = [0.1 * torch.randn(s, generator=gen) for s in ((7, 3), (5,), (3, 2, 3))]
+    opt = fuser.optim.Shampoo(params, state_dtype=torch.bfloat16, **CFG)
+    worst = _steps_from_state(opt, params, CFG, 5, gen)
+    assert set(worst) == {"p", "filtered_grad", "grafting", "momentum_buffer"}
+    assert all(v <= 1 for v in worst.values()), worst
+    st = opt.state[params[0]]
+    assert st["grafting"].dtype == st["momentum_buffer"].dtype == torch.bfloat16
+    assert st["factor_matrices"][0][0].dtype == torch.float32
+
+
+def test_split_masters_follow_float64_and_load_back_exactly():
+    """bf16 parameters, ``master_weights="bf16+int16"``, ``state_dtype="param"`` and coupled
+    (L2) decay, which torch adds to the gradient from the master: the parameter's value
+    follows float64 to fp32's precision, and a state dict continues the run exactly."""
+    gen = torch.Generator().manual_seed(22)
+    cfg = dict(CFG, use_decoupled_weight_decay=False)
+    params = [(0.1 * torch.randn(s, generator=gen)).bfloat16() for s in ((7, 3), (5,), (3, 2, 3))]
+
+    def make(ps):
+        return fuser.optim.Shampoo(ps, state_dtype="param", master_weights="bf16+int16", **cfg)
+
+    opt = make(params)
+    worst = _steps_from_state(opt, params, cfg, 5, gen)
+    assert all(v <= 1 for v in worst.values()), worst
+    assert opt.state[params[0]]["master_lo"].dtype == torch.int16
+    twins = [p.clone() for p in params]
+    other = make(twins)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            q.grad = p.grad.clone()
+        opt.step()
+        other.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+        for key in ("filtered_grad", "grafting", "momentum_buffer", "master_lo"):
+            assert other.state[q][key].dtype == opt.state[p][key].dtype
+            assert torch.equal(other.state[q][key], opt.state[p][key]), key

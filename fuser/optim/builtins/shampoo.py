@@ -38,7 +38,9 @@ from fuser.optim.builtins._base import (
     published_state_dict,
     whole_tensor_gradients,
 )
-from fuser.runtime.plans import parse_options
+from fuser.runtime.distributed import DTensor
+from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, parse_options, state_format
+from fuser.runtime.quant import master_join
 
 # The moments' kernel, before the matrix work, on a buffer ``p`` whose gradient is the step's
 # fp32 gradient: the filtered gradient ``gbar`` (``bias1``: its bias correction), the grafting
@@ -95,6 +97,8 @@ shampoo_update_nesterov = fuser.rule(
 )
 
 GRAFTINGS = ("adam", "adagrad", "rmsprop", "sgd", None)
+# The states of the parameter's shape, which state_dtype stores (the factors and roots: fp32).
+_ELEMENT_STATES = ("filtered_grad", "grafting", "momentum_buffer")
 # The constructor keywords each param group holds (and may override).
 GROUP_KEYWORDS = (
     "lr", "betas", "beta3", "epsilon", "momentum", "dampening", "weight_decay", "max_preconditioner_dim",
@@ -258,11 +262,16 @@ class Shampoo(BuiltinOptimizer):
     (``momentum > 0``). Differences from Meta's: the step is counted per parameter (Meta
     counts per param group), and the standard ``state_dict`` works (Meta's needs
     ``distributed_state_dict``). A step's kernels take three fp32 buffers the size of each
-    parameter, freed when it ends (between steps only the states stay). Not supported (a
-    ValueError): ``distributed_config``, ``precision_config``, ``preconditioner_dtype``,
-    ``use_pytorch_compile``, ``track_root_inv_residuals``; fuser's ``state_dtype`` other than fp32,
-    ``stochastic_rounding`` and ``master_weights``. Nor yet CUDA-graph capture (the step
-    reads its count on the host) or GradScaler's in-step unscaling (unscale first).
+    parameter, freed when it ends (between steps only the states stay). fuser's
+    ``state_dtype`` (``torch.bfloat16``, ``torch.float16``, ``"param"``) stores
+    ``filtered_grad``, ``grafting`` and ``momentum_buffer`` (the kernels compute in fp32 and
+    round each new value once; the factors and roots stay fp32), ``stochastic_rounding``
+    rounds those stores and bf16 parameters stochastically, and ``master_weights`` keeps a
+    bf16 parameter's fp32 master (``state["master_lo"]``; L2 decay reads it). Not supported
+    (a ValueError): ``distributed_config``, ``precision_config``, ``preconditioner_dtype``,
+    ``use_pytorch_compile``, ``track_root_inv_residuals``, 8-bit or per-state
+    ``state_dtype``. Nor yet CUDA-graph capture (the step reads its count on the host) or
+    GradScaler's in-step unscaling (unscale first).
 
     DTensor parameters sharded by rows (FSDP2's ``Shard(0)``, ``torch.chunk``'s split) are
     stepped whole, each by one rank of its shard group, as SOAP's are: one ``all_to_all``
@@ -331,7 +340,9 @@ class Shampoo(BuiltinOptimizer):
         self._kernels: dict = {}
         self._work: dict = {}  # p -> its buffers between phases
         self._tensors: dict = {}  # p -> the tensor its kernels update (a DTensor's whole tensor)
-        self._init_builtin(params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static)
+        self._init_builtin(
+            params, defaults, state_dtype, grad_attr, stochastic_rounding, seed, static, master_weights
+        )
 
     def __str__(self) -> str:
         return "Shampoo"
@@ -365,8 +376,23 @@ class Shampoo(BuiltinOptimizer):
 
     def _elementwise(self, st: dict, key: str, p: torch.Tensor) -> torch.Tensor:
         if key not in st:
-            st[key] = torch.zeros_like(self._t(p), dtype=torch.float32, memory_format=torch.preserve_format)
+            dtype = FROM_NAME[self._format(p)]
+            st[key] = torch.zeros_like(self._t(p), dtype=dtype, memory_format=torch.preserve_format)
         return st[key]
+
+    def _format(self, p: torch.Tensor) -> str:
+        """The dtype (a name) of ``p``'s moments and momentum (``state_dtype``)."""
+        return state_format(self.options, None, "", TORCH_DTYPES[self._t(p).dtype])
+
+    def _master(self, p: torch.Tensor):
+        """``p``'s split master's low part (``master_weights``, bf16 parameters), or None."""
+        if not self.options.master_weights or self._t(p).dtype != torch.bfloat16:
+            return None
+        st = self.state[p]
+        if "master_lo" not in st:  # (the master is p at first)
+            lo = getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
+            st["master_lo"] = torch.zeros_like(self._t(p), dtype=lo, memory_format=torch.preserve_format)
+        return st["master_lo"]
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -386,7 +412,8 @@ class Shampoo(BuiltinOptimizer):
             group, st = self.param_groups[gi], self.state[p]
             g = g.float()
             if group["weight_decay"] != 0.0 and not group["use_decoupled_weight_decay"]:
-                g = g + group["weight_decay"] * t.float()
+                lo = self._master(p)
+                g = g + group["weight_decay"] * (t.float() if lo is None else master_join(t, lo))
             st["step"] += 1
             items.append((group, p, g, int(st["step"].item())))
         if items:
@@ -426,18 +453,18 @@ class Shampoo(BuiltinOptimizer):
         """``Ḡ`` and the grafting direction (None without grafting) of each parameter, from
         the moments' kernels: one launch per variant over every parameter that has one."""
         gbars, grafts = [], []
-        launches = defaultdict(lambda: defaultdict(list))  # rule -> (group, t) -> [(p, g)]
+        launches = defaultdict(lambda: defaultdict(list))  # (rule, dtype) -> (group, t) -> [(p, g)]
         for group, p, g, t in items:
             filtered, diagonal = group["betas"][0] != 0.0, group["grafting"] in _DIAGONAL
             rule = {(True, True): shampoo_filter_graft, (False, True): shampoo_graft}.get(
                 (filtered, diagonal), shampoo_filter if filtered else None
             )
             if rule is not None:
-                launches[rule][(id(group), t)].append((group, p, g))
+                launches[rule, self._format(p)][(id(group), t)].append((group, p, g))
             gbars.append(g)
             grafts.append(g if group["grafting"] is not None else None)
         out = {}  # p -> (gbar, graft)
-        for rule, groups in launches.items():
+        for (rule, fmt), groups in launches.items():
             launch, states = [], {}
             for (_, t), members in groups.items():
                 group = members[0][0]
@@ -451,7 +478,7 @@ class Shampoo(BuiltinOptimizer):
                     states[work["graft"]] = named
                     gbar = work["gbar"] if rule is shampoo_filter_graft else work["graft"]
                     out[p] = (g if rule is shampoo_graft else gbar, work["graft"])
-            self._kernel(rule.name, rule, "grad").run(launch, states)
+            self._kernel((rule.name, fmt), rule, "grad", fmt).run(launch, states)
         for k, (group, p, _, _) in enumerate(items):
             if p in out:
                 gbars[k] = out[p][0]
@@ -540,15 +567,20 @@ class Shampoo(BuiltinOptimizer):
                     named = dict(u=buf)
                     if key[0]:
                         named["momentum_buffer"] = self._elementwise(self.state[p], "momentum_buffer", p)
+                    if self._master(p) is not None:
+                        named["master_lo"] = self._master(p)
                     states[self._t(p)] = named
             self._kernel(key, self._rule_for(key)).run(launch, states)
 
-    def _kernel(self, key, rule, grad_attr: str | None = None) -> RuleKernel:
-        """The step engine of ``rule``; the moments' kernels read their buffers' ``.grad``."""
+    def _kernel(self, key, rule, grad_attr: str | None = None, fmt: str | None = None) -> RuleKernel:
+        """The step engine of ``rule``; the moments' kernels read their buffers' ``.grad``,
+        their states in ``fmt``. Buffers (``gbar``, ``u``) stay fp32."""
         if key not in self._kernels:
-            options = self.options
-            if grad_attr is not None:
-                options = dataclasses.replace(options, grad_attr=grad_attr)
+            asked = self.options.state_dtype or "fp32"
+            kept = {s: (fmt or asked) for s, _ in rule.state if s in _ELEMENT_STATES}
+            options = dataclasses.replace(self.options, state_dtype=tuple(sorted(kept.items())) or None)
+            if grad_attr is not None:  # (the moments' kernels update buffers, not parameters)
+                options = dataclasses.replace(options, grad_attr=grad_attr, master_weights=None)
             self._kernels[key] = RuleKernel(rule, options)
         return self._kernels[key]
 
@@ -574,13 +606,22 @@ class Shampoo(BuiltinOptimizer):
             if pid in saved:
                 _check_saved(saved[pid], self._new_state(p, {**group, **_saved_group(state_dict, pid)}), p)
         torch.optim.Optimizer.load_state_dict(self, state_dict)
-        # torch casts loaded states to each parameter's dtype; Shampoo keeps fp32.
+        # torch casts loaded states to each parameter's dtype: taken back as saved, the factors
+        # and roots in fp32, the moments and momentum in state_dtype.
         for pid, (p, _) in pairs:
             if pid in saved:
-                self.state[p] = {k: _fp32_copy(v, p.device) for k, v in saved[pid].items()}
+                self.state[p] = {k: self._loaded(k, v, p) for k, v in saved[pid].items()}
         own_loaded_states(self)
         self._use_variant(self._key(self.param_groups[0]))
         self.refresh()
+
+    def _loaded(self, key: str, value, p: torch.Tensor):
+        if key in _ELEMENT_STATES and torch.is_tensor(value):
+            dtype = FROM_NAME[state_format(self.options, None, key, TORCH_DTYPES[p.dtype])]
+            return value.to(
+                device=value.device if isinstance(value, DTensor) else p.device, dtype=dtype, copy=True
+            )
+        return _fp32_copy(value, p.device)
 
     def refresh(self) -> None:
         for kernel in self._kernels.values():
@@ -671,15 +712,11 @@ def _check_options(state_dtype, stochastic_rounding, master_weights) -> None:
     options = parse_options(
         state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, master_weights=master_weights
     )
-    if options.state_dtype not in (None, "fp32"):
+    if options.state_dtype not in (None, "fp32", "bf16", "fp16", "param"):
         raise ValueError(
-            f"Shampoo keeps its states in fp32 (its matrix work runs in torch); "
-            f"state_dtype={state_dtype!r} is not supported yet: leave it None"
-        )
-    if options.stochastic_rounding or options.master_weights:
-        raise ValueError(
-            "Shampoo's matrix work reads its states in torch: stochastic_rounding and "
-            "master_weights are not supported yet; leave them off"
+            "Shampoo stores filtered_grad, grafting and momentum_buffer in one dtype: state_dtype "
+            f"must be torch.float32, torch.bfloat16, torch.float16 or 'param', not {state_dtype!r} "
+            "(its factors and roots stay fp32)"
         )
 
 
