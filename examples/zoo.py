@@ -1087,6 +1087,50 @@ _add(
     "taken over every tensor the step updates).",
 )
 
+# AliG (Berrada et al. 2020): the step size is the closure's loss over the squared gradient
+# norm of every tensor, capped at max_lr; the reference's max_lr=None (no cap) is any
+# negative max_lr here, a value the reference refuses.
+_ALIG = """
+    gs = (1 - 2 * maximize) * g
+    step_size = loss / (global_sum(g**2) + 1e-6)
+    step_size = where(max_lr >= 0, minimum(step_size, max_lr), step_size)
+    p = p - step_size * gs
+    momentum_buffer = momentum * momentum_buffer - where(adjusted_momentum > 0, 1, step_size) * gs
+    p = p + where(adjusted_momentum > 0, step_size, 1) * momentum * momentum_buffer
+    """
+_ALIG_DEFAULTS = dict(max_lr=-1.0, momentum=0.0, adjusted_momentum=0.0, maximize=0.0)
+_ALIG_DOC = (
+    "AliG(max_lr, momentum, adjusted_momentum, maximize; the flags as 0/1) with "
+    "projection_fn=None as by default: the step size loss / (sum of every gradient's squared "
+    "norm + 1e-6), the reference's get_global_gradient_norm being that sum of squares, capped "
+    "at max_lr, with max_lr < 0 for the reference's max_lr=None (no cap); the loss is the "
+    "value of the step's closure, which both optimizers need. "
+)
+_add(
+    "alig",
+    _ALIG,
+    defaults=_ALIG_DEFAULTS,
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(momentum=0.8),
+    hyper=dict(momentum=0.8),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc=_ALIG_DOC + "Here uncapped, with the default momentum (adjusted_momentum=False): "
+    "the buffer holds momentum * buffer - step_size * g and adds momentum times itself.",
+)
+_add(
+    "alig_adjusted",
+    _ALIG,
+    reference="alig",
+    defaults=_ALIG_DEFAULTS,
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(max_lr=0.005, momentum=0.8, adjusted_momentum=True, maximize=True),
+    hyper=dict(max_lr=0.005, momentum=0.8, adjusted_momentum=1.0, maximize=1.0),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc=_ALIG_DOC + "Here with adjusted_momentum=True (the buffer holds momentum * buffer - g "
+    "and adds step_size * momentum times itself), maximize=True and a max_lr that caps about "
+    "half of the test's steps.",
+)
+
 # --- Factored second moments (rows and columns of each tensor's 2-D view) ------------------
 
 _add(
@@ -1948,7 +1992,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "adahessian": "needs Hessian-vector products: a second backward with create_graph",
     "sophiah": "needs Hessian-vector products: Hutchinson estimates from a second backward",
     "lbfgs": "needs a closure, line search and a history of vectors with dot products across all tensors",
-    "alig": "needs the loss value from a closure for its step size",
     "bsam": "needs a closure: a perturbed second forward and backward each step",
     "lomo": "needs the model's backward: LOMO updates inside backward hooks",
     "adalomo": "needs the model's backward and row/column reductions (factored moments)",
@@ -2008,7 +2051,7 @@ def _demo(steps: int = 3) -> None:
                 loss = torch.nn.functional.mse_loss(m(xx), yy)
                 o.zero_grad()
                 loss.backward()
-                o.step()
+                o.step(lambda loss=loss: loss.item())  # (AliG's step size is the loss's)
                 if m is model:
                     losses.append(loss.item())
         err = max(
