@@ -37,7 +37,8 @@ class ZooEntry:
     Newton–Schulz sets it (both sides orthogonalise in bf16); ``states`` agree to 1e-6.
     ``ns_states`` are states computed from a Newton–Schulz result, which agree to twice
     bf16's Newton–Schulz error.
-    ``state_rtol`` bounds the states' (1e-6 unless a decomposition's fp32 error sets it)."""
+    ``state_rtol`` bounds the states' (1e-6 unless a decomposition's fp32 error sets it).
+    ``steps``, when set, is the number of steps the test compares (its own otherwise)."""
 
     rule: fuser.Rule
     reference: str
@@ -51,6 +52,7 @@ class ZooEntry:
     rtol: float = 1e-6
     ns_states: dict = field(default_factory=dict)
     state_rtol: float = 1e-6
+    steps: int = 0
 
 
 ZOO: dict[str, ZooEntry] = {}
@@ -73,6 +75,7 @@ def _add(
     rtol=1e-6,
     ns_states=None,
     state_rtol=1e-6,
+    steps=0,
 ):
     ZOO[name] = ZooEntry(
         rule=fuser.rule(text, name=name, hyper=defaults, state=state),
@@ -87,6 +90,7 @@ def _add(
         rtol=rtol,
         ns_states=ns_states or {},
         state_rtol=state_rtol,
+        steps=steps,
     )
 
 
@@ -600,9 +604,9 @@ _add(
     doc="AdaMax(lr, betas, weight_decay, eps) with coupled decay as by default.",
 )
 
-_add(
-    "radam",
-    """
+# RAdam's rectified step size (pytorch-optimizer's get_rectify_step_size, then divided by
+# 1 - beta1**step): rt is -1 below the threshold unless degenerated_to_sgd.
+_RECTIFY = """
     n_sma_max = 2 / (1 - beta2) - 1
     beta2_t = beta2**step
     n_sma = n_sma_max - 2 * step * beta2_t / (1 - beta2_t)
@@ -610,7 +614,11 @@ _add(
               / (n_sma_max - 2))
     rt = where(n_sma >= n_sma_threshold, rt, where(degenerated_to_sgd > 0, 1, -1))
     step_size = lr * rt / (1 - beta1**step)
-    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
+"""
+_add(
+    "radam",
+    _RECTIFY
+    + """    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
     exp_avg = beta1 * exp_avg + (1 - beta1) * g
     exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
     sgd_size = where(step_size > 0, step_size, 0)
@@ -633,6 +641,101 @@ _add(
     states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
     doc="RAdam(lr, betas, weight_decay, n_sma_threshold, degenerated_to_sgd as 0/1, eps) with "
     "decoupled decay as by default.",
+)
+
+# Ranger: RAdam with gradient centralisation and lookahead. Unlike RAdam's, its update below
+# the threshold is not skipped: with degenerated_to_sgd=False (rt = -1) it adds
+# lr / (1 - beta1**step) * exp_avg, as the reference does. The reference centralises
+# gradients of more than one dimension; ``rows > 1`` stands for that here.
+_RANGER = (
+    """
+    gs = (1 - 2 * maximize) * g
+    gs = where(use_gc > 0 and rows > 1, gs - rowmean(gs), gs)
+    p = p * (1 - weight_decouple * weight_decay * where(fixed_decay > 0, 1, lr))
+    gs = gs + (1 - weight_decouple) * weight_decay * p
+    exp_avg = exp_avg + (1 - beta1) * (gs - exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * gs**2
+"""
+    + _RECTIFY
+    + """    p = p - step_size * where(n_sma >= n_sma_threshold, exp_avg / (sqrt(exp_avg_sq) + eps), exp_avg)
+    slow_buffer = where(every(k), slow_buffer + alpha * (p - slow_buffer), slow_buffer)
+    p = where(every(k), slow_buffer, p)
+    """
+)
+_RANGER_DEFAULTS = dict(
+    lr=1e-3,
+    beta1=0.95,
+    beta2=0.999,
+    alpha=0.5,
+    k=6.0,
+    n_sma_threshold=5.0,
+    degenerated_to_sgd=0.0,
+    weight_decay=0.0,
+    weight_decouple=1.0,
+    fixed_decay=0.0,
+    use_gc=1.0,
+    eps=1e-5,
+    maximize=0.0,
+)
+_RANGER_DOC = (
+    "Ranger(lr, betas, alpha, k, n_sma_threshold, degenerated_to_sgd, weight_decay, "
+    "weight_decouple, fixed_decay, use_gc, eps, maximize; the flags as 0/1) with the default "
+    "gc_conv_only=False and adanorm off: RAdam's rectified step, gradient centralisation (the "
+    "gradient minus its mean over all dimensions but the first, rowmean of the 2-D view) and "
+    "lookahead every k steps (slow_buffer, a copy of the starting parameter, moves alpha of "
+    "the way to the parameter, which then takes its value). The reference centralises tensors "
+    "of more than one dimension, the rule those of more than one row: a tensor of shape "
+    "[1, ...] is centralised by the reference only (telling it from a 1-D tensor needs the "
+    "number of dimensions, as gc_conv_only's tensors of more than 3 do). The test runs 8 "
+    "steps, so that steps 5 to 8 are rectified (n_sma >= 4 from step 5 at beta2=0.99) and "
+    "lookahead runs twice; fixed_decay=True and use_gc=False were compared by hand, not by the "
+    "zoo test. "
+)
+_add(
+    "ranger",
+    _RANGER,
+    defaults=_RANGER_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, slow_buffer="p"),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), alpha=0.6, k=3, n_sma_threshold=4, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, alpha=0.6, k=3, n_sma_threshold=4, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", slow_buffer="slow_buffer"),
+    steps=8,
+    doc=_RANGER_DOC + "Here decoupled decay and degenerated_to_sgd=False, whose steps before "
+    "the threshold add lr / (1 - beta1**step) * exp_avg, as the reference's do.",
+)
+_add(
+    "ranger_sgd",
+    _RANGER,
+    reference="ranger",
+    defaults=_RANGER_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, slow_buffer="p"),
+    reference_kwargs=dict(
+        lr=1e-2,
+        betas=(0.8, 0.99),
+        alpha=0.6,
+        k=3,
+        n_sma_threshold=4,
+        degenerated_to_sgd=True,
+        weight_decay=0.1,
+        weight_decouple=False,
+        maximize=True,
+    ),
+    hyper=dict(
+        lr=1e-2,
+        beta1=0.8,
+        beta2=0.99,
+        alpha=0.6,
+        k=3,
+        n_sma_threshold=4,
+        degenerated_to_sgd=1,
+        weight_decay=0.1,
+        weight_decouple=0,
+        maximize=1,
+    ),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", slow_buffer="slow_buffer"),
+    steps=8,
+    doc=_RANGER_DOC + "Here coupled decay (added to the centralised gradient), "
+    "degenerated_to_sgd=True (SGD steps with momentum before the threshold) and maximize=True.",
 )
 
 # --- torch.optim classes that pytorch_optimizer lists ------------------------------------------
@@ -1983,8 +2086,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
     "lars": "needs the tensor's number of dimensions: the trust ratio and weight decay apply "
     "only to tensors with ndim > 1 (no keyword turns this off)",
-    "ranger": "not written as a rule yet: rowmean now gives gradient centralisation; its "
-    "lookahead (slow weights swapped every k steps) and RAdam rectification are still to pin",
     "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
     "gradient centralisation",
     "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "

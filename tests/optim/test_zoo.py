@@ -1,13 +1,14 @@
 """Every rule of examples/zoo.py against the pytorch-optimizer 4.1.0 class it reproduces.
 
 fuser runs the rule on fp32 parameters; the reference runs on float64 copies of the same
-starting point. Both see the same fresh, nonzero random gradients for several steps, and
-the parameters (and the states both keep) must agree to a relative error of 1e-6, or the
-entry's ``rtol`` where fuser's bf16 Newton–Schulz sets it, against the references'
-iteration run in float64 (its states from a Newton–Schulz result to ``NS_RTOL``). A rule
-that draws ``randn()`` (PSGD Kron's probes) has its reference's ``torch.randn_like`` return
-the rule's own draws, rebuilt in float64 from the documented generator. A rule that reads
-``loss`` (AliG's) steps both optimizers with one closure returning a fresh number a step."""
+starting point. Both see the same fresh, nonzero random gradients for several steps
+(``STEPS``, or the entry's ``steps``), and the parameters (and the states both keep) must
+agree to a relative error of 1e-6, or the entry's ``rtol`` where fuser's bf16 Newton–Schulz
+sets it, against the references' iteration run in float64 (its states from a Newton–Schulz
+result to ``NS_RTOL``). A rule that draws ``randn()`` (PSGD Kron's probes) has its
+reference's ``torch.randn_like`` return the rule's own draws, rebuilt in float64 from the
+documented generator. A rule that reads ``loss`` (AliG's) steps both optimizers with one
+closure returning a fresh number a step."""
 
 import sys
 from pathlib import Path
@@ -91,8 +92,9 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
     probes = "randn()" in entry.rule.text
     shapes = entry.shapes or SHAPES
     start = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(STEPS)]
-    losses = [0.5 + 1.5 * torch.rand(()).item() for _ in range(STEPS)] if reads_loss(entry.rule) else None
+    steps = entry.steps or STEPS
+    grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(steps)]
+    losses = [0.5 + 1.5 * torch.rand(()).item() for _ in range(steps)] if reads_loss(entry.rule) else None
     ours = [p.clone().to(device) for p in start]
     theirs = [p.clone().double() for p in start]
     opt = fuser.compile(entry.rule)(ours, **entry.hyper)
