@@ -1231,7 +1231,7 @@ _add(
     states=dict(momentum_buffer="momentum_buffer"),
     doc=_ALIG_DOC + "Here with adjusted_momentum=True (the buffer holds momentum * buffer - g "
     "and adds step_size * momentum times itself), maximize=True and a max_lr that caps about "
-    "half of the test's steps.",
+    "70% of the test's steps (the uncapped ones check the branch that takes the loss).",
 )
 
 # --- Factored second moments (rows and columns of each tensor's 2-D view) ------------------
