@@ -37,7 +37,8 @@ class ZooEntry:
     Newton–Schulz sets it (both sides orthogonalise in bf16); ``states`` agree to 1e-6.
     ``ns_states`` are states computed from a Newton–Schulz result, which agree to twice
     bf16's Newton–Schulz error.
-    ``state_rtol`` bounds the states' (1e-6 unless a decomposition's fp32 error sets it)."""
+    ``state_rtol`` bounds the states' (1e-6 unless a decomposition's fp32 error sets it).
+    ``steps``, when set, is the number of steps the test compares (its own otherwise)."""
 
     rule: fuser.Rule
     reference: str
@@ -51,6 +52,7 @@ class ZooEntry:
     rtol: float = 1e-6
     ns_states: dict = field(default_factory=dict)
     state_rtol: float = 1e-6
+    steps: int = 0
 
 
 ZOO: dict[str, ZooEntry] = {}
@@ -73,6 +75,7 @@ def _add(
     rtol=1e-6,
     ns_states=None,
     state_rtol=1e-6,
+    steps=0,
 ):
     ZOO[name] = ZooEntry(
         rule=fuser.rule(text, name=name, hyper=defaults, state=state),
@@ -87,6 +90,7 @@ def _add(
         rtol=rtol,
         ns_states=ns_states or {},
         state_rtol=state_rtol,
+        steps=steps,
     )
 
 
@@ -631,9 +635,9 @@ _add(
     doc="AdaMax(lr, betas, weight_decay, eps) with coupled decay as by default.",
 )
 
-_add(
-    "radam",
-    """
+# RAdam's rectified step size (pytorch-optimizer's get_rectify_step_size, then divided by
+# 1 - beta1**step): rt is -1 below the threshold unless degenerated_to_sgd.
+_RECTIFY = """
     n_sma_max = 2 / (1 - beta2) - 1
     beta2_t = beta2**step
     n_sma = n_sma_max - 2 * step * beta2_t / (1 - beta2_t)
@@ -641,7 +645,11 @@ _add(
               / (n_sma_max - 2))
     rt = where(n_sma >= n_sma_threshold, rt, where(degenerated_to_sgd > 0, 1, -1))
     step_size = lr * rt / (1 - beta1**step)
-    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
+"""
+_add(
+    "radam",
+    _RECTIFY
+    + """    p = where(n_sma >= n_sma_threshold or step_size > 0, p * (1 - lr * weight_decay), p)
     exp_avg = beta1 * exp_avg + (1 - beta1) * g
     exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
     sgd_size = where(step_size > 0, step_size, 0)
@@ -664,6 +672,101 @@ _add(
     states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq"),
     doc="RAdam(lr, betas, weight_decay, n_sma_threshold, degenerated_to_sgd as 0/1, eps) with "
     "decoupled decay as by default.",
+)
+
+# Ranger: RAdam with gradient centralisation and lookahead. Unlike RAdam's, its update below
+# the threshold is not skipped: with degenerated_to_sgd=False (rt = -1) it adds
+# lr / (1 - beta1**step) * exp_avg, as the reference does. It centralises gradients of
+# more than one dimension (more than 3 with gc_conv_only).
+_RANGER = (
+    """
+    gs = (1 - 2 * maximize) * g
+    gs = where(use_gc > 0 and ndim > 1 + 2 * gc_conv_only, gs - rowmean(gs), gs)
+    p = p * (1 - weight_decouple * weight_decay * where(fixed_decay > 0, 1, lr))
+    gs = gs + (1 - weight_decouple) * weight_decay * p
+    exp_avg = exp_avg + (1 - beta1) * (gs - exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * gs**2
+"""
+    + _RECTIFY
+    + """    p = p - step_size * where(n_sma >= n_sma_threshold, exp_avg / (sqrt(exp_avg_sq) + eps), exp_avg)
+    slow_buffer = where(every(k), slow_buffer + alpha * (p - slow_buffer), slow_buffer)
+    p = where(every(k), slow_buffer, p)
+    """
+)
+_RANGER_DEFAULTS = dict(
+    lr=1e-3,
+    beta1=0.95,
+    beta2=0.999,
+    alpha=0.5,
+    k=6.0,
+    n_sma_threshold=5.0,
+    degenerated_to_sgd=0.0,
+    weight_decay=0.0,
+    weight_decouple=1.0,
+    fixed_decay=0.0,
+    use_gc=1.0,
+    gc_conv_only=0.0,
+    eps=1e-5,
+    maximize=0.0,
+)
+_RANGER_DOC = (
+    "Ranger(lr, betas, alpha, k, n_sma_threshold, degenerated_to_sgd, weight_decay, "
+    "weight_decouple, fixed_decay, use_gc, gc_conv_only, eps, maximize; the flags as 0/1) with "
+    "adanorm off: RAdam's rectified step, gradient centralisation of tensors of more than one "
+    "dimension (more than 3 with gc_conv_only; the gradient minus its mean over all dimensions "
+    "but the first, rowmean of the 2-D view) and lookahead every k steps (slow_buffer, a copy "
+    "of the starting parameter, moves alpha of the way to the parameter, which then takes its "
+    "value). The test runs 8 "
+    "steps, so that steps 5 to 8 are rectified (n_sma >= 4 from step 5 at beta2=0.99) and "
+    "lookahead runs twice; fixed_decay=True, use_gc=False, gc_conv_only=True (on a 4-D tensor) "
+    "and a [1, 6] tensor were compared by hand, not by the "
+    "zoo test. "
+)
+_add(
+    "ranger",
+    _RANGER,
+    defaults=_RANGER_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, slow_buffer="p"),
+    reference_kwargs=dict(lr=1e-2, betas=(0.8, 0.99), alpha=0.6, k=3, n_sma_threshold=4, weight_decay=0.1),
+    hyper=dict(lr=1e-2, beta1=0.8, beta2=0.99, alpha=0.6, k=3, n_sma_threshold=4, weight_decay=0.1),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", slow_buffer="slow_buffer"),
+    steps=8,
+    doc=_RANGER_DOC + "Here decoupled decay and degenerated_to_sgd=False, whose steps before "
+    "the threshold add lr / (1 - beta1**step) * exp_avg, as the reference's do.",
+)
+_add(
+    "ranger_sgd",
+    _RANGER,
+    reference="ranger",
+    defaults=_RANGER_DEFAULTS,
+    state=dict(exp_avg=0.0, exp_avg_sq=0.0, slow_buffer="p"),
+    reference_kwargs=dict(
+        lr=1e-2,
+        betas=(0.8, 0.99),
+        alpha=0.6,
+        k=3,
+        n_sma_threshold=4,
+        degenerated_to_sgd=True,
+        weight_decay=0.1,
+        weight_decouple=False,
+        maximize=True,
+    ),
+    hyper=dict(
+        lr=1e-2,
+        beta1=0.8,
+        beta2=0.99,
+        alpha=0.6,
+        k=3,
+        n_sma_threshold=4,
+        degenerated_to_sgd=1,
+        weight_decay=0.1,
+        weight_decouple=0,
+        maximize=1,
+    ),
+    states=dict(exp_avg="exp_avg", exp_avg_sq="exp_avg_sq", slow_buffer="slow_buffer"),
+    steps=8,
+    doc=_RANGER_DOC + "Here coupled decay (added to the centralised gradient), "
+    "degenerated_to_sgd=True (SGD steps with momentum before the threshold) and maximize=True.",
 )
 
 # --- torch.optim classes that pytorch_optimizer lists ------------------------------------------
@@ -1116,6 +1219,50 @@ _add(
     doc="Adai(lr, betas, weight_decay, dampening, eps) with coupled decay and "
     "stable_weight_decay=False as by default, one param group (the mean of exp_avg_sq is "
     "taken over every tensor the step updates).",
+)
+
+# AliG (Berrada et al. 2020): the step size is the closure's loss over the squared gradient
+# norm of every tensor, capped at max_lr; the reference's max_lr=None (no cap) is any
+# negative max_lr here, a value the reference refuses.
+_ALIG = """
+    gs = (1 - 2 * maximize) * g
+    step_size = loss / (global_sum(g**2) + 1e-6)
+    step_size = where(max_lr >= 0, minimum(step_size, max_lr), step_size)
+    p = p - step_size * gs
+    momentum_buffer = momentum * momentum_buffer - where(adjusted_momentum > 0, 1, step_size) * gs
+    p = p + where(adjusted_momentum > 0, step_size, 1) * momentum * momentum_buffer
+    """
+_ALIG_DEFAULTS = dict(max_lr=-1.0, momentum=0.0, adjusted_momentum=0.0, maximize=0.0)
+_ALIG_DOC = (
+    "AliG(max_lr, momentum, adjusted_momentum, maximize; the flags as 0/1) with "
+    "projection_fn=None as by default: the step size loss / (sum of every gradient's squared "
+    "norm + 1e-6), the reference's get_global_gradient_norm being that sum of squares, capped "
+    "at max_lr, with max_lr < 0 for the reference's max_lr=None (no cap); the loss is the "
+    "value of the step's closure, which both optimizers need. "
+)
+_add(
+    "alig",
+    _ALIG,
+    defaults=_ALIG_DEFAULTS,
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(momentum=0.8),
+    hyper=dict(momentum=0.8),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc=_ALIG_DOC + "Here uncapped, with the default momentum (adjusted_momentum=False): "
+    "the buffer holds momentum * buffer - step_size * g and adds momentum times itself.",
+)
+_add(
+    "alig_adjusted",
+    _ALIG,
+    reference="alig",
+    defaults=_ALIG_DEFAULTS,
+    state=dict(momentum_buffer=0.0),
+    reference_kwargs=dict(max_lr=0.005, momentum=0.8, adjusted_momentum=True, maximize=True),
+    hyper=dict(max_lr=0.005, momentum=0.8, adjusted_momentum=1.0, maximize=1.0),
+    states=dict(momentum_buffer="momentum_buffer"),
+    doc=_ALIG_DOC + "Here with adjusted_momentum=True (the buffer holds momentum * buffer - g "
+    "and adds step_size * momentum times itself), maximize=True and a max_lr that caps about "
+    "70% of the test's steps (the uncapped ones check the branch that takes the loss).",
 )
 
 # --- Factored second moments (rows and columns of each tensor's 2-D view) ------------------
@@ -1968,8 +2115,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "galore": "needs matrix functions: SVD low-rank projection of 2-D gradients",
     "fira": "needs matrix functions: GaLore's SVD projection plus a norm-based residual",
     "lorarite": "needs matrix functions: LoRA factor pairs and their QR/unmagnified bases",
-    "ranger": "not written as a rule yet: rowmean now gives gradient centralisation; its "
-    "lookahead (slow weights swapped every k steps) and RAdam rectification are still to pin",
     "ranger21": "needs row reductions: adaptive gradient clipping by unit-wise norms and "
     "gradient centralisation",
     "adashift": "needs a gradient history: a queue of the last keep_num gradients and a "
@@ -1977,7 +2122,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
     "adahessian": "needs Hessian-vector products: a second backward with create_graph",
     "sophiah": "needs Hessian-vector products: Hutchinson estimates from a second backward",
     "lbfgs": "needs a closure, line search and a history of vectors with dot products across all tensors",
-    "alig": "needs the loss value from a closure for its step size",
     "bsam": "needs a closure: a perturbed second forward and backward each step",
     "lomo": "needs the model's backward: LOMO updates inside backward hooks",
     "adalomo": "needs the model's backward and row/column reductions (factored moments)",
@@ -2037,7 +2181,7 @@ def _demo(steps: int = 3) -> None:
                 loss = torch.nn.functional.mse_loss(m(xx), yy)
                 o.zero_grad()
                 loss.backward()
-                o.step()
+                o.step(lambda loss=loss: loss.item())  # (AliG's step size is the loss's)
                 if m is model:
                     losses.append(loss.item())
         err = max(

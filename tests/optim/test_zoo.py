@@ -1,12 +1,14 @@
 """Every rule of examples/zoo.py against the pytorch-optimizer 4.1.0 class it reproduces.
 
 fuser runs the rule on fp32 parameters; the reference runs on float64 copies of the same
-starting point. Both see the same fresh, nonzero random gradients for several steps, and
-the parameters (and the states both keep) must agree to a relative error of 1e-6, or the
-entry's ``rtol`` where fuser's bf16 Newton–Schulz sets it, against the references'
-iteration run in float64 (its states from a Newton–Schulz result to ``NS_RTOL``). A rule
-that draws ``randn()`` (PSGD Kron's probes) has its reference's ``torch.randn_like`` return
-the rule's own draws, rebuilt in float64 from the documented generator."""
+starting point. Both see the same fresh, nonzero random gradients for several steps
+(``STEPS``, or the entry's ``steps``), and the parameters (and the states both keep) must
+agree to a relative error of 1e-6, or the entry's ``rtol`` where fuser's bf16 Newton–Schulz
+sets it, against the references' iteration run in float64 (its states from a Newton–Schulz
+result to ``NS_RTOL``). A rule that draws ``randn()`` (PSGD Kron's probes) has its
+reference's ``torch.randn_like`` return the rule's own draws, rebuilt in float64 from the
+documented generator. A rule that reads ``loss`` (AliG's) steps both optimizers with one
+closure returning a fresh number a step."""
 
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ from test_muon import exact_newton_schulz  # noqa: E402
 from zoo import NOT_EXPRESSIBLE, ZOO, coverage_table  # noqa: E402
 
 import fuser  # noqa: E402
+from fuser.rules.rule import reads_loss  # noqa: E402
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
@@ -54,11 +57,11 @@ def rule_probes(opt, step: int, params) -> list[torch.Tensor]:
     ]
 
 
-def reference_step(ref, monkeypatch, probes=None) -> None:
-    """``ref.step()``; with ``probes``, its ``torch.randn_like`` calls (PSGD's, one per tensor
-    it refreshes, in order) return them instead of torch's draws."""
+def reference_step(ref, monkeypatch, probes=None, closure=None) -> None:
+    """``ref.step(closure)``; with ``probes``, its ``torch.randn_like`` calls (PSGD's, one per
+    tensor it refreshes, in order) return them instead of torch's draws."""
     if probes is None:
-        ref.step()
+        ref.step(closure)
         return
     left = list(probes)
 
@@ -69,7 +72,7 @@ def reference_step(ref, monkeypatch, probes=None) -> None:
 
     with monkeypatch.context() as m:
         m.setattr(torch, "randn_like", randn_like)
-        ref.step()
+        ref.step(closure)
 
 
 def _cases():
@@ -89,7 +92,9 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
     probes = "randn()" in entry.rule.text
     shapes = entry.shapes or SHAPES
     start = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(STEPS)]
+    steps = entry.steps or STEPS
+    grads = [[torch.randn(s) + 0.1 for s in shapes] for _ in range(steps)]
+    losses = [0.5 + 1.5 * torch.rand(()).item() for _ in range(steps)] if reads_loss(entry.rule) else None
     ours = [p.clone().to(device) for p in start]
     theirs = [p.clone().double() for p in start]
     opt = fuser.compile(entry.rule)(ours, **entry.hyper)
@@ -99,8 +104,9 @@ def test_rule_follows_its_pytorch_optimizer_reference(name, device, monkeypatch)
         for p, q, g in zip(ours, theirs, step_grads):
             p.grad = g.to(device)
             q.grad = g.clone().double()
-        opt.step()
-        reference_step(ref, monkeypatch, rule_probes(opt, step, ours) if probes else None)
+        closure = (lambda loss=losses[step - 1]: loss) if losses else None
+        opt.step(closure)
+        reference_step(ref, monkeypatch, rule_probes(opt, step, ours) if probes else None, closure)
         for i, (p, q) in enumerate(zip(ours, theirs)):
             err = relative_error(p, q)
             assert err <= entry.rtol, (
