@@ -1088,9 +1088,11 @@ def _inv_root(m: torch.Tensor, k: int) -> torch.Tensor:
 
 # inv_root_newton's stopping rule, Meta's distributed Shampoo's (CoupledNewtonConfig): a
 # matrix is done once the largest entry of |Y - I| is at most NEWTON_TOLERANCE; one that is
-# not within it after NEWTON_MAX_ITERATIONS has failed (a singular M never gets there).
+# not within it after NEWTON_MAX_ITERATIONS has failed (a singular M seldom gets there)...
 NEWTON_TOLERANCE = 1e-6
 NEWTON_MAX_ITERATIONS = 100
+# ... and one whose X^k M has an entry more than this off the identity's has failed too.
+NEWTON_ROOT_CHECK = 1.0
 
 
 def _inv_root_newton(m: torch.Tensor, k: int) -> torch.Tensor:
@@ -1115,7 +1117,11 @@ def _inv_root_newton(m: torch.Tensor, k: int) -> torch.Tensor:
         y[todo] = torch.linalg.matrix_power(t, k) @ y[todo]
         residual[todo] = (y[todo] - eye).abs().amax((-2, -1))
     x = (x + x.mT) / 2  # (symmetric, as the rule language takes it: rounding made it slightly not)
-    return torch.where((residual <= NEWTON_TOLERANCE).reshape(-1, 1, 1), x, float("nan"))
+    # Where M is singular, rounding lets Y reach I while X grows without bound: X^k M is checked
+    # too (it stays within ~0.7 of I at condition 1e7 in fp32, and is >= 3 off for singular M).
+    off = (torch.linalg.matrix_power(x, k) @ m - eye).abs().amax((-2, -1))
+    ok = (residual <= NEWTON_TOLERANCE) & (off <= NEWTON_ROOT_CHECK)
+    return torch.where(ok.reshape(-1, 1, 1), x, float("nan"))
 
 
 _DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root, mx.InvRootNewton: _inv_root_newton}
