@@ -339,6 +339,12 @@ def _export(name: str):
     def f(*args):
         if len(args) != nargs:
             raise TypeError(f"{name}() takes {nargs} argument(s), got {len(args)}")
+        if name == "where" and isinstance(args[0], bool):  # (Python's ==: two expressions' forms)
+            raise RuleError(
+                f"where()'s condition is the Python bool {args[0]}, not a condition of the rule's "
+                "values: in a traced rule, == and != compare two expressions as written; write "
+                "sympy.Eq(a, b) or sympy.Ne(a, b), and & | ~ for and, or, not"
+            )
         value = builder(*[sympy.sympify(a) for a in args])
         # A traced loss function's logits (fuser.rules.loss.Logits) stay wrapped, so
         # `z[y]` still works after `z = cap * fuser.tanh(z / cap)`.

@@ -98,6 +98,22 @@ def test_traced_mod_by_zero_is_a_rule_error():
             return dict(p=p - lr * fuser.mod(g, 0))
 
 
+def test_traced_python_comparisons_are_refused_and_sympy_ones_gate():
+    # (sympy's == compares two expressions as written: a Python False, a gate never open)
+    with pytest.raises(fuser.RuleError, match=r"Python bool False.*sympy.Eq\(a, b\)"):
+
+        @fuser.rule(hyper=HYPER)
+        def equal(p, g, *, lr, step):
+            return dict(p=fuser.where(fuser.mod(step, 2) == 0, p - lr * g, p))
+
+    @fuser.rule(hyper=HYPER)
+    def gated(p, g, *, lr, step):
+        return dict(p=fuser.where(sympy.Eq(fuser.mod(step, 2), 0) & (g > 0), p - lr * g, p))
+
+    text = fuser.rule("p = where(mod(step, 2) == 0 and g > 0, p - lr * g, p)", hyper=HYPER)
+    assert gated.output("p") == text.output("p")
+
+
 def test_draws_are_numbered_in_call_order_and_one_name_is_one_draw():
     r = fuser.rule(
         "u = randn()\nm = u * rand() + u\np = p - lr * (rand() - m) * g", hyper=HYPER, state=dict(m=0.0)
