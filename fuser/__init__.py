@@ -87,6 +87,26 @@ colamax = _REDUCTIONS["colamax"]
 orthogonalize = _REDUCTIONS["orthogonalize"]
 
 
+def _check_optim_keywords(options: dict) -> None:
+    """A TypeError naming what ``fuser.compile`` takes for an optimizer rule, for others."""
+    import inspect
+
+    from fuser.runtime.plans import parse_options
+
+    known = ["name", *inspect.signature(parse_options).parameters]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        hint = {
+            "max_matrix_dim": "; max_matrix_dim is the optimizer's: Opt(params, max_matrix_dim=...) "
+            "or a param group's key",
+            "lr": "; hyperparameters are the optimizer's keywords: Opt(params, lr=...)",
+        }
+        raise TypeError(
+            f"fuser.compile got unknown keywords {unknown} for an optimizer rule; it takes "
+            f"{', '.join(known)}" + "".join(hint.get(k, "") for k in unknown)
+        )
+
+
 def compile(rule: Rule, **options):  # noqa: A001 - the public name
     """Compile a rule: an optimizer rule gives a ``torch.optim.Optimizer`` subclass, a loss
     rule a callable fused ``linear + loss`` with autograd. A dict of named optimizer rules
@@ -101,6 +121,8 @@ def compile(rule: Rule, **options):  # noqa: A001 - the public name
         )
     if rule.kind == "optim":
         from fuser.rules.matrices import is_matrix_rule
+
+        _check_optim_keywords(options)
 
         if is_matrix_rule(rule):
             from fuser.optim.matrix_rules import make_matrix_optimizer

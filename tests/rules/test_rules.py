@@ -2,6 +2,7 @@
 
 import pytest
 import sympy
+import torch
 
 import fuser
 
@@ -163,3 +164,16 @@ def test_function_rule_errors():
         fuser.rule(lambda p, g, *, lr: dict(p=p - lr * math.sqrt(g)), hyper=dict(lr=1.0))
     with pytest.raises(fuser.RuleError, match="not finite"):
         fuser.rule(lambda p, g: dict(p=p + sympy.oo), hyper={})
+
+
+def test_unknown_compile_keywords_for_an_optimizer_rule_name_what_it_takes():
+    rule = fuser.rule("m = beta * m + g\np = p - lr * m", name="t", hyper=HYPER, state=STATE)
+    with pytest.raises(
+        TypeError,
+        match=r"unknown keywords \['max_matrix_dim'\].*state_dtype.*"
+        r"max_matrix_dim is the optimizer's",
+    ):
+        fuser.compile(rule, max_matrix_dim=64)
+    with pytest.raises(TypeError, match=r"\['lr', 'stat_dtype'\].*hyperparameters are the"):
+        fuser.compile(rule, lr=0.1, stat_dtype="bf16")
+    assert issubclass(fuser.compile(rule, state_dtype="bf16"), torch.optim.Optimizer)
