@@ -385,6 +385,12 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             if self.options.master_weights and t.dtype == torch.bfloat16 and _MASTER not in self.state[p]:
                 lo = getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
                 self.state[p][_MASTER] = torch.zeros_like(t, dtype=lo)  # (the master is p at first)
+        for _, p, t, _ in items:  # (no elements, nothing to update: its states stay as initialised)
+            if t.numel() == 0:
+                self.state[p]["step"] += 1
+        items = [item for item in items if item[2].numel() > 0]
+        if not items:
+            return
         steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _, _ in items}  # (CPU counts)
         batches = defaultdict(list)
         for group, p, t, g in items:

@@ -699,3 +699,50 @@ def test_a_bad_hyperparameter_in_a_later_group_makes_no_state(device):
     with pytest.raises(ValueError, match="hyperparameter 'lr' must be a finite number"):
         opt.step()
     assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("which", ["rule", "SOAP", "Shampoo", "PSGDKron"])
+def test_parameters_of_no_elements_change_no_other_step(which, shampoo, device):
+    """Parameters with no elements (a layer of width 0) beside others: the others' steps
+    are those of the optimizer without them, their own states keep their first values and
+    their step counts advance."""
+    make = {
+        "rule": lambda ps: shampoo(ps, lr=0.1, eps=0.1),
+        "SOAP": lambda ps: fuser.optim.SOAP(ps, lr=0.1, precondition_frequency=2),
+        "Shampoo": lambda ps: fuser.optim.Shampoo(
+            ps, lr=0.1, epsilon=0.1, precondition_frequency=2, start_preconditioning_step=2
+        ),
+        "PSGDKron": lambda ps: fuser.optim.PSGDKron(
+            ps, lr=0.1, preconditioner_update_probability=1.0, seed=3
+        ),
+    }[which]
+    shapes = [(5, 3), (6,), (3, 5)]
+    values = [torch.randn(s, device=device) for s in shapes]
+    grads = [[torch.randn(s, device=device) for s in shapes] for _ in range(3)]
+    with_empty = [torch.nn.Parameter(v.clone()) for v in values]
+    empties = [torch.nn.Parameter(torch.randn(s, device=device)) for s in ((0, 4), (4, 0), (0,))]
+    alone = [torch.nn.Parameter(v.clone()) for v in values]
+    # (PSGDKron's probes are keyed by a parameter's position: its empty ones go last)
+    order = [*with_empty, *empties] if which == "PSGDKron" else [*with_empty[:2], *empties, with_empty[2]]
+    a, b = make(order), make(alone)
+    first = None
+    for step_grads in grads:
+        for ps in (with_empty, alone):
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+        for p in empties:
+            p.grad = torch.empty_like(p)
+        a.step()
+        b.step()
+        first = first or {
+            id(p): {k: v.clone() for k, v in a.state[p].items() if torch.is_tensor(v)} for p in empties
+        }
+    for p, q in zip(with_empty, alone):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
+    for p in empties:
+        st = {k: v for k, v in a.state[p].items() if torch.is_tensor(v)}
+        steps = [v for k, v in st.items() if k == "step"]
+        assert all(float(v) == 3 for v in steps)
+        for k, v in st.items():
+            if k != "step":
+                assert torch.equal(v, first[id(p)][k]), k

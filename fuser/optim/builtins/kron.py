@@ -483,6 +483,7 @@ class PSGDKron(BuiltinOptimizer):
             group["step_count"] = group.get("step_count", 0) + 1
         for p, qs in news.items():
             self._new_state(p, qs)
+        items = [item for item in items if item[1].numel() > 0]  # (no elements: its update stays empty)
         grads = [local(g).detach().float() for _, _, g, _ in items]
         if self._momentum:
             self._momentum_step(items, grads)
@@ -555,7 +556,8 @@ class PSGDKron(BuiltinOptimizer):
             if group["precond_init_scale"] is None:  # (from the whole gradients: DTensors' gathered)
                 whole = [g.full_tensor() if isinstance(g, DTensor) else g for _, g, _ in members]
                 gs = torch.cat([g.detach().reshape(-1) for g in whole])
-            scale = init_scale(group, gs)
+            # (tensors of no elements: no gradient to take a scale from, nothing to precondition)
+            scale = 1.0 if gs is not None and gs.numel() == 0 else init_scale(group, gs)
             for p, _, _ in members:
                 w = self._owners.get(p)  # (a DTensor sharded by rows: factors on its owner only)
                 mine = w is None or w.mine

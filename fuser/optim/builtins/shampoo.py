@@ -415,7 +415,8 @@ class Shampoo(BuiltinOptimizer):
                 lo = self._master(p)
                 g = g + group["weight_decay"] * (t.float() if lo is None else master_join(t, lo))
             st["step"] += 1
-            items.append((group, p, g, int(st["step"].item())))
+            if p.numel() > 0:  # (no elements: its states stay as initialised)
+                items.append((group, p, g, int(st["step"].item())))
         if items:
             self._update_factors(items)
             moments = self._moments(items)
