@@ -64,6 +64,7 @@ from fuser.runtime.plans import MASTER_WEIGHTS, QFORMATS, Options, dtype_plan, p
 from fuser.runtime.quant import master_join
 from fuser.runtime.state import validate
 from fuser.runtime.tables import check_view, is_batched, matrix_2d
+from fuser.runtime.wholes import OWNER
 
 DEFAULT_MAX_MATRIX_DIM = 8192
 _STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
@@ -439,6 +440,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             value = st.get(s)
             if torch.is_tensor(value) and (value.dtype != want or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=want)
+        for s in (*self.program.phase_states, *self.program.matrix_states):  # (fp32, as made)
+            value = st.get(s)
+            if torch.is_tensor(value) and (value.dtype != torch.float32 or value.device != t.device):
+                st[s] = value.to(device=t.device, dtype=torch.float32)
 
     def _check(self, found: list) -> None:
         """Raise, before anything changes on any rank, on what this step cannot run:
@@ -462,8 +467,39 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                     f"{tuple(p.shape)}, a DTensor: batched views of sharded tensors are not supported; "
                     "use view='flatten' for its param group, or a plain tensor"
                 )
+        for p, _, gi in found:
+            self._check_state_shapes(p, self.param_groups[gi])
         # What the update kernel checks of its tensors, here on every rank's shards.
         validate(_update_checks(type(self).__name__)(self), found)
+
+    def _check_state_shapes(self, p: torch.Tensor, group: dict) -> None:
+        """Raise on a state of ``p`` (assigned by hand, loaded from another model) that is
+        missing or not of the shape its first step gave it."""
+        st = self.state.get(p)
+        if not st or OWNER in st:  # (no state yet, or another rank's parameter)
+            return
+        view = self._view(group)
+        rows, cols = matrix_2d(p.shape, view)
+        lead = tuple(p.shape[:-2]) if is_batched(p.shape, view) else ()
+        limit = group.get("max_matrix_dim", self.max_matrix_dim)
+        want = {s: tuple(p.shape) for s, _ in self.program.element_states}
+        for s, (kind, _) in self.program.phase_states.items():
+            want[s] = (*lead, *{SCALAR: (), ROW: (rows,), COL: (cols,)}[kind])
+        for s, (kind, _) in self.program.matrix_states.items():
+            n = rows if kind == mx.ROWMAT else cols
+            want[s] = (0,) if n > limit else (*lead, n, n)
+        if _MASTER in st:
+            want[_MASTER] = tuple(p.shape)
+        for s, shape in want.items():
+            value = st.get(s)
+            found = tuple(value.shape) if torch.is_tensor(value) else None
+            if found != shape:
+                what = "missing" if s not in st else (f"of shape {found}" if found is not None else repr(value))
+                raise ValueError(
+                    f"{type(self).__name__}: state {s!r} of a parameter of shape {tuple(p.shape)} is "
+                    f"{what}; it must be a tensor of shape {shape} (view {view!r}, max_matrix_dim "
+                    f"{limit}): give it that shape or leave the parameter's state empty to start anew"
+                )
 
     def _check_hyper(self, group: dict) -> None:
         limit = group.get("max_matrix_dim", self.max_matrix_dim)

@@ -113,3 +113,41 @@ def test_a_side_without_a_factor_stays_the_identity_under_a_per_tensor_gate(devi
         want = want - 0.1 * L @ g
     assert (ps[2].double().cpu() - want).norm() / want.norm() < 1e-5
     assert (opt.state[ps[2]]["L"].double().cpu() - L).norm() / L.norm() < 1e-6
+
+
+def test_states_of_the_wrong_shape_or_dtype_given_by_hand(device):
+    """A state assigned of another shape (or missing) is a ValueError before anything moves,
+    on whichever parameter it is; one of another dtype is stored as fp32 as made."""
+    import copy
+
+    import pytest
+
+    rule = fuser.rule(
+        "m = 0.5 * m + g\n" + RULE.text,
+        name="bounded_m",
+        hyper=dict(RULE.hyper),
+        state=dict(RULE.state, m=0.0),
+    )
+    ps = [torch.randn(5, 3, device=device), torch.randn(4, 6, device=device)]
+    opt = fuser.compile(rule)(ps)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    bad = {"L": torch.zeros(6, 6), "bound": torch.zeros(1), "r": torch.zeros(6), "m": torch.zeros(4, 5)}
+    for key, value in bad.items():
+        kept = [p.clone() for p in ps], [copy.deepcopy(opt.state[p]) for p in ps]
+        opt.state[ps[1]][key] = value.to(device)
+        with pytest.raises(ValueError, match=rf"state '{key}' .* shape \(4, 6\) is of shape"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(ps, kept[0]))
+        assert all(
+            torch.equal(opt.state[p][k], v) for p, st in zip(ps, kept[1]) for k, v in st.items() if k != key
+        )
+        opt.state[ps[1]][key] = kept[1][1][key]
+    del opt.state[ps[0]]["r"]
+    with pytest.raises(ValueError, match=r"state 'r' .* is missing"):
+        opt.step()
+    opt.state[ps[0]]["r"] = torch.ones(5, device=device)
+    opt.state[ps[1]]["L"] = opt.state[ps[1]]["L"].to(torch.bfloat16)
+    opt.step()
+    assert opt.state[ps[1]]["L"].dtype == torch.float32 and float(opt.state[ps[0]]["step"]) == 2
