@@ -274,7 +274,13 @@ class Walker:
                 parts.append(rel(left, right))
                 left = right
             return sympy.And(*parts) if len(parts) > 1 else parts[0]
-        if isinstance(node, ast.BoolOp) and condition:
+        if isinstance(node, ast.BoolOp):
+            if not condition:
+                raise self.error(
+                    node,
+                    "'and' and 'or' are only allowed in the condition of where(cond, a, b), "
+                    "e.g. where(step > 1 and g > 0, a, b)",
+                )
             parts = [self.expr(v, condition=True) for v in node.values]
             return sympy.And(*parts) if isinstance(node.op, ast.And) else sympy.Or(*parts)
         if isinstance(node, ast.Subscript):

@@ -35,6 +35,7 @@ def bad(text, **kw):
         ("p = p - lr * g / 0", 1, 9, "non-finite"),
         ("p = p - lr * g % 2", 1, 9, "operator Mod"),
         ("p = p - lr * (g > 0)", 1, 15, "comparisons are only allowed"),
+        ("x = step > 1 and g > 0\np = p - lr * x", 1, 5, "'and' and 'or' are only allowed in the condition"),
         ("p = p - lr * sqrt(g, g)", 1, 14, "takes 1 argument"),
         ("p = p - lr * sqrt(x=g)", 1, 14, "positional arguments"),
         ("p = p - 'x'", 1, 9, "not a number"),
