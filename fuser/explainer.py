@@ -113,12 +113,13 @@ def _explain_matrix(rule: Rule, dtype: str, **options) -> str:
         "",
         "3. the update kernel (one fused launch over every tensor; the step as matrix_step):",
     ]
-    inner = _explain_optim(program.update_rule, dtype, **options)
+    inner = _explain_optim(program.update_rule, dtype, buffers=set(program.boundaries.values()), **options)
     lines += ["   " + ln for ln in inner.splitlines()]
     return "\n".join(lines)
 
 
-def _explain_optim(rule: Rule, dtype: str, **options) -> str:
+def _explain_optim(rule: Rule, dtype: str, buffers: set = frozenset(), **options) -> str:
+    """``buffers``: the update kernel's slots that a matrix phase fills (not states)."""
     from fuser.ir.optim import DTYPES, lower_optim
     from fuser.rules.matrices import is_matrix_rule
     from fuser.runtime.plans import dtype_plan, parse_options, plan_and_sources
@@ -140,15 +141,19 @@ def _explain_optim(rule: Rule, dtype: str, **options) -> str:
             _elementwise(plan),
         ),
         ("phases and reductions", _phases(plan)),
-        ("dtype plan (loads upcast to fp32, stores cast to each slot's dtype)", _dtypes(plan, opts.seed)),
+        (
+            "dtype plan (loads upcast to fp32, stores cast to each slot's dtype)",
+            _dtypes(plan, opts.seed, buffers),
+        ),
         ("kernels and cache keys", [ln for src in sources for ln in _kernel(src)]),
     ]
     hyper = ", ".join(f"{k}={v}" for k, v in rule.hyper) or "none"
-    state = ", ".join(f"{k}={v!r}" for k, v in rule.state) or "none"
+    state = ", ".join(f"{k}={v!r}" for k, v in rule.state if k not in buffers) or "none"
     out = [
         f"fuser.explain: optimizer rule {rule.name!r}, {dtype} parameters and gradients",
         f"hyperparameters (defaults): {hyper}",
         f"state (initial values): {state}",
+        *([f"buffers from the matrix phase (fp32, read): {', '.join(sorted(buffers))}"] if buffers else []),
         "",
     ]
     for number, (title, lines) in enumerate(sections, 1):
@@ -240,11 +245,12 @@ def _phases(plan) -> list[str]:
     ]
 
 
-def _dtypes(plan, seed: int) -> list[str]:
+def _dtypes(plan, seed: int, buffers: set = frozenset()) -> list[str]:
     width = max(14, *(len(sl.name) + 1 for sl in plan.slots))
     out = [f"   {'slot':<{width}}{'role':<7}{'dtype':<13}access"]
     for sl in plan.slots:
-        out.append(f"   {sl.name:<{width}}{sl.role:<7}{sl.dtype:<13}{'read/write' if sl.written else 'read'}")
+        role = "buffer" if sl.name in buffers else sl.role
+        out.append(f"   {sl.name:<{width}}{role:<7}{sl.dtype:<13}{'read/write' if sl.written else 'read'}")
     rounding = f"stochastic (seed {seed})" if plan.stochastic_rounding else "to nearest even"
     notes = []
     if any(sl.role == "scale" for sl in plan.slots):

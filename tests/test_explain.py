@@ -355,3 +355,19 @@ def test_compiled_loss_shows_its_kernel():
     page = html_of(compiled)
     assert "<td>softcap</td><td>30.0</td>" in page
     assert compiled.kernel_source("bf16").entry in page and 'style="color:' in page
+
+
+def test_matrix_rule_explains_the_update_kernels_buffers_as_buffers():
+    rule = fuser.rule(
+        "m = beta * m + g\nL = L + g @ transpose(g)\np = p - lr * (L @ m)",
+        name="left",
+        hyper=dict(lr=0.1, beta=0.9),
+        state=dict(m=0.0, L="zeros(rows, rows)"),
+    )
+    buf = io.StringIO()
+    fuser.explain(rule, file=buf)
+    text = buf.getvalue()
+    kernel = text[text.index("3. the update kernel") :]
+    assert "   state (initial values): m=0.0\n" in kernel
+    assert "buffers from the matrix phase (fp32, read): matrix_value0" in kernel
+    assert re.search(r"matrix_value0 +buffer +fp32 +read\n", kernel)

@@ -494,7 +494,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             value = st.get(s)
             found = tuple(value.shape) if torch.is_tensor(value) else None
             if found != shape:
-                what = "missing" if s not in st else (f"of shape {found}" if found is not None else repr(value))
+                what = (
+                    "missing" if s not in st else (f"of shape {found}" if found is not None else repr(value))
+                )
                 raise ValueError(
                     f"{type(self).__name__}: state {s!r} of a parameter of shape {tuple(p.shape)} is "
                     f"{what}; it must be a tensor of shape {shape} (view {view!r}, max_matrix_dim "
