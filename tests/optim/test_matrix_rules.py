@@ -746,3 +746,28 @@ def test_parameters_of_no_elements_change_no_other_step(which, shampoo, device):
         for k, v in st.items():
             if k != "step":
                 assert torch.equal(v, first[id(p)][k]), k
+
+
+def test_grad_scaler_unscales_before_a_matrix_rule_and_skips_a_step_with_an_inf(shampoo):
+    """torch.amp.GradScaler (on the CPU) unscales the gradients before the step, as for
+    torch's optimizers: the steps are those of unscaled gradients (the scales are powers
+    of two: the same bits), and a step whose gradients hold an inf changes nothing."""
+    w0, x = torch.randn(4, 3), torch.randn(8, 4)
+    plain, scaled = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    a, b = shampoo([plain], lr=0.05, eps=0.1), shampoo([scaled], lr=0.05, eps=0.1)
+    for _ in range(3):
+        a.zero_grad()
+        (x @ plain).square().sum().backward()
+        a.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        b.zero_grad()
+        scaler.scale((x @ scaled).square().sum() * (float("inf") if step == 1 else 1.0)).backward()
+        kept = (scaled.detach().clone(), copy.deepcopy(b.state[scaled]))
+        scaler.step(b)
+        scaler.update()
+        if step == 1:
+            assert torch.equal(scaled, kept[0])
+            assert all(torch.equal(b.state[scaled][k], v) for k, v in kept[1].items())
+    assert int(b.state[scaled]["step"]) == 3 and scaler.get_scale() == 512.0
+    assert torch.equal(plain, scaled) and torch.equal(a.state[plain]["PL"], b.state[scaled]["PL"])
