@@ -372,9 +372,11 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found, finish = whole_tensor_gradients(self, check=MatrixRuleOptimizer._check)
         items = [(self.param_groups[gi], p, t, g) for p, t, g, gi in found]
-        if items:
-            self._step(items)
-        finish()  # (every rank: the owners send the stepped rows)
+        try:
+            if items:
+                self._step(items)
+        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
+            finish()
         return loss
 
     def _step(self, items: list) -> None:

@@ -275,18 +275,21 @@ class Walker:
                 left = right
             return sympy.And(*parts) if len(parts) > 1 else parts[0]
         if isinstance(node, ast.BoolOp):
-            if not condition:
-                raise self.error(
-                    node,
-                    "'and' and 'or' are only allowed in the condition of where(cond, a, b), "
-                    "e.g. where(step > 1 and g > 0, a, b)",
-                )
-            parts = [self.expr(v, condition=True) for v in node.values]
-            return sympy.And(*parts) if isinstance(node.op, ast.And) else sympy.Or(*parts)
+            return self.boolop(node, condition)
         if isinstance(node, ast.Subscript):
             return self.subscript(node)
         what = _CONSTRUCT_NAMES.get(type(node), type(node).__name__)
         raise self.error(node, f"{what}: not allowed in a rule")
+
+    def boolop(self, node: ast.BoolOp, condition: bool):
+        if not condition:
+            raise self.error(
+                node,
+                "'and' and 'or' are only allowed in the condition of where(cond, a, b), "
+                "e.g. where(step > 1 and g > 0, a, b)",
+            )
+        parts = [self.expr(v, condition=True) for v in node.values]
+        return sympy.And(*parts) if isinstance(node.op, ast.And) else sympy.Or(*parts)
 
     def condition(self, node: ast.expr):
         cond = self.expr(node, condition=True)

@@ -247,3 +247,51 @@ def test_a_failed_root_or_bad_input_changes_what_one_process_does():
             for key, value in sd[i].items():
                 value = rows_of(value, pl, rank, len(ranks)) if key in ELEMENT_STATES["rowed"] else value
                 torch.testing.assert_close(got["states"][i][key], value, rtol=0, atol=0, equal_nan=True)
+
+
+def owner_fails_worker(rank, world, which):
+    """A step whose matrix work raises on the owner of the only parameter (rank 0): what
+    each rank saw, and whether the next step (the work mended) runs on both."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fuser.optim import matrix_rules
+
+    mesh = init_device_mesh("cpu", (world,))
+    full, grads = data(FAILING, 2, 1357)
+    params = [torch.nn.Parameter(distribute_tensor(full[0], mesh, [Shard(0)]))]
+    owner, name, opt = {
+        "rule": lambda: (matrix_rules._Batch, "run", make("rowed", params)),
+        "SOAP": lambda: (fuser.optim.SOAP, "_adam", fuser.optim.SOAP(params, precondition_frequency=1)),
+        "Shampoo": lambda: (fuser.optim.Shampoo, "_directions", fuser.optim.Shampoo(params)),
+    }[which]()
+    params[0].grad = distribute_tensor(grads[0][0], mesh, [Shard(0)])
+    if which == "SOAP":  # (its first step only makes the factors: fail the second)
+        opt.step()
+    before = params[0].to_local().clone()
+    kept = getattr(owner, name)
+
+    def planted(*args, **kwargs):
+        if rank == 0:  # (the owner's work; the other rank's, of no parameter, as it is)
+            raise RuntimeError("planted failure of the matrix work")
+        return kept(*args, **kwargs)
+
+    setattr(owner, name, planted)
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        setattr(owner, name, kept)
+    unchanged = torch.equal(params[0].to_local(), before)
+    opt.step()  # (both ranks reach the same collectives again)
+    return dict(error=error, unchanged=unchanged, moved=not torch.equal(params[0].to_local(), before))
+
+
+@pytest.mark.parametrize("which", ["rule", "SOAP", "Shampoo"])
+def test_a_step_that_fails_on_the_owner_leaves_no_rank_waiting(which):
+    """The owner's step raises inside its matrix work: it still sends the (unchanged) rows
+    back, so the other rank's step returns, and the next step runs on both."""
+    ranks = run_ranks(owner_fails_worker, which, timeout=120.0)
+    assert ranks[0]["error"] == "planted failure of the matrix work" and ranks[1]["error"] is None
+    assert all(r["unchanged"] and r["moved"] for r in ranks), ranks

@@ -403,6 +403,14 @@ class Shampoo(BuiltinOptimizer):
             with torch.enable_grad():
                 loss = closure()
         found, finish = whole_tensor_gradients(self)
+        try:
+            self._step_found(found)
+        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
+            finish()
+        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
+        return loss
+
+    def _step_found(self, found: list) -> None:
         self._tensors = {p: t for p, t, _, _ in found}  # what the kernels update, by parameter
         for p, _, _, gi in found:
             if not self.state[p]:
@@ -423,9 +431,6 @@ class Shampoo(BuiltinOptimizer):
             self._refresh_roots(items)
             directions = self._directions(items, *moments)
             self._apply(items, directions)
-        finish()
-        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
-        return loss
 
     def _t(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor the kernels update for ``p``: itself, or a DTensor's whole tensor."""

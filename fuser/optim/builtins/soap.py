@@ -362,6 +362,14 @@ class SOAP(BuiltinOptimizer):
             with torch.enable_grad():
                 loss = closure()
         found, finish = whole_tensor_gradients(self)
+        try:
+            self._step_found(found)
+        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
+            finish()
+        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
+        return loss
+
+    def _step_found(self, found: list) -> None:
         self._tensors = {p: t for p, t, _, _ in found}  # what the kernels update, by parameter
         items = []  # (group, p, fp32 gradient: the one to descend)
         for p, _, g, gi in found:
@@ -379,9 +387,6 @@ class SOAP(BuiltinOptimizer):
         update = [(group, p, g) for group, p, g in items if group["step"] > 1]
         self._adam(update)
         self._precondition(update, [group["step"] - 1 for group, _, _ in update])
-        finish()
-        self.refresh()  # (between steps only the states stay: the buffers and their tables go)
-        return loss
 
     def _buffers(self, p: torch.Tensor) -> dict:
         work = self._work.get(p)
