@@ -354,7 +354,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 continue
             elements = {s for s, _ in self.program.element_states}
             for key, value in st.items():
-                if torch.is_tensor(value):
+                if key == "step" and torch.is_tensor(value):  # (a count on the CPU, as made)
+                    self.state[p][key] = value.detach().to("cpu", torch.float32, copy=True)
+                elif torch.is_tensor(value):
                     dtype = torch.float32 if value.is_floating_point() else value.dtype
                     if key in elements:
                         dtype = state_dtype(self.options, p.dtype, self.program.update_rule, key)

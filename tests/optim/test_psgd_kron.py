@@ -41,7 +41,7 @@ class Reference:
     def __init__(self, p, first, triangular, hp):
         self.p, self.hp, self.tri = p.double().clone(), hp, triangular
         dims = list(p.shape)
-        g = torch.cat([x.double().reshape(-1) for x in first])
+        g = torch.cat([x.double().cpu().reshape(-1) for x in first])
         scale = ((g.abs() ** 4).mean() ** (-1 / 8)) ** 0.5
         s = scale ** (1 / len(dims))
         self.q = [s * torch.eye(d, dtype=torch.float64) for d in dims]
