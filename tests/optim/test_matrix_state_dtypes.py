@@ -41,7 +41,9 @@ def joined(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 def expected(before: dict, p0: torch.Tensor, g: torch.Tensor, step: int):
-    """(new p, new m before rounding) in float64 from the states before the step."""
+    """(new p, new m before rounding) in float64 from the states before the step, and how
+    far fp32 may take m from it before its rounding to bf16: its two terms' rounding, a
+    few 2**-24 of their size (where they cancel, many times m's own bf16 spacing)."""
     rows = p0.shape[0] if p0.dim() > 1 else 1
     g2, p2 = g.double().reshape(rows, -1), p0.reshape(rows, -1)
     # (the step reads the momentum as stored: a value given in fp32 is first rounded)
@@ -50,7 +52,8 @@ def expected(before: dict, p0: torch.Tensor, g: torch.Tensor, step: int):
     PL = (
         inv_sqrt64(L + EPS * torch.eye(rows, dtype=torch.float64)) if step % K == 0 else before["PL"].double()
     )
-    return (p2 - LR * PL @ (m + WD * p2)).reshape(p0.shape), m.reshape(p0.shape)
+    terms = BETA * before["m"].double().abs() + (1 - BETA) * g.double().abs()
+    return (p2 - LR * PL @ (m + WD * p2)).reshape(p0.shape), m.reshape(p0.shape), 2.0**-22 * terms
 
 
 def _steps(opt, params, steps, master: bool = False):
@@ -85,13 +88,13 @@ def test_bf16_element_states_round_once_per_step(device):
     params = [torch.randn(s).to(device) for s in SHAPES]
     opt = fuser.compile(RULE, state_dtype=torch.bfloat16)(params)
     exact = total = 0
-    for p, p0, p_want, m_full, st in _steps(opt, params, 4):
+    for p, p0, p_want, m_full, slack, st in _steps(opt, params, 4):
         assert st["m"].dtype == torch.bfloat16 and st["L"].dtype == st["PL"].dtype == torch.float32
         assert _err(p, p_want, p0) < 1  # (the update reads the step's fp32 momentum)
         # The state keeps it rounded to bf16 (nearest: at most half a spacing, 2**-8
         # relative; equal to float64's rounding but for a rare near-tie).
         m = st["m"].double().cpu()
-        assert ((m - m_full).abs() <= 2.0**-8 * m_full.abs()).all()
+        assert ((m - m_full).abs() <= 2.0**-8 * m_full.abs() + slack).all()
         exact += int((m == m_full.to(torch.bfloat16).double()).sum())
         total += m.numel()
     assert exact >= 0.98 * total, (exact, total)
@@ -109,10 +112,10 @@ def test_a_state_given_in_another_dtype_is_stored_as_asked(device):
     opt.step()
     for p in params:
         opt.state[p]["m"] = opt.state[p]["m"].float() + 0.5
-    for p, p0, p_want, m_full, st in _steps(opt, params, 2):
+    for p, p0, p_want, m_full, slack, st in _steps(opt, params, 2):
         assert st["m"].dtype == torch.bfloat16 and st["m"] is opt.state[p]["m"]
         assert _err(p, p_want, p0) < 1
-        assert ((st["m"].double().cpu() - m_full).abs() <= 2.0**-8 * m_full.abs()).all()
+        assert ((st["m"].double().cpu() - m_full).abs() <= 2.0**-8 * m_full.abs() + slack).all()
 
 
 def test_split_masters_hold_what_bf16_parameters_drop(device):
@@ -125,7 +128,7 @@ def test_split_masters_hold_what_bf16_parameters_drop(device):
         params = [torch.randn(s).to(device, torch.bfloat16) for s in SHAPES]
         opt = fuser.compile(RULE, master_weights=master, state_dtype="param")(params)
         worst = 0.0
-        for p, p0, p_want, _, st in _steps(opt, params, 4, master=master is not None):
+        for p, p0, p_want, _, _, st in _steps(opt, params, 4, master=master is not None):
             assert p.dtype == st["m"].dtype == torch.bfloat16 and st["L"].dtype == torch.float32
             got = joined(p.detach().cpu(), st["master_lo"].cpu()) if master else p
             worst = max(worst, _err(got, p_want, p0))
