@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import sys
 import warnings
 import weakref
@@ -333,6 +334,43 @@ def test_soap_failed_decomposition_keeps_its_basis(monkeypatch):
         opt.step()
     assert all(torch.equal(q, b) for q, b in zip(opt.state[p]["Q"], before))
     assert torch.isfinite(p).all() and not torch.equal(opt.state[p]["exp_avg_sq"], v)
+
+
+def test_soap_decomposes_within_the_matrix_workspace(monkeypatch):
+    """Factors of one size are decomposed in slices whose stacks fit FUSER_MATRIX_WORKSPACE
+    (about five [n, d, d] fp32 stacks a slice): with room for one 6x6 factor a slice (two 4x4),
+    each eigh and QR takes that many, and the steps are those of one stack."""
+    soap = importlib.import_module("fuser.optim.builtins.soap")
+    eigh, qr = soap._eigh_basis, soap._qr_basis
+    seen = []
+    monkeypatch.setattr(soap, "_eigh_basis", lambda m: seen.append(("eigh", m.shape[-1], len(m))) or eigh(m))
+    monkeypatch.setattr(soap, "_qr_basis", lambda m: seen.append(("qr", m.shape[-1], len(m))) or qr(m))
+    start = [torch.randn(6, 4) for _ in range(3)]
+    grads = [[torch.randn(6, 4) for _ in start] for _ in range(3)]
+    ends = {}
+    for budget in ("unlimited", str(5 * 4 * 36)):
+        monkeypatch.setenv("FUSER_MATRIX_WORKSPACE", budget)
+        seen.clear()
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        opt = fuser.optim.SOAP(ps, precondition_frequency=1, max_precondition_dim=6)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        ends[budget] = ps, sorted(set(seen))
+    (whole, stacks), (sliced, slices) = ends.values()
+    assert stacks == [("eigh", 4, 3), ("eigh", 6, 3), ("qr", 4, 3), ("qr", 6, 3)]
+    # (room for one 6x6 a slice, two 4x4)
+    assert slices == [
+        ("eigh", 4, 1),
+        ("eigh", 4, 2),
+        ("eigh", 6, 1),
+        ("qr", 4, 1),
+        ("qr", 4, 2),
+        ("qr", 6, 1),
+    ]
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_soap_reads_grad_attr():

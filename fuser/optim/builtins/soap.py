@@ -38,6 +38,7 @@ from fuser.optim.builtins._base import (
     whole_tensor_gradients,
 )
 from fuser.runtime.distributed import DTensor
+from fuser.runtime.matrix import workspace_budget
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, parse_options, state_format
 
 # The projected tensors' kernel: ``g`` the projected gradient, ``m`` the projected first
@@ -489,11 +490,8 @@ class SOAP(BuiltinOptimizer):
             st["Q"] = [[] for _ in st["GG"]]
         first = [(st, i) for st in fresh for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(first).values():
-            mats = torch.stack([st["GG"][i] for st, i in jobs])
-            old = torch.eye(mats.shape[-1], device=mats.device).expand_as(mats)
-            qs, _ = _decompose(_eigh_basis, mats, old, "eigendecomposition")
-            for (st, i), q in zip(jobs, qs):
-                st["Q"][i] = q
+            for part in _budgeted(jobs):
+                self._first_basis(part)
 
         refresh = []
         for (group, p, _), step in zip(items, steps):
@@ -501,7 +499,17 @@ class SOAP(BuiltinOptimizer):
             if step > 0 and step % st["precondition_frequency"] == 0:
                 refresh += [(st, i, group) for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(refresh).values():
-            self._refresh(jobs)
+            for part in _budgeted(jobs):
+                self._refresh(part)
+
+    @staticmethod
+    def _first_basis(jobs: list) -> None:
+        """``eigh`` of factors of one size: their first bases."""
+        mats = torch.stack([st["GG"][i] for st, i in jobs])
+        old = torch.eye(mats.shape[-1], device=mats.device).expand_as(mats)
+        qs, _ = _decompose(_eigh_basis, mats, old, "eigendecomposition")
+        for (st, i), q in zip(jobs, qs):
+            st["Q"][i] = q
 
     def _refresh(self, jobs: list) -> None:
         """One power iteration ``QR(GG Q)`` for factors of one size, columns sorted by the
@@ -530,6 +538,19 @@ def _pre_hyper(group: dict) -> dict:
 
 def _bases(st: dict) -> list:
     return [q if len(q) else None for q in st["Q"]]
+
+
+def _budgeted(jobs: list) -> list[list]:
+    """``jobs`` (factors of one size ``d``) in slices whose stacks stay within the matrix
+    workspace (``FUSER_MATRIX_WORKSPACE``): a decomposition holds about five ``[n, d, d]``
+    fp32 stacks at once (factors, old bases, ``GG Q``, sorted, the result), and batching
+    factors of TinyLlama's sizes gains nothing (``linalg_probe_2026-12-04_h200.json``)."""
+    budget = workspace_budget()
+    if budget is None or not jobs:
+        return [jobs] if jobs else []
+    d = jobs[0][0]["GG"][jobs[0][1]].shape[0]
+    n = max(1, budget // (5 * 4 * d * d))
+    return [jobs[k : k + n] for k in range(0, len(jobs), n)]
 
 
 def _by_size(jobs: list) -> dict:
