@@ -337,18 +337,27 @@ def test_soap_failed_decomposition_keeps_its_basis(monkeypatch):
 
 
 def test_soap_decomposes_within_the_matrix_workspace(monkeypatch):
-    """Factors of one size are decomposed in slices whose stacks fit FUSER_MATRIX_WORKSPACE
-    (about five [n, d, d] fp32 stacks a slice): with room for one 6x6 factor a slice (two 4x4),
-    each eigh and QR takes that many, and the steps are those of one stack."""
+    """Factors of one size are multiplied (``G Gᵀ``) and decomposed in slices whose stacks fit
+    FUSER_MATRIX_WORKSPACE: with room for one factor a slice, each product, eigh and QR
+    takes one, and the steps are those of one stack a size."""
     soap = importlib.import_module("fuser.optim.builtins.soap")
-    eigh, qr = soap._eigh_basis, soap._qr_basis
+    eigh, qr, bmm = soap._eigh_basis, soap._qr_basis, torch.bmm
     seen = []
+
+    def products(a, b):  # (G Gᵀ is the step's only square product: the projections are not)
+        out = bmm(a, b)
+        if out.shape[-1] == out.shape[-2]:
+            seen.append(("G Gᵀ", out.shape[-1], len(out)))
+        return out
+
     monkeypatch.setattr(soap, "_eigh_basis", lambda m: seen.append(("eigh", m.shape[-1], len(m))) or eigh(m))
     monkeypatch.setattr(soap, "_qr_basis", lambda m: seen.append(("qr", m.shape[-1], len(m))) or qr(m))
+    monkeypatch.setattr(torch, "bmm", products)
     start = [torch.randn(6, 4) for _ in range(3)]
     grads = [[torch.randn(6, 4) for _ in start] for _ in range(3)]
     ends = {}
-    for budget in ("unlimited", str(5 * 4 * 36)):
+    # (240 bytes: less than one 4x4 factor's decomposition, 320, or one 6x6 G Gᵀ with its G)
+    for budget in ("unlimited", "240"):
         monkeypatch.setenv("FUSER_MATRIX_WORKSPACE", budget)
         seen.clear()
         ps = [torch.nn.Parameter(x.clone()) for x in start]
@@ -359,16 +368,8 @@ def test_soap_decomposes_within_the_matrix_workspace(monkeypatch):
             opt.step()
         ends[budget] = ps, sorted(set(seen))
     (whole, stacks), (sliced, slices) = ends.values()
-    assert stacks == [("eigh", 4, 3), ("eigh", 6, 3), ("qr", 4, 3), ("qr", 6, 3)]
-    # (room for one 6x6 a slice, two 4x4)
-    assert slices == [
-        ("eigh", 4, 1),
-        ("eigh", 4, 2),
-        ("eigh", 6, 1),
-        ("qr", 4, 1),
-        ("qr", 4, 2),
-        ("qr", 6, 1),
-    ]
+    assert stacks == [(what, d, 3) for what in ("G Gᵀ", "eigh", "qr") for d in (4, 6)]
+    assert slices == [(what, d, 1) for what in ("G Gᵀ", "eigh", "qr") for d in (4, 6)]
     for a, b in zip(whole, sliced):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 

@@ -480,17 +480,18 @@ class SOAP(BuiltinOptimizer):
                 if len(gg):
                     x = _unfold(view, i)
                     outer[(*x.shape, beta)].append((gg, x))
-        for (_, _, beta), jobs in outer.items():
-            x = torch.stack([x for _, x in jobs])
-            products = torch.bmm(x, x.mT).unbind()
-            torch._foreach_lerp_([gg for gg, _ in jobs], list(products), 1 - beta)
+        for (d, rest, beta), jobs in outer.items():
+            for part in _budgeted(jobs, 4 * d * (d + rest)):  # (a slice's x and x xᵀ)
+                x = torch.stack([x for _, x in part])
+                products = torch.bmm(x, x.mT).unbind()
+                torch._foreach_lerp_([gg for gg, _ in part], list(products), 1 - beta)
 
         fresh = [self.state[p] for _, p, _ in items if self.state[p]["Q"] is None]
         for st in fresh:
             st["Q"] = [[] for _ in st["GG"]]
         first = [(st, i) for st in fresh for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(first).values():
-            for part in _budgeted(jobs):
+            for part in _budgeted(jobs, _decomposition_bytes(jobs)):
                 self._first_basis(part)
 
         refresh = []
@@ -499,7 +500,7 @@ class SOAP(BuiltinOptimizer):
             if step > 0 and step % st["precondition_frequency"] == 0:
                 refresh += [(st, i, group) for i, gg in enumerate(st["GG"]) if len(gg)]
         for jobs in _by_size(refresh).values():
-            for part in _budgeted(jobs):
+            for part in _budgeted(jobs, _decomposition_bytes(jobs)):
                 self._refresh(part)
 
     @staticmethod
@@ -540,17 +541,23 @@ def _bases(st: dict) -> list:
     return [q if len(q) else None for q in st["Q"]]
 
 
-def _budgeted(jobs: list) -> list[list]:
-    """``jobs`` (factors of one size ``d``) in slices whose stacks stay within the matrix
-    workspace (``FUSER_MATRIX_WORKSPACE``): a decomposition holds about five ``[n, d, d]``
-    fp32 stacks at once (factors, old bases, ``GG Q``, sorted, the result), and batching
-    factors of TinyLlama's sizes gains nothing (``linalg_probe_2026-12-04_h200.json``)."""
+def _budgeted(jobs: list, each: int) -> list[list]:
+    """``jobs`` in slices of at most ``FUSER_MATRIX_WORKSPACE`` bytes, ``each`` bytes a job
+    (at least one job a slice): the stacks of factors of TinyLlama's sizes gain nothing from
+    larger batches (``linalg_probe_2026-12-04_h200.json``), and one stack of its 66 factors
+    of 5632² is 8.3 GB."""
     budget = workspace_budget()
     if budget is None or not jobs:
         return [jobs] if jobs else []
-    d = jobs[0][0]["GG"][jobs[0][1]].shape[0]
-    n = max(1, budget // (5 * 4 * d * d))
+    n = max(1, budget // each)
     return [jobs[k : k + n] for k in range(0, len(jobs), n)]
+
+
+def _decomposition_bytes(jobs: list) -> int:
+    """A decomposition's bytes a factor of ``jobs`` (one size ``d``): about five ``[d, d]``
+    fp32 matrices at once (factors, old bases, ``GG Q``, sorted, the result)."""
+    d = jobs[0][0]["GG"][jobs[0][1]].shape[0]
+    return 5 * 4 * d * d
 
 
 def _by_size(jobs: list) -> dict:
