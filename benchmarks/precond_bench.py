@@ -301,6 +301,10 @@ def run(workload, shapes, device, interval, floor_ms, rows, smoke, warmup=2, rou
         except Exception as e:  # one failing anchor must not hide the others
             rows.append(dict(workload=workload, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             print(json.dumps(rows[-1]), flush=True)
+            # (its parameters and optimizer freed before the next is built: held over into the
+            # next build they ran the next row out of memory and made its held bytes negative)
+            ps = grads = opt = step = None
+            _release(device)
             continue
         n = sum(p.numel() for p in ps)
         rows.append(
@@ -321,9 +325,14 @@ def run(workload, shapes, device, interval, floor_ms, rows, smoke, warmup=2, rou
             )
         )
         print(json.dumps(rows[-1]), flush=True)
-        del ps, grads, opt, step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        ps = grads = opt = step = None
+        _release(device)
+
+
+def _release(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _first_step_again(build, shapes, device) -> float:
