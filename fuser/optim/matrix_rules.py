@@ -39,7 +39,7 @@ from sympy.codegen.cfunctions import log1p as Log1p
 
 from fuser.errors import RuleError
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
-from fuser.optim.builtins._base import own_loaded_states, published_state_dict, whole_tensor_gradients
+from fuser.optim.builtins._base import own_loaded_states, published_state_dict, whole_tensor_step
 from fuser.optim.factory import rule_class
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
@@ -59,7 +59,7 @@ from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, product_kind, state_kinds
 from fuser.runtime.distributed import DTensor
-from fuser.runtime.matrix import workspace_budget
+from fuser.runtime.matrix import budget_slices, workspace_budget
 from fuser.runtime.plans import MASTER_WEIGHTS, QFORMATS, Options, dtype_plan, plan_and_sources, state_dtype
 from fuser.runtime.quant import master_join
 from fuser.runtime.state import validate
@@ -368,18 +368,12 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One step. A DTensor parameter sharded by rows is stepped whole by the rank that
         owns it (``whole_tensor_gradients``: its rows gathered, the result's sent back)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found, finish = whole_tensor_gradients(self, check=MatrixRuleOptimizer._check)
+        return whole_tensor_step(self, closure, self._step_found, check=MatrixRuleOptimizer._check)
+
+    def _step_found(self, found: list) -> None:
         items = [(self.param_groups[gi], p, t, g) for p, t, g, gi in found]
-        try:
-            if items:
-                self._step(items)
-        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
-            finish()
-        return loss
+        if items:
+            self._step(items)
 
     def _step(self, items: list) -> None:
         """The step of ``items`` (group, parameter, its whole tensor, gradient)."""
@@ -621,17 +615,7 @@ def _slices(members: list) -> list[list]:
     least: the matrix phase keeps a few such stacks alive at once, freeing each value once
     its last reader has run."""
     budget = workspace_budget()
-    if budget is None:
-        return [members]
-    out, size = [[]], 0
-    for m in members:
-        n = m[1].numel() * 4
-        if out[-1] and size + n > budget // 8:
-            out.append([])
-            size = 0
-        out[-1].append(m)
-        size += n
-    return out
+    return budget_slices(members, lambda m: m[1].numel() * 4, None if budget is None else budget // 8)
 
 
 class _UpdateChecks:

@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,22 @@ def workspace_budget() -> int | None:
             f"TB, KiB, MiB, GiB, TiB) or 'unlimited', not {text!r}"
         )
     return int(float(found.group(1)) * unit)
+
+
+def budget_slices(items: list, size: Callable[[object], int], budget: int | None) -> list[list]:
+    """``items`` in consecutive slices of at most ``budget`` bytes, ``size(item)`` bytes each,
+    at least one item a slice (``None``: all in one slice; no items: no slice)."""
+    if budget is None:
+        return [items] if items else []
+    out, total = [], 0
+    for item in items:
+        n = size(item)
+        if not out or total + n > budget:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
 
 
 def _aligned(n: int) -> int:

@@ -285,6 +285,22 @@ class RuleKernel:
         self.engine.forget()
 
 
+def whole_tensor_step(opt, closure, run: Callable[[list], None], check=validate):
+    """``opt.step(closure)`` for work that reads whole tensors: the closure's loss, then
+    ``run`` over what ``whole_tensor_gradients`` finds, then its closing exchange on every
+    rank, also where ``run`` raises (the other ranks wait for the rows an owner sends)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    found, finish = whole_tensor_gradients(opt, check=check)
+    try:
+        run(found)
+    finally:
+        finish()
+    return loss
+
+
 def whole_tensor_gradients(opt, check=validate) -> tuple[list[tuple], Callable[[], None]]:
     """``(p, tensor, gradient, group index)`` of every parameter of ``opt`` with a gradient
     whose matrix work runs on this rank, checked (``check(opt, [(p, gradient, group

@@ -36,7 +36,7 @@ from fuser.optim.builtins._base import (
     check_lr,
     own_loaded_states,
     published_state_dict,
-    whole_tensor_gradients,
+    whole_tensor_step,
 )
 from fuser.runtime.distributed import DTensor
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, parse_options, state_format
@@ -398,15 +398,7 @@ class Shampoo(BuiltinOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found, finish = whole_tensor_gradients(self)
-        try:
-            self._step_found(found)
-        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
-            finish()
+        loss = whole_tensor_step(self, closure, self._step_found)
         self.refresh()  # (between steps only the states stay: the buffers and their tables go)
         return loss
 

@@ -35,10 +35,10 @@ from fuser.optim.builtins._base import (
     check_lr,
     own_loaded_states,
     published_state_dict,
-    whole_tensor_gradients,
+    whole_tensor_step,
 )
 from fuser.runtime.distributed import DTensor
-from fuser.runtime.matrix import workspace_budget
+from fuser.runtime.matrix import budget_slices, workspace_budget
 from fuser.runtime.plans import FROM_NAME, MASTER_WEIGHTS, TORCH_DTYPES, parse_options, state_format
 
 # The projected tensors' kernel: ``g`` the projected gradient, ``m`` the projected first
@@ -358,15 +358,7 @@ class SOAP(BuiltinOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        found, finish = whole_tensor_gradients(self)
-        try:
-            self._step_found(found)
-        finally:  # (every rank, a failed owner too: the others wait for the rows it sends)
-            finish()
+        loss = whole_tensor_step(self, closure, self._step_found)
         self.refresh()  # (between steps only the states stay: the buffers and their tables go)
         return loss
 
@@ -542,15 +534,10 @@ def _bases(st: dict) -> list:
 
 
 def _budgeted(jobs: list, each: int) -> list[list]:
-    """``jobs`` in slices of at most ``FUSER_MATRIX_WORKSPACE`` bytes, ``each`` bytes a job
-    (at least one job a slice): the stacks of factors of TinyLlama's sizes gain nothing from
-    larger batches (``linalg_probe_2026-12-04_h200.json``), and one stack of its 66 factors
-    of 5632² is 8.3 GB."""
-    budget = workspace_budget()
-    if budget is None or not jobs:
-        return [jobs] if jobs else []
-    n = max(1, budget // each)
-    return [jobs[k : k + n] for k in range(0, len(jobs), n)]
+    """``jobs`` in slices within ``FUSER_MATRIX_WORKSPACE``, ``each`` bytes a job: the stacks
+    of factors of TinyLlama's sizes gain nothing from larger batches
+    (``linalg_probe_2026-12-04_h200.json``), and one stack of its 66 factors of 5632² is 8.3 GB."""
+    return budget_slices(jobs, lambda _: each, workspace_budget())
 
 
 def _decomposition_bytes(jobs: list) -> int:
