@@ -11,8 +11,9 @@ Workloads:
 - `psgdkron_llama1b`: `fuser.optim.PSGDKron` beside heavyball's `PSGDKron` and kron-torch
   0.3.3's `Kron`, and the zoo's Kron rule beside pytorch-optimizer's `Kron`, each at its
   defaults;
-- `shampoo_llama1b`: `fuser.optim.Shampoo` (where it exists) beside pytorch-optimizer's
-  `ScalableShampoo`, both recomputing their roots every `--interval` steps.
+- `shampoo_llama1b`: `fuser.optim.Shampoo` (where it exists; roots by `eigh` and by coupled
+  Newton) beside pytorch-optimizer's `ScalableShampoo`, both recomputing their roots every
+  `--interval` steps.
 
 Time per step is over one refresh interval (`--interval` steps between two refreshes),
 from each step timed alone over `--rounds` intervals (at least two) after `--warmup`
@@ -151,6 +152,10 @@ def builds(workload: str, interval: int) -> dict:
     else:
         if hasattr(fuser.optim, "Shampoo"):
             out["fuser.optim.Shampoo"] = lambda ps: fuser.optim.Shampoo(ps, precondition_frequency=interval)
+            # (coupled Newton, as ScalableShampoo takes its roots by default)
+            out["fuser.optim.Shampoo, Newton roots"] = lambda ps: fuser.optim.Shampoo(
+                ps, precondition_frequency=interval, root_method="newton"
+            )
             # (ScalableShampoo's default blocks are 512 wide, fuser's 1024: the same blocks too)
             out["fuser.optim.Shampoo, blocks of 512"] = lambda ps: fuser.optim.Shampoo(
                 ps, precondition_frequency=interval, max_preconditioner_dim=512

@@ -14,7 +14,8 @@ A decomposition (``eigh``, ``qr``, ``inv_root``, ``inv_root_newton``) is the val
 matrix state (or a branch of a ``where`` that is); a matrix whose decomposition fails or is
 not finite in fp32 is retried in fp64, and where that fails too its state keeps its
 previous value (a RuntimeWarning), so no NaN reaches a parameter. ``inv_root_newton`` fails
-where its iteration is not within NEWTON_TOLERANCE after NEWTON_MAX_ITERATIONS. A
+where its iteration is not within ``fuser.runtime.matrix.NEWTON_TOLERANCE`` after
+``NEWTON_MAX_ITERATIONS``. A
 ``where`` whose condition holds one number per step (``every(k)``, ``step == 1``)
 evaluates only the branch it takes: the decompositions of a refresh run on refresh steps
 only. A side over ``max_matrix_dim`` (a constructor keyword, default 8192) has no factor:
@@ -59,7 +60,7 @@ from fuser.rules.parse import Statement, symbol
 from fuser.rules.rule import Rule
 from fuser.rules.shapes import COL, ELEMENT, ROW, SCALAR, kind_of, product_kind, state_kinds
 from fuser.runtime.distributed import DTensor
-from fuser.runtime.matrix import budget_slices, workspace_budget
+from fuser.runtime.matrix import budget_slices, inv_root_newton, workspace_budget
 from fuser.runtime.plans import MASTER_WEIGHTS, QFORMATS, Options, dtype_plan, plan_and_sources, state_dtype
 from fuser.runtime.quant import master_join
 from fuser.runtime.state import validate
@@ -1118,45 +1119,7 @@ def _inv_root(m: torch.Tensor, k: int) -> torch.Tensor:
     return (vec * root.unsqueeze(-2)) @ vec.mT
 
 
-# inv_root_newton's stopping rule, Meta's distributed Shampoo's (CoupledNewtonConfig): a
-# matrix is done once the largest entry of |Y - I| is at most NEWTON_TOLERANCE; one that is
-# not within it after NEWTON_MAX_ITERATIONS has failed (a singular M seldom gets there)...
-NEWTON_TOLERANCE = 1e-6
-NEWTON_MAX_ITERATIONS = 100
-# ... and one whose X^k M has an entry more than this off the identity's has failed too.
-NEWTON_ROOT_CHECK = 1.0
-
-
-def _inv_root_newton(m: torch.Tensor, k: int) -> torch.Tensor:
-    """``M^(-1/k)`` of each symmetric positive-definite matrix of the stack ``m``, ``[n, d, d]``,
-    by the coupled Newton iteration (Guo & Higham 2006), matrix products only. With
-    ``z = (k + 1) / (2 ||M||_F)`` (``z M``'s eigenvalues lie in ``(0, (k + 1) / 2]``, where
-    it converges), ``X = z^(1/k) I`` and ``Y = z M``, a step takes ``T = ((k + 1) I - Y) / k``,
-    ``X <- X T`` and ``Y <- T^k Y``: ``Y = X^k M`` throughout, so as ``Y`` tends to ``I``,
-    ``X`` tends to ``M^(-1/k)``. Each matrix stops once its own residual is within
-    NEWTON_TOLERANCE (one host sync a step); one that is not within it after
-    NEWTON_MAX_ITERATIONS, or is not finite, comes out NaN (a failure)."""
-    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    z = (k + 1) / (2 * torch.linalg.matrix_norm(m).reshape(-1, 1, 1))
-    x, y = z ** (1.0 / k) * eye, z * m
-    residual = (y - eye).abs().amax((-2, -1))
-    for _ in range(NEWTON_MAX_ITERATIONS):
-        todo = (residual > NEWTON_TOLERANCE).nonzero().flatten()  # (a NaN residual is done)
-        if len(todo) == 0:
-            break
-        t = ((k + 1) * eye - y[todo]) / k
-        x[todo] = x[todo] @ t
-        y[todo] = torch.linalg.matrix_power(t, k) @ y[todo]
-        residual[todo] = (y[todo] - eye).abs().amax((-2, -1))
-    x = (x + x.mT) / 2  # (symmetric, as the rule language takes it: rounding made it slightly not)
-    # Where M is singular, rounding lets Y reach I while X grows without bound: X^k M is checked
-    # too (it stays within ~0.7 of I at condition 1e7 in fp32, and is >= 3 off for singular M).
-    off = (torch.linalg.matrix_power(x, k) @ m - eye).abs().amax((-2, -1))
-    ok = (residual <= NEWTON_TOLERANCE) & (off <= NEWTON_ROOT_CHECK)
-    return torch.where(ok.reshape(-1, 1, 1), x, float("nan"))
-
-
-_DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root, mx.InvRootNewton: _inv_root_newton}
+_DECOMPOSITIONS = {mx.Eigh: _eigh, mx.QR: _qr, mx.InvRoot: _inv_root, mx.InvRootNewton: inv_root_newton}
 
 
 def _t(x):

@@ -27,6 +27,9 @@ place and the other rows are zeroed. The products are divided between the group'
 row comes from one rank, so the sum is exact), each rank runs the products on its share
 alone, and one ``all_gather`` brings every result to every rank, whose later phases read
 their own rows of it.
+
+``inv_root_newton`` (inverse p-th roots by coupled Newton iterations, products only) is the
+matrix rules' ``inv_root_newton`` and ``fuser.optim.Shampoo``'s ``root_method="newton"``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,44 @@ def workspace_budget() -> int | None:
             f"TB, KiB, MiB, GiB, TiB) or 'unlimited', not {text!r}"
         )
     return int(float(found.group(1)) * unit)
+
+
+# inv_root_newton's stopping rule, Meta's distributed Shampoo's (CoupledNewtonConfig): a
+# matrix is done once the largest entry of |Y - I| is at most NEWTON_TOLERANCE; one that is
+# not within it after NEWTON_MAX_ITERATIONS has failed (a singular M seldom gets there)...
+NEWTON_TOLERANCE = 1e-6
+NEWTON_MAX_ITERATIONS = 100
+# ... and one whose X^k M has an entry more than this off the identity's has failed too.
+NEWTON_ROOT_CHECK = 1.0
+
+
+def inv_root_newton(m: torch.Tensor, k: int) -> torch.Tensor:
+    """``M^(-1/k)`` of each symmetric positive-definite matrix of the stack ``m``, ``[n, d, d]``,
+    by the coupled Newton iteration (Guo & Higham 2006), matrix products only. With
+    ``z = (k + 1) / (2 ||M||_F)`` (``z M``'s eigenvalues lie in ``(0, (k + 1) / 2]``, where
+    it converges), ``X = z^(1/k) I`` and ``Y = z M``, a step takes ``T = ((k + 1) I - Y) / k``,
+    ``X <- X T`` and ``Y <- T^k Y``: ``Y = X^k M`` throughout, so as ``Y`` tends to ``I``,
+    ``X`` tends to ``M^(-1/k)``. Each matrix stops once its own residual is within
+    NEWTON_TOLERANCE (one host sync a step); one that is not within it after
+    NEWTON_MAX_ITERATIONS, or is not finite, comes out NaN (a failure)."""
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    z = (k + 1) / (2 * torch.linalg.matrix_norm(m).reshape(-1, 1, 1))
+    x, y = z ** (1.0 / k) * eye, z * m
+    residual = (y - eye).abs().amax((-2, -1))
+    for _ in range(NEWTON_MAX_ITERATIONS):
+        todo = (residual > NEWTON_TOLERANCE).nonzero().flatten()  # (a NaN residual is done)
+        if len(todo) == 0:
+            break
+        t = ((k + 1) * eye - y[todo]) / k
+        x[todo] = x[todo] @ t
+        y[todo] = torch.linalg.matrix_power(t, k) @ y[todo]
+        residual[todo] = (y[todo] - eye).abs().amax((-2, -1))
+    x = (x + x.mT) / 2  # (symmetric, as the rule language takes it: rounding made it slightly not)
+    # Where M is singular, rounding lets Y reach I while X grows without bound: X^k M is checked
+    # too (it stays within ~0.7 of I at condition 1e7 in fp32, and is >= 3 off for singular M).
+    off = (torch.linalg.matrix_power(x, k) @ m - eye).abs().amax((-2, -1))
+    ok = (residual <= NEWTON_TOLERANCE) & (off <= NEWTON_ROOT_CHECK)
+    return torch.where(ok.reshape(-1, 1, 1), x, float("nan"))
 
 
 def budget_slices(items: list, size: Callable[[object], int], budget: int | None) -> list[list]:

@@ -1,5 +1,5 @@
 """``inv_root_newton(M, k)`` (docs/rules.md, "Matrix values of an optimizer rule";
-``fuser.optim.matrix_rules._inv_root_newton``): a Shampoo-like rule against float64 roots
+``fuser.runtime.matrix.inv_root_newton``): a Shampoo-like rule against float64 roots
 by eigendecomposition written here, over steps with refreshes; matrices that fail (a zero
 factor, one that is singular but finite) and keep their old value while the rest of their
 stack converges and stops; the errors of a bad ``k``; the traced form and the displays.
@@ -23,7 +23,7 @@ import torch
 from numerics import SLACK, U
 
 import fuser
-from fuser.optim.matrix_rules import NEWTON_MAX_ITERATIONS, NEWTON_TOLERANCE
+from fuser.runtime.matrix import NEWTON_MAX_ITERATIONS, NEWTON_TOLERANCE
 
 F64 = torch.float64
 STATE = dict(L="zeros(rows, rows)", R="zeros(cols, cols)", PL="eye(rows)", PR="eye(cols)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fuser
+from fuser.optim.builtins import shampoo
 
 # --- the float64 reference ------------------------------------------------------------------
 
@@ -129,13 +130,13 @@ class Reference:
         self.p = self.p - c["lr"] * step
 
 
-def run_both(groups, steps):
-    """fuser's Shampoo over ``groups`` ([(params, keywords)]) and one Reference per parameter,
-    the same fresh gradients each step; returns the optimizer, (fuser param, reference,
-    start) triples and the kernel launches of each step."""
+def run_both(groups, steps, **options):
+    """fuser's Shampoo over ``groups`` ([(params, keywords)], the optimizer's ``options``) and
+    one Reference per parameter, the same fresh gradients each step; returns the optimizer,
+    (fuser param, reference, start) triples and the kernel launches of each step."""
     params = [[0.1 * torch.randn(s) for s in shapes] for shapes, _ in groups]  # small: fp32 rounds p finer
     refs = [[Reference(p, kw) for p in ps] for ps, (_, kw) in zip(params, groups)]
-    opt = fuser.optim.Shampoo([dict(params=ps, **kw) for ps, (_, kw) in zip(params, groups)])
+    opt = fuser.optim.Shampoo([dict(params=ps, **kw) for ps, (_, kw) in zip(params, groups)], **options)
     starts = [p.clone() for ps in params for p in ps]
     launches = []
     for _ in range(steps):
@@ -160,10 +161,18 @@ def assert_update_close(p, ref, start, rtol=1e-5):
 # --- tests ----------------------------------------------------------------------------------
 
 
-def test_adam_grafting_blocks_and_refreshes_like_the_reference():
+def _no_eigh(*args, **kwargs):
+    raise AssertionError("root_method='newton' took eigh's roots for a factor it should have converged on")
+
+
+@pytest.mark.parametrize("root_method", ["eigh", "newton"])
+def test_adam_grafting_blocks_and_refreshes_like_the_reference(root_method, monkeypatch):
     """Six steps, roots at steps 4 and 6 (grafting alone before): a 7x5 matrix (two-sided,
     L^-1/4 G R^-1/4), the same shape blocked 4+3 by 4+1, a 1-D tensor (root -1/2), and a
-    3-D tensor merged to 12x5; EMA factors with bias correction, decoupled weight decay."""
+    3-D tensor merged to 12x5; EMA factors with bias correction, decoupled weight decay.
+    By coupled Newton the roots of these positive-definite factors need no eigh at all."""
+    if root_method == "newton":
+        monkeypatch.setattr(shampoo, "inverse_roots", _no_eigh)
     common = dict(
         lr=0.1,
         betas=(0.9, 0.99),
@@ -177,7 +186,7 @@ def test_adam_grafting_blocks_and_refreshes_like_the_reference():
         ([(7, 5)], dict(common, use_merge_dims=False, max_preconditioner_dim=4)),
         ([(3, 4, 5)], dict(common, max_preconditioner_dim=20)),
     ]
-    opt, results, launches = run_both(groups, 6)
+    opt, results, launches = run_both(groups, 6, root_method=root_method)
     for p, ref, start in results:
         assert_update_close(p, ref, start)
     assert launches == [2] * 6  # the moments' kernel and the parameters', each over every tensor
@@ -302,6 +311,46 @@ def test_a_failed_root_keeps_the_previous_one(monkeypatch):
     assert torch.isfinite(p).all()
 
 
+def test_newton_roots_of_singular_factors_come_from_eigh(monkeypatch):
+    """A 6x3 matrix's left factor, ``G Gᵀ`` after one step, has rank 3 of 6: with ``epsilon``
+    far below fp32's resolution the coupled Newton iteration cannot reach its root, which
+    then comes from eigh, as ``root_method="eigh"`` computes it (the same bits); from the
+    second step the factor has full rank and Newton alone computes both roots, within fp32's
+    rounding of eigh's."""
+    calls = []
+    by_eigh = shampoo.inverse_roots
+
+    def spy(mats, *args):
+        calls.append(tuple(mats.shape))
+        return by_eigh(mats, *args)
+
+    kw = dict(lr=0.05, epsilon=1e-12, betas=(0.0, 1.0), grafting="adagrad", use_merge_dims=False)
+    p = torch.randn(6, 3)
+    q = p.clone()
+    newton = fuser.optim.Shampoo([p], root_method="newton", **kw)
+    eigh = fuser.optim.Shampoo([q], **kw)
+    start, steps = p.clone(), []
+    for t in range(3):
+        p.grad = torch.randn(p.shape)
+        q.grad = p.grad.clone()
+        monkeypatch.setattr(shampoo, "inverse_roots", spy)
+        newton.step()
+        monkeypatch.setattr(shampoo, "inverse_roots", by_eigh)
+        eigh.step()
+        steps.append(list(calls))
+        calls.clear()
+        left, right = (newton.state[p]["inv_factor_matrices"][0][i] for i in (0, 1))
+        want_left, want_right = (eigh.state[q]["inv_factor_matrices"][0][i] for i in (0, 1))
+        if t == 0:
+            assert torch.equal(left, want_left)
+        assert torch.isfinite(p).all()
+        for got, want in ((left, want_left), (right, want_right)):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), t
+    assert steps == [[(1, 6, 6)], [], []], steps
+    err = ((p - start) - (q - start)).abs().max() / (q - start).abs().max()
+    assert err <= 1e-5, float(err)
+
+
 @pytest.mark.parametrize(
     "keywords, message",
     [
@@ -312,6 +361,8 @@ def test_a_failed_root_keeps_the_previous_one(monkeypatch):
         (dict(grafting="lamb"), "grafting"),
         (dict(distributed_config=object()), "distributed_config"),
         (dict(state_dtype="q8"), "Shampoo stores filtered_grad, grafting and momentum_buffer in one dtype"),
+        (dict(root_method="svd"), "root_method must be one of"),
+        (dict(root_method="newton", exponent_multiplier=0.5), "exponent_multiplier must be 1.0"),
     ],
 )
 def test_bad_keywords_raise(keywords, message):
