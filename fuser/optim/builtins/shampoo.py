@@ -213,14 +213,20 @@ ROOT_METHODS = ("eigh", "newton")
 def newton_roots(mats: torch.Tensor, roots: list[int], epsilon: float, protected: bool = True):
     """``(F + epsilon I)^(-1/r)`` of each factor of a stack by coupled Newton iterations
     (``fuser.runtime.matrix.inv_root_newton``: products only, Meta's ``CoupledNewtonConfig``
-    defaults), ``roots`` a whole ``r`` per matrix. A matrix the iteration leaves outside its
-    tolerance (a singular or indefinite factor) is computed by ``inverse_roots`` instead.
-    Returns the roots and which matrices succeeded, as ``inverse_roots`` does."""
+    defaults), ``roots`` a whole ``r`` per matrix. A factor whose Cholesky factorisation
+    fails in fp32 (singular or indefinite: a 1-D block's sum of fewer outer products than its
+    size) goes to ``inverse_roots`` at once, where the iteration would spend its 100 steps
+    before failing; so does one the iteration leaves outside its tolerance. Returns the
+    roots and which matrices succeeded, as ``inverse_roots`` does."""
     eye = torch.eye(mats.shape[-1], dtype=mats.dtype, device=mats.device)
-    out = torch.empty_like(mats)
+    ridge = mats + epsilon * eye
+    out = torch.full_like(mats, float("nan"))
+    regular = (torch.linalg.cholesky_ex(ridge).info == 0).tolist()
     for r in sorted(set(roots)):
-        idx = torch.tensor([i for i, q in enumerate(roots) if q == r], device=mats.device)
-        out[idx] = inv_root_newton(mats[idx] + epsilon * eye, r)
+        idx = [i for i, q in enumerate(roots) if q == r and regular[i]]
+        if idx:
+            idx = torch.tensor(idx, device=mats.device)
+            out[idx] = inv_root_newton(ridge[idx], r)
     ok = torch.isfinite(out).flatten(1).all(-1)
     bad = (~ok).nonzero().flatten()
     if len(bad):
@@ -278,10 +284,10 @@ class Shampoo(BuiltinOptimizer):
     computes each root ``(F / (1-β₂ᵗ) + εI)^(-1/r)`` by coupled Newton iterations, matrix
     products only, the factors of one size iterating together, each until every entry of its
     residual is within ``1e-6`` (at most 100 iterations, Meta's defaults); it needs
-    ``exponent_multiplier=1``. A factor the iteration leaves outside its tolerance, a
-    singular or indefinite one (such as a block's factor over fewer gradient rows than its
-    size: its rank is below its order until enough steps have summed), is computed by
-    ``eigh`` as above, after those iterations. On GPUs the iteration costs a fraction of
+    ``exponent_multiplier=1``. A factor whose fp32 Cholesky factorisation fails, singular
+    or indefinite (such as a block's factor over fewer gradient rows than its size: its
+    rank is below its order until enough steps have summed), or that the iteration leaves
+    outside its tolerance, is computed by ``eigh`` as above. On GPUs the iteration costs a fraction of
     ``eigh``'s time for stacks of blocks of 1024 and 2048 on an H100
     (``benchmarks/results/root_probe_2026-12-07_h100.md``).
 
