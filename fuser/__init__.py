@@ -47,10 +47,11 @@ clamp = _FUNCTIONS["clamp"]
 cos = _FUNCTIONS["cos"]
 sin = _FUNCTIONS["sin"]
 mod = _FUNCTIONS["mod"]
-# Functions of traced optimizer rules only: the step gate, random values per element.
+# Functions of traced optimizer rules only: the step gate, random values per element and per step.
 every = _FUNCTIONS["every"]
 rand = _FUNCTIONS["rand"]
 randn = _FUNCTIONS["randn"]
+rand_step = _FUNCTIONS["rand_step"]
 pi = _CONSTANTS["pi"]
 # Matrix values of traced optimizer rules (``a @ b`` in rule text is ``matmul(a, b)``).
 matmul = _FUNCTIONS["matmul"]

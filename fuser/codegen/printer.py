@@ -132,6 +132,10 @@ class TritonPrinter(PythonCodePrinter):
             return "1.0"
         return f"_pow({self._print(base)}, {self._print(e)})"
 
+    def _print_StepRand(self, expr):
+        # rand_step(): the kernel's ``seed`` and the tensor's step (docs/rules.md)
+        return f"_step_rand(seed, {self._print(expr.args[0])}, {expr.index})"
+
     def _print_Mod(self, expr):
         raise NotImplementedError("modulo has no meaning in a rule")
 

@@ -53,6 +53,7 @@ from fuser.rules.functions import (
     Reduction,
     Remainder,
     Sigmoid,
+    StepRand,
 )
 from fuser.rules.functions import Mean as _Mean
 from fuser.rules.functions import Sum as _Sum
@@ -764,6 +765,9 @@ class _Batch:
             return bool(e)
         if isinstance(e, RandomValue):
             return self._draw(e)
+        if isinstance(e, StepRand):
+            key = _hash32(_stream_key(self.opt.options.seed, self.step, 0) ^ 0x53544550)
+            return float(_hash32((key + e.index) & _M32) >> 8) * 2.0**-24
         if isinstance(e, sympy.Piecewise):
             return self._piecewise(e)
         if isinstance(e, mx.MatrixOp):

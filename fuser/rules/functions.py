@@ -160,6 +160,44 @@ def _drawer(cls):
     return draw
 
 
+class StepRand(sympy.Function):
+    """``rand_step()``: one uniform value on [0, 1) per step (a multiple of 2**-24), the same
+    for every tensor of the step, for gates such as ``where(rand_step() < prob, fit, Q)``.
+
+    Its arguments are the ``step`` symbol (so it is a per-step value, computed with the
+    other functions of hyperparameters and ``step``) and the call's number within its rule
+    (numbered with ``rand()``'s calls). Its bits come from the counter-based generator, on
+    a stream of their own: ``u = (hash32(key + j) >> 8) * 2**-24`` for the ``j``-th call,
+    ``key = hash32(stream_key(seed, step, 0) ^ 0x53544550)``."""
+
+    nargs = 2
+    is_real = True
+
+    @property
+    def index(self) -> int:
+        """The call's number within its rule."""
+        return int(self.args[1])
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero
+
+    def _eval_is_nonnegative(self):
+        return True
+
+    def _sympystr(self, printer):
+        return "rand_step()"
+
+    def _latex(self, printer, exp=None):
+        text = r"\operatorname{rand\_step}()"
+        return text if exp is None else rf"{text}^{{{exp}}}"
+
+
+def _step_drawer():
+    if not hasattr(_DRAWS, "count"):
+        restart_draws()
+    return StepRand(sympy.Symbol("step", real=True), sympy.Integer(next(_DRAWS.count)))
+
+
 class Reduction(sympy.Function):
     """A reduction of an expression to one number (per tensor, per device or per token).
 
@@ -371,6 +409,7 @@ OPTIM_FUNCTIONS: dict[str, tuple] = {
     "every": (every, 1),
     "rand": (_drawer(Rand), 0),
     "randn": (_drawer(Randn), 0),
+    "rand_step": (_step_drawer, 0),
     **MATRIX_FUNCTIONS,
 }
 CONDITIONS = frozenset({"every"})

@@ -20,6 +20,7 @@ from fuser.rules.functions import (
     OPTIM_REDUCTIONS,
     MatrixFunction,
     RandomValue,
+    StepRand,
     draw_symbol,
     restart_draws,
 )
@@ -211,16 +212,22 @@ def reads_loss(rule: Rule) -> bool:
     return rule.kind == "optim" and any(loss in e.free_symbols for _, e in rule.outputs)
 
 
+def _numbered(draw, i: int):
+    if isinstance(draw, StepRand):
+        return StepRand(draw.args[0], sympy.Integer(i))
+    return type(draw)(draw_symbol(i))
+
+
 def number_draws(statements: list[Statement], env: dict) -> tuple[list[Statement], dict]:
     """The rule's ``rand()`` / ``randn()`` calls numbered 0, 1, ... in the order they were
     made: the same rule text gives the same kernel, and each call its own stream."""
     draws = set()
     for st in statements:
-        draws |= st.expr.atoms(RandomValue)
+        draws |= st.expr.atoms(RandomValue, StepRand)
     if not draws:
         return statements, env
     order = sorted(draws, key=lambda d: d.index)
-    mapping = {d: type(d)(draw_symbol(i)) for i, d in enumerate(order) if d.index != i}
+    mapping = {d: _numbered(d, i) for i, d in enumerate(order) if d.index != i}
     if not mapping:
         return statements, env
     statements = [

@@ -114,14 +114,14 @@ def test_matrix_kernels_compile_ahead_of_time(capability):
 
 
 # The language's trigonometric, remainder and step-gate functions, per step (fp64) and per
-# element (fp32), random values, the closure's loss, and a condition joining a per-step
-# comparison with a per-element one.
+# element (fp32), random values per element and per step, the closure's loss, and a
+# condition joining a per-step comparison with a per-element one.
 LANGUAGE = fuser.rule(
     """
     lr_t = lr * 0.5 * (1 + cos(pi * step / total)) * sin(mod(step, 7) + 1)
     m = beta * m + (1 - beta) * (sin(g) + cos(p) + mod(g, 0.5) + mod(g, -beta)) + 1e-3 * randn()
     m = where(rand() < 0.9, m, 0)
-    p = where((every(k) or step < k) and not (g > 0 and m < 1), p - lr_t * m * loss, p)
+    p = where((every(k) or step < k or rand_step() < 0.5) and not (g > 0 and m < 1), p - lr_t * m * loss, p)
 """,
     name="language",
     hyper=dict(lr=1e-3, beta=0.9, total=100.0, k=3.0),

@@ -248,6 +248,56 @@ LOSS_RULE = """
 """
 
 
+def step_uniform(seed: int, step: int, call: int) -> float:
+    """``rand_step()``'s value for the rule's ``call``-th draw: the stream key of (seed, step,
+    tensor 0), made apart from rand()'s, one counter per call."""
+    k = hash32((seed & M32) ^ hash32(((seed >> 32) & M32) ^ 0x9E3779B9))
+    key = hash32(hash32(hash32(k ^ step) ^ 0x85EBCA6B) ^ 0x53544550)
+    return (hash32((key + call) & M32) >> 8) * 2.0**-24
+
+
+STEP_GATE = """
+    u = rand_step()
+    w = rand_step()
+    hits = where(u < prob, hits + 1, hits)
+    first = u
+    second = w
+    L = where(u < prob, L + eye(rows), L)
+    p = p - lr * (L @ g) / (hits + 1)
+"""
+
+
+def test_rand_step_is_one_documented_value_per_step_in_kernels_and_matrix_gates(device, seed):
+    """Two calls, two streams; every tensor reads the same values; the kernels' count of
+    the gate's hits (a scalar state) and the matrix phase's gate on ``L`` (in torch) agree
+    with each other and with the generator written here, and the gate fires at about its
+    probability."""
+    mine, prob, steps = seed % 2**40, 0.3, 40
+    rule = fuser.rule(
+        STEP_GATE, hyper=dict(lr=1e-3, prob=prob), state=dict(hits=0.0, first=0.0, second=0.0, L="eye(rows)")
+    )
+    params = [torch.randn(s, device=device) for s in ((7,), (33, 5))]
+    opt = fuser.compile(rule, seed=mine)(params)
+    want_hits = 0
+    for step in range(1, steps + 1):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        u, w = step_uniform(mine, step, 0), step_uniform(mine, step, 1)
+        want_hits += u < prob
+        for p in params:
+            st = opt.state[p]
+            assert float(st["first"]) == u and float(st["second"]) == w, step
+            assert float(st["hits"]) == want_hits
+        diag = torch.diagonal(opt.state[params[1]]["L"]).cpu()
+        assert torch.equal(diag, torch.full((33,), 1.0 + want_hits)), step
+    assert 3 <= want_hits <= 21  # (Binomial(40, 0.3): 12 +- 2.9; outside 3..21 once in 1e4)
+    other = fuser.compile(rule, seed=mine + 1)([torch.randn(3, device=device)])
+    other.param_groups[0]["params"][0].grad = torch.ones(3, device=device)
+    other.step()
+    assert float(other.state[other.param_groups[0]["params"][0]]["first"]) != step_uniform(mine, 1, 0)
+
+
 def model_and_closure(device, opt_box, record):
     """A least-squares problem of two weights; the closure records its loss and gradients."""
     w1 = torch.randn(37, device=device, requires_grad=True)
