@@ -1972,9 +1972,10 @@ _KRON_PRELUDE = """
                  update_prob_min, update_prob_max)
     nl = amax(abs({L}))
     nr = amax(abs({R}))
-    {L} = where(UPDATE and (balance_prob > 0), {L} * (sqrt(nl * nr) / nl), {L})
-    {R} = where(UPDATE and (balance_prob > 0), {R} * (sqrt(nl * nr) / nr), {R})
     V = randn()
+    coin = rand_step()
+    {L} = where(UPDATE and (coin < balance_prob), {L} * (sqrt(nl * nr) / nl), {L})
+    {R} = where(UPDATE and (coin < balance_prob), {R} * (sqrt(nl * nr) / nr), {R})
 """
 # Their common end: the refresh counter, the update {u} clipped to an RMS of 1.1, weight decay.
 _KRON_CLOSE = """    update_counter = where(UPDATE, 0, update_counter + 1)
@@ -2056,9 +2057,9 @@ _add(
     "update_prob_max = update_prob_min = q (the reference computes the schedule in fp32, the rule "
     "in fp64: a step where 1 / prob is within fp32 rounding of a whole number may refresh one step "
     "apart). The counter is a state, one number per tensor, the same for every tensor (all step "
-    "alike), so the fit runs on refresh steps only. Balancing draws no coin: the "
-    "reference balances a refresh step with probability "
-    "balance_prob (np.random); the rule balances every refresh step when balance_prob > 0. "
+    "alike), so the fit runs on refresh steps only. A refresh step balances with probability "
+    "balance_prob, as in the reference, from rand_step() (one draw per step, the same for every "
+    "tensor) where the reference draws from np.random. "
     "Balancing scales QL and QR by reciprocal numbers, which leaves the preconditioner, and so the "
     "parameters, unchanged to rounding: the zoo compares balance_prob=1 (and 0) with the factors, "
     "the default 0.01 on the parameters only. The reference's probes are torch.randn_like on "
