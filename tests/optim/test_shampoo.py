@@ -318,12 +318,18 @@ def test_newton_roots_of_singular_factors_come_from_eigh(monkeypatch):
     second step the factor has full rank and Newton alone computes both roots, each within
     fp32's rounding of eigh's, ``8 d u κ`` for a ``d x d`` factor of condition number ``κ``
     (on the second step a square Gaussian sum: ``κ`` often 1e4 and more)."""
-    calls = []
-    by_eigh = shampoo.inverse_roots
+    calls, iterated = [], []
+    by_eigh, by_newton = shampoo.inverse_roots, shampoo.inv_root_newton
 
     def spy(mats, *args):
         calls.append(tuple(mats.shape))
         return by_eigh(mats, *args)
+
+    def newton_spy(mats, k):
+        iterated.append(tuple(mats.shape))
+        return by_newton(mats, k)
+
+    monkeypatch.setattr(shampoo, "inv_root_newton", newton_spy)
 
     kw = dict(lr=0.05, epsilon=1e-12, betas=(0.0, 1.0), grafting="adagrad", use_merge_dims=False)
     p = torch.randn(6, 3)
@@ -353,6 +359,8 @@ def test_newton_roots_of_singular_factors_come_from_eigh(monkeypatch):
             worst = max(worst, bound)
             assert (got - want).abs().max() <= bound * want.abs().max(), (t, i)
     assert steps == [[(1, 6, 6)], [], [], []], steps
+    # (the singular factor's Cholesky failed: it went to eigh without 100 Newton iterations)
+    assert iterated[0] == (1, 3, 3) and iterated[1:3] == [(1, 6, 6), (1, 3, 3)], iterated
     err = ((p - start) - (q - start)).abs().max() / (q - start).abs().max()
     assert err <= max(worst, 1e-5), (float(err), worst)
 
