@@ -160,6 +160,9 @@ def builds(workload: str, interval: int) -> dict:
             out["fuser.optim.Shampoo, blocks of 512"] = lambda ps: fuser.optim.Shampoo(
                 ps, precondition_frequency=interval, max_preconditioner_dim=512
             )
+            out["fuser.optim.Shampoo, Newton roots, blocks of 512"] = lambda ps: fuser.optim.Shampoo(
+                ps, precondition_frequency=interval, max_preconditioner_dim=512, root_method="newton"
+            )
         else:
             out["fuser.optim.Shampoo"] = "fuser.optim has no Shampoo in this tree"
         out[f"pytorch_optimizer {_version('pytorch_optimizer')} ScalableShampoo"] = lambda ps: (
