@@ -57,6 +57,9 @@ pi = _CONSTANTS["pi"]
 matmul = _FUNCTIONS["matmul"]
 transpose = _FUNCTIONS["transpose"]
 eye = _FUNCTIONS["eye"]
+eye_dims = _FUNCTIONS["eye_dims"]
+gram = _FUNCTIONS["gram"]
+modes = _FUNCTIONS["modes"]
 trace = _FUNCTIONS["trace"]
 diag = _FUNCTIONS["diag"]
 triu = _FUNCTIONS["triu"]
@@ -197,6 +200,9 @@ __all__ = [
     "qr",
     "inv_root",
     "inv_root_newton",
+    "eye_dims",
+    "gram",
+    "modes",
     "sort_perm",
     "argmax_onehot",
     "solve_upper",

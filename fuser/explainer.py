@@ -103,7 +103,9 @@ def _explain_matrix(rule: Rule, dtype: str, **options) -> str:
         "1. parsed statements",
         *["   " + ln for ln in _statements(rule)],
         "",
-        "2. the matrix phase (torch, fp32, batched over the matrices of one 2-D shape and param group)",
+        "2. the matrix phase (torch, fp32, batched over the matrices of one "
+        + ("shape, each dimension's factors apart," if program.per_dims else "2-D shape")
+        + " and param group)",
         "   values the update reads, written to fp32 buffers:",
         *[f"     {name} = {_s(e)}" for e, name in program.boundaries.items()],
         "   new matrix states (written last):",

@@ -70,7 +70,13 @@ from fuser.runtime.wholes import OWNER
 
 DEFAULT_MAX_MATRIX_DIM = 8192
 _STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
-_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T})
+_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT})
+
+
+def dims_keys(state: str, shape) -> list[str]:
+    """The keys under which a per-dimension matrix state (``"zeros(dims)"``) of a tensor of
+    ``shape`` is kept: ``F[0]``, ``F[1]``, ... one ``[d, d]`` tensor per dimension."""
+    return [f"{state}[{i}]" for i in range(len(shape))]
 
 
 class Identity:
@@ -143,6 +149,15 @@ class Permutation:
         return torch.gather(x, -1, order.unsqueeze(-2).expand(order.shape[0], x.shape[-2], order.shape[-1]))
 
 
+class Factors:
+    """A per-dimension value (``dimmat``): one entry per dimension of the stack's tensors,
+    each an ``[n, d, d]`` tensor or an ``Identity`` (a dimension over ``max_matrix_dim``, or
+    ``eye_dims()``)."""
+
+    def __init__(self, entries: list):
+        self.entries = list(entries)
+
+
 class MatrixProgram:
     """A matrix rule lowered: ``boundaries`` (buffer name, value) the update kernel reads
     per element, ``matrix_outputs`` (state, value), the update rule, the decompositions'
@@ -163,6 +178,10 @@ class MatrixProgram:
         kinds.update({symbol(s): kind for s, (kind, _) in self.phase_states.items()})
         kinds.update({symbol(s): ELEMENT for s, _ in self.element_states})
         self.kinds, self._memo, self._uses = kinds, {}, {}
+        # (per-dimension factors: the stacks are of one whole shape, not of one 2-D view)
+        self.per_dims = any(kind == mx.DIMMAT for kind, _ in self.matrix_states.values()) or any(
+            e.atoms(mx.Gram, mx.Modes, mx.EyeDims) for _, e in rule.outputs
+        )
         outputs = dict(rule.outputs)
         for s in self.phase_states:
             if s in outputs and any(r.op.startswith("global_") for r in outputs[s].atoms(Reduction)):
@@ -395,13 +414,16 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _, _ in items}  # (CPU counts)
         batches = defaultdict(list)
         for group, p, t, g in items:
-            batches[(id(group), steps[p], matrix_2d(p.shape, self._view(group)))].append((group, p, t, g))
+            shape = tuple(p.shape) if self.program.per_dims else None
+            key = (id(group), steps[p], matrix_2d(p.shape, self._view(group)), shape)
+            batches[key].append((group, p, t, g))
         buffers = {}
         new_matrices = []
         positions = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        for (_, step, (rows, cols)), members in batches.items():
+        for (_, step, (rows, cols), shape), members in batches.items():
             for part in _slices(members):
-                out = _Batch(self, part, step, rows, cols, [positions[p] for _, p, _, _ in part]).run()
+                where = [positions[p] for _, p, _, _ in part]
+                out = _Batch(self, part, step, rows, cols, where, shape).run()
                 buffers.update(out[0])
                 new_matrices += out[1]
         groups = defaultdict(list)
@@ -440,10 +462,17 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             value = st.get(s)
             if torch.is_tensor(value) and (value.dtype != want or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=want)
-        for s in (*self.program.phase_states, *self.program.matrix_states):  # (fp32, as made)
+        for s in (*self.program.phase_states, *self._matrix_keys(t.shape)):  # (fp32, as made)
             value = st.get(s)
             if torch.is_tensor(value) and (value.dtype != torch.float32 or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=torch.float32)
+
+    def _matrix_keys(self, shape) -> list[str]:
+        """The state keys of the matrix states of a tensor of ``shape``."""
+        out = []
+        for s, (kind, _) in self.program.matrix_states.items():
+            out += dims_keys(s, shape) if kind == mx.DIMMAT else [s]
+        return out
 
     def _check(self, found: list) -> None:
         """Raise, before anything changes on any rank, on what this step cannot run:
@@ -468,6 +497,13 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                     "use view='flatten' for its param group, or a plain tensor"
                 )
         for p, _, gi in found:
+            if self.program.per_dims and is_batched(p.shape, self._view(self.param_groups[gi])):
+                raise ValueError(
+                    f"{type(self).__name__}: per-dimension factors ('zeros(dims)', gram, modes) take each "
+                    f"tensor whole, but the param group of a parameter of shape {tuple(p.shape)} asks for "
+                    "view='batched': use view='flatten' for it"
+                )
+        for p, _, gi in found:
             self._check_state_shapes(p, self.param_groups[gi])
         # What the update kernel checks of its tensors, here on every rank's shards.
         validate(_update_checks(type(self).__name__)(self), found)
@@ -486,6 +522,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for s, (kind, _) in self.program.phase_states.items():
             want[s] = (*lead, *{SCALAR: (), ROW: (rows,), COL: (cols,)}[kind])
         for s, (kind, _) in self.program.matrix_states.items():
+            if kind == mx.DIMMAT:
+                for key, d in zip(dims_keys(s, p.shape), p.shape):
+                    want[key] = (0,) if d > limit else (d, d)
+                continue
             n = rows if kind == mx.ROWMAT else cols
             want[s] = (0,) if n > limit else (*lead, n, n)
         if _MASTER in st:
@@ -533,6 +573,11 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             tail = {SCALAR: (), ROW: (rows,), COL: (cols,)}[kind]
             st[s] = torch.full((*lead, *tail), init, device=device)
         for s, (kind, how) in self.program.matrix_states.items():
+            if kind == mx.DIMMAT:
+                for key, d in zip(dims_keys(s, t.shape), t.shape):
+                    start = torch.eye(d, device=device) if how == "eye" else torch.zeros(d, d, device=device)
+                    st[key] = torch.empty(0, device=device) if d > limit else start
+                continue
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
                 st[s] = torch.empty(0, device=device)
@@ -649,9 +694,11 @@ class _Batch:
     """The matrix phase of the tensors of one param group, step and 2-D shape: ``members``
     (group, parameter, its whole tensor, gradient)."""
 
-    def __init__(self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int, positions):
+    def __init__(
+        self, opt: MatrixRuleOptimizer, members: list, step: int, rows: int, cols: int, positions, shape=None
+    ):
         self.opt, self.members, self.step, self.rows, self.cols = opt, members, step, rows, cols
-        self.positions = positions
+        self.positions, self.shape = positions, shape  # (shape: the tensors' own, per-dimension rules)
         self.program = opt.program
         group = members[0][0]
         self.limit = group.get("max_matrix_dim", opt.max_matrix_dim)
@@ -670,6 +717,8 @@ class _Batch:
         for s, (kind, _) in self.program.phase_states.items():
             self.shapes[symbol(s)] = {SCALAR: (1, 1), ROW: (rows, 1), COL: (1, cols)}[kind]
         for s, (kind, _) in self.program.matrix_states.items():
+            if kind == mx.DIMMAT:
+                continue  # (built when read: ``_factors``)
             side = self.side(kind)
             if side > self.limit:
                 env[symbol(s)] = Identity(side, True)
@@ -713,7 +762,8 @@ class _Batch:
         buffers = defaultdict(dict)
         # (a state of a side with no factor is the identity, whatever its rule computes: a
         # gate of one number per tensor, PSGD's counter, would otherwise build that side's value)
-        outputs = [(s, e) for s, e in self.program.matrix_outputs if symbol(s) in self.shapes]
+        dims = {s for s, (kind, _) in self.program.matrix_states.items() if kind == mx.DIMMAT}
+        outputs = [(s, e) for s, e in self.program.matrix_outputs if symbol(s) in self.shapes or s in dims]
         self.uses = dict(self.program.uses(tuple(s for s, _ in outputs)))  # (counted down as read)
         for value, name in self.program.boundaries.items():
             v = self.ev(value)
@@ -728,6 +778,9 @@ class _Batch:
         for s, value in outputs:
             v = self.ev(value)
             self.release(value)
+            if s in dims:
+                new += self._factor_outputs(s, v)
+                continue
             if isinstance(v, Identity) and v.absorbing:
                 continue
             v = self.real(v)
@@ -736,6 +789,31 @@ class _Batch:
                 state = self.opt.state[p][s]
                 new.append((state, v[a : a + c].reshape(state.shape)))
         return buffers, new
+
+    def _factor_outputs(self, s: str, v) -> list:
+        """(state tensor, new value) of each built factor of per-dimension state ``s``."""
+        if not isinstance(v, Factors):  # (a number: every factor that value times the identity)
+            v = Factors([Identity(d, False, v if torch.is_tensor(v) else float(v)) for d in self.shape])
+        new = []
+        for i, (d, x) in enumerate(zip(self.shape, v.entries)):
+            if d > self.limit:
+                continue
+            x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, d))
+            for j, (_, p, _, _) in enumerate(self.members):
+                new.append((self.opt.state[p][f"{s}[{i}]"], x[j]))
+        return new
+
+    def _factors(self, name: sympy.Symbol) -> Factors:
+        """The stacks of per-dimension state ``name``: ``[n, d, d]`` a dimension, an absorbing
+        identity for a dimension over the limit."""
+        out = []
+        for i, d in enumerate(self.shape):
+            if d > self.limit:
+                out.append(Identity(d, True))
+            else:
+                key = f"{name.name}[{i}]"
+                out.append(torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members]))
+        return Factors(out)
 
     # --- evaluation ------------------------------------------------------------------------
     def ev(self, e):
@@ -757,7 +835,8 @@ class _Batch:
     def _ev(self, e):
         if e.is_Symbol:
             if e not in self.env:
-                self.env[e] = self.stack(e)
+                dims = self.program.kinds.get(e) == mx.DIMMAT
+                self.env[e] = self._factors(e) if dims else self.stack(e)
             return self.env[e]
         if e.is_Number:
             return float(e)
@@ -771,10 +850,18 @@ class _Batch:
         if isinstance(e, sympy.Piecewise):
             return self._piecewise(e)
         if isinstance(e, mx.MatrixOp):
-            return self._matrix(e)
+            dims = isinstance(e, mx.Modes) or self.program.kind(e) == mx.DIMMAT
+            return self._dims(e) if dims else self._matrix(e)
         if isinstance(e, Reduction):
             return self._reduce(e)
         args = [self.ev(a) for a in e.args]
+        if any(isinstance(a, Factors) for a in args):  # (per dimension: each factor alike)
+            k = len(self.shape)
+            per = [[a.entries[i] if isinstance(a, Factors) else a for a in args] for i in range(k)]
+            return Factors([self._elementwise(e, xs) for xs in per])
+        return self._elementwise(e, args)
+
+    def _elementwise(self, e, args: list):
         if any(isinstance(a, Identity) and a.absorbing for a in args):
             return _of_identities(e, args)
         args = [self.real(a) for a in args]
@@ -821,8 +908,18 @@ class _Batch:
         if out is None:
             raise RuleError("a where() without a branch that holds")
         for value, c in reversed(pending):
-            out = torch.where(c, torch.as_tensor(self.real(value)), torch.as_tensor(self.real(out)))
+            if isinstance(value, Factors) or isinstance(out, Factors):
+                sides = [x.entries if isinstance(x, Factors) else [x] * len(self.shape) for x in (value, out)]
+                pairs = zip(*sides)
+                out = Factors([self._where(c, a, b) for a, b in pairs])
+                continue
+            out = self._where(c, value, out)
         return out
+
+    def _where(self, c, a, b):
+        if isinstance(a, Identity) and a.absorbing:  # (a dimension with no factor stays the identity)
+            return a
+        return torch.where(c, torch.as_tensor(self.real(a)), torch.as_tensor(self.real(b)))
 
     def _reduce(self, e):
         if isinstance(e, AxisReduction):
@@ -925,6 +1022,62 @@ class _Batch:
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
+
+    def _dims(self, e):
+        """A value of per-dimension factors (``gram``, ``modes``, ``eye_dims``, their products,
+        transposes and decompositions), each dimension's factor over the stack ``[n, d, d]``."""
+        if isinstance(e, mx.EyeDims):
+            return Factors([Identity(d, d > self.limit) for d in self.shape])
+        if isinstance(e, mx.Gram):
+            x = self._as_tensors(self.real(self.ev(e.args[0])))
+            out = []
+            for i, d in enumerate(self.shape):
+                if d > self.limit:
+                    out.append(Identity(d, True))
+                    continue
+                u = x.movedim(i + 1, 1).reshape(self.n, d, -1)
+                out.append(torch.matmul(u, u.mT))
+            return Factors(out)
+        if isinstance(e, mx.Modes):
+            x = self._as_tensors(self.real(self.ev(e.args[0])))
+            for i, f in enumerate(self.ev(e.args[1]).entries):
+                if isinstance(f, Identity):
+                    x = _scaled(x, f.scale)
+                    continue
+                moved = x.movedim(i + 1, 1)
+                y = torch.matmul(f, moved.reshape(self.n, moved.shape[1], -1)).reshape(moved.shape)
+                x = y.movedim(1, i + 1)
+            return x.reshape(self.n, self.rows, self.cols)
+        args = [self.ev(a) for a in e.args]
+        factors = args[0].entries if isinstance(args[0], Factors) else None
+        if isinstance(e, mx.MatMul):
+            b = args[1].entries
+            return Factors([self._product(e, x, y) for x, y in zip(factors, b)])
+        if isinstance(e, mx.Transpose):
+            return Factors([x if isinstance(x, Identity) else x.mT for x in factors])
+        if isinstance(e, mx.Decomposition):
+            k = args[1:]
+            if k and not (isinstance(k[0], float) and k[0] == int(k[0]) and 1 <= k[0] <= 16):
+                raise ValueError(
+                    f"{self.opt.rule.name}: {e.spelling}(M, k) with k {e.args[1]} = {k[0]!r} for a tensor "
+                    f"of shape {self.shape}: k must be a whole number from 1 to 16"
+                )
+            old = self._ev(symbol(self.program.owners[e]))
+            out = []
+            for x, was in zip(factors, old.entries):
+                if isinstance(x, Identity) and x.absorbing:
+                    out.append(x)
+                    continue
+                x = torch.as_tensor(self.real(x))
+                out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
+            return Factors(out)
+        raise RuleError(f"{e.spelling}() is not supported for per-dimension factors")
+
+    def _as_tensors(self, x) -> torch.Tensor:
+        """A value per element of the stack as ``[n, *shape]``."""
+        x = torch.as_tensor(x, dtype=torch.float32, device=self.device)
+        x = torch.broadcast_to(x if x.dim() == 3 else x.reshape(-1, 1, 1), (self.n, self.rows, self.cols))
+        return x.reshape(self.n, *self.shape)
 
     def _argmax_onehot(self, x, kind):
         """1 at the first largest entry of each matrix's row (column) values, 0 elsewhere."""
@@ -1057,7 +1210,7 @@ class _Batch:
                 out[j] = q
         return out.mT if column else out
 
-    def _decompose(self, e, mats: torch.Tensor, extra: list):
+    def _decompose(self, e, mats: torch.Tensor, extra: list, old=None):
         fn = _DECOMPOSITIONS[type(e)]
         k = int(extra[0]) if extra else None
         try:
@@ -1069,7 +1222,9 @@ class _Batch:
         if bool(ok.all()):
             return out
         state = self.program.owners[e]
-        old = self._ev(symbol(state))  # (its stack, built if the rule never read it)
+        if old is None:
+            old = self._ev(symbol(state))  # (its stack, built if the rule never read it)
+        old = torch.as_tensor(self.real(old)).expand_as(mats)
         out = out.clone()
         for j in (~ok).nonzero().flatten().tolist():
             try:

@@ -7,8 +7,10 @@ one shape, then one fused update kernel. ``*`` stays elementwise on matrices as 
 everything else; ``@`` is the product.
 
 What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here): ``rowmat``
-(``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor) and
-``element_t`` (the transpose of a per-element value, ``[cols, rows]``).
+(``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor),
+``element_t`` (the transpose of a per-element value, ``[cols, rows]``) and ``dimmat`` (one
+``[d, d]`` factor per dimension ``d`` of the tensor's own shape: ``gram`` makes them, ``modes``
+multiplies a value per element by them along every dimension).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import re
 
 import sympy
 
-ROWMAT, COLMAT, ELEMENT_T = "rowmat", "colmat", "element_t"
+ROWMAT, COLMAT, ELEMENT_T, DIMMAT = "rowmat", "colmat", "element_t", "dimmat"
 
 # How a matrix state starts: a state declared ``"zeros(rows, rows)"`` is [rows, rows] of
-# zeros, ``"eye(cols)"`` the [cols, cols] identity.
+# zeros, ``"eye(cols)"`` the [cols, cols] identity, ``"zeros(dims)"`` / ``"eye(dims)"`` one
+# [d, d] matrix per dimension d of the tensor.
 _INIT = re.compile(r"^\s*(?:zeros\(\s*(rows|cols)\s*,\s*(rows|cols)\s*\)|eye\(\s*(rows|cols)\s*\))\s*$")
+_DIMS_INIT = re.compile(r"^\s*(zeros|eye)\(\s*dims\s*\)\s*$")
 
 
 def matrix_init(value) -> tuple[str, str] | None:
@@ -29,6 +33,9 @@ def matrix_init(value) -> tuple[str, str] | None:
     element state's (a number or ``"p"``). Raises ValueError for ``zeros(rows, cols)``."""
     if not isinstance(value, str):
         return None
+    m = _DIMS_INIT.match(value)
+    if m is not None:
+        return DIMMAT, m.group(1)
     m = _INIT.match(value)
     if m is None:
         return None
@@ -89,7 +96,7 @@ class Transpose(MatrixOp):
     def eval(cls, x):
         if isinstance(x, Transpose):
             return x.args[0]
-        if isinstance(x, (Eye, SymmetricFunction)) or x.is_Number:
+        if isinstance(x, (Eye, EyeDims, SymmetricFunction)) or x.is_Number:
             return x
         return None
 
@@ -110,6 +117,33 @@ class Eye(MatrixOp):
 
     def _latex(self, printer, exp=None):
         return r"I" if exp is None else rf"I^{{{exp}}}"
+
+
+class EyeDims(MatrixOp):
+    """``eye_dims()``: the identity of every dimension (a ``dimmat`` value)."""
+
+    nargs = 0
+    spelling = "eye_dims"
+
+    def _latex(self, printer, exp=None):
+        return r"I" if exp is None else rf"I^{{{exp}}}"
+
+
+class Gram(MatrixOp):
+    """``gram(x)``: of a value per element, one ``[d, d]`` matrix per dimension ``i`` of the
+    tensor, ``x`` unfolded along ``i`` times its transpose (the contraction of ``x`` with
+    itself over every other dimension: ``x xᵀ`` and ``xᵀ x`` of a matrix)."""
+
+    nargs = 1
+    spelling = "gram"
+
+
+class Modes(MatrixOp):
+    """``modes(x, F)``: the value per element ``x`` multiplied along each dimension ``i`` by
+    the factor ``F[i]`` (``x ×₁ F₁ ×₂ F₂ …``: ``F₀ x F₁ᵀ`` of a matrix)."""
+
+    nargs = 2
+    spelling = "modes"
 
 
 class Trace(MatrixOp):
@@ -240,12 +274,17 @@ def _eye(side):
 
 
 def _root(cls):
-    """The builder of ``cls(M, k)``, ``k`` a whole number from 1 to 8 written in the rule."""
+    """The builder of ``cls(M, k)``, ``k`` a whole number from 1 to 8 written in the rule, or
+    (for per-dimension factors, whose order a tensor's ``ndim`` sets) a function of ``ndim``
+    alone that is a whole number from 1 to 16 for each tensor (checked at the step)."""
 
     def build(m, k):
-        if not (k.is_Integer and 1 <= int(k) <= 8):
+        k = sympy.sympify(k)
+        of_ndim = bool(k.free_symbols) and {s.name for s in k.free_symbols} == {"ndim"}
+        if not (of_ndim or (k.is_Integer and 1 <= int(k) <= 8)):
             raise ValueError(
-                f"{cls.spelling}(M, k) needs k a whole number from 1 to 8 written in the rule, not {k}"
+                f"{cls.spelling}(M, k) needs k a whole number from 1 to 8 written in the rule, not {k} "
+                "(of per-dimension factors, k may be a function of ndim such as 2 * ndim)"
             )
         return cls(m, k)
 
@@ -257,6 +296,9 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "matmul": (MatMul, 2),
     "transpose": (Transpose, 1),
     "eye": (_eye, 1),
+    "eye_dims": (EyeDims, 0),
+    "gram": (Gram, 1),
+    "modes": (Modes, 2),
     "trace": (Trace, 1),
     "diag": (Diag, 1),
     "triu": (Triu, 1),

@@ -129,7 +129,8 @@ def check_names(kind: str, hyper: dict, state: dict, inputs: tuple[str, ...]) ->
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise RuleError(
                 f"state {n!r} must start as a finite number or 'p' (or, for a matrix state, "
-                f"'zeros(rows, rows)', 'zeros(cols, cols)', 'eye(rows)' or 'eye(cols)'), not {v!r}"
+                f"'zeros(rows, rows)', 'zeros(cols, cols)', 'eye(rows)', 'eye(cols)', 'zeros(dims)' or "
+                f"'eye(dims)'), not {v!r}"
             )
 
 

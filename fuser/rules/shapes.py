@@ -31,9 +31,9 @@ from fuser.rules.functions import (
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
-ROWMAT, COLMAT, ELEMENT_T = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T
+ROWMAT, COLMAT, ELEMENT_T, DIMMAT = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT
 _NAMES = {cls: name for name, cls in OPTIM_REDUCTIONS.items()}
-_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T})
+_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T, DIMMAT})
 # How an error names each kind of value.
 DESCRIBE = {
     SCALAR: "a number per tensor",
@@ -43,6 +43,7 @@ DESCRIBE = {
     ROWMAT: "a [rows, rows] matrix",
     COLMAT: "a [cols, cols] matrix",
     ELEMENT_T: "a transposed value per element ([cols, rows])",
+    DIMMAT: "a [d, d] matrix per dimension d of the tensor",
 }
 
 
@@ -72,6 +73,7 @@ _PRODUCTS = {
     (ELEMENT_T, ROWMAT): ELEMENT_T,
     (ROWMAT, ROW): ROW,
     (COLMAT, COL): COL,
+    (DIMMAT, DIMMAT): DIMMAT,
 }
 
 
@@ -80,13 +82,50 @@ def product_kind(a: str, b: str) -> str | None:
     return _PRODUCTS.get((a, b))
 
 
-_TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT}
+_TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT, DIMMAT: DIMMAT}
 _SQUARE = (ROWMAT, COLMAT)
+# What per-dimension factors take besides elementwise work with numbers and each other.
+_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition)
+
+
+def _dims_kind(e, args: list[str]) -> str | None:
+    """The kind of a value of per-dimension factors (None: ``e`` is not one)."""
+    if isinstance(e, mx.EyeDims):
+        return DIMMAT
+    if isinstance(e, mx.Gram):
+        if args[0] != ELEMENT:
+            raise RuleError(f"gram() takes a value per element, not {DESCRIBE[args[0]]}")
+        return DIMMAT
+    if isinstance(e, mx.Modes):
+        if tuple(args) != (ELEMENT, DIMMAT):
+            raise RuleError(
+                "modes(x, F) takes x a value per element and F a matrix per dimension "
+                f"(gram(), 'zeros(dims)'), not {DESCRIBE[args[0]]} and {DESCRIBE[args[1]]}"
+            )
+        return ELEMENT
+    if DIMMAT not in args:
+        if isinstance(e, (mx.InvRoot, mx.InvRootNewton)) and not e.args[1].is_Integer:
+            raise RuleError(f"{e.spelling}(M, k) with k a function of ndim takes per-dimension factors")
+        return None
+    if not isinstance(e, _OF_DIMS):
+        raise RuleError(
+            f"{e.spelling}() does not take per-dimension factors (their products, transposes, eigh, qr, "
+            "inv_root and inv_root_newton do)"
+        )
+    if isinstance(e, mx.MatMul) and set(args) != {DIMMAT}:
+        raise RuleError(
+            f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "
+            "per-dimension factors through modes(x, F)"
+        )
+    return DIMMAT
 
 
 def _matrix_kind(e, args: list[str]) -> str:
     """The kind of a matrix object ``e`` (``fuser.rules.matrices``) of arguments' kinds."""
     name = e.spelling
+    dims = _dims_kind(e, args)
+    if dims is not None:
+        return dims
     if isinstance(e, mx.MatMul):
         a, b = args
         if SCALAR in (a, b):
@@ -147,11 +186,18 @@ def _kind_of(e: sympy.Expr, kinds: dict, memo: dict) -> str:
     if isinstance(e, RandomValue):  # (a draw per element, though it reads no symbol)
         kind = ELEMENT
     elif isinstance(e, mx.MatrixOp):
-        args = [kind_of(a, kinds, memo) for a in e.args if not (a.is_Number or isinstance(e, mx.Eye))]
+        order = isinstance(e, mx.SymmetricFunction)  # (inv_root's k: a number, or one of ndim)
+        args = [
+            kind_of(a, kinds, memo)
+            for i, a in enumerate(e.args)
+            if not (a.is_Number or isinstance(e, mx.Eye) or (order and i == 1))
+        ]
         kind = _matrix_kind(e, args)
     elif isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
+        if arg == DIMMAT:
+            raise RuleError(f"{name}() does not take per-dimension factors")
         if arg in _MATRIX_LIKE:
             if not isinstance(e, (Norm, Sum, Mean, Amax)):
                 raise RuleError(f"{name}() does not take {DESCRIBE[arg]} (norm, sum, mean and amax do)")
@@ -227,11 +273,11 @@ def check_kinds(statements: list[Statement], outputs: dict, state, lines: list[s
                 raise RuleError(
                     f"{st.target} is {DESCRIBE[kind]}: transpose it back, or multiply it by a matrix"
                 )
-            if st.target in found and st.target not in declared and kind in (ROWMAT, COLMAT):
+            if st.target in found and st.target not in declared and kind in (ROWMAT, COLMAT, DIMMAT):
                 raise RuleError(
                     f"state {st.target!r} starts as a number, so it holds values per element, row, column or "
-                    f"tensor; this assigns it {DESCRIBE[kind]}: declare it as 'zeros(rows, rows)' or "
-                    "'zeros(cols, cols)' (or 'eye(...)')"
+                    f"tensor; this assigns it {DESCRIBE[kind]}: declare it as 'zeros(rows, rows)', "
+                    "'zeros(cols, cols)' or 'zeros(dims)' (or 'eye(...)')"
                 )
             want = found.get(st.target)
             if st.target in declared and kind not in (want, SCALAR):
