@@ -3,8 +3,9 @@
 1. **The matrix phase**, in torch: every value of the rule that holds or reads a matrix
    (a factor's update, products, transposes, traces, decompositions), evaluated once per
    step over stacks of the matrices of one shape (``[n, rows, cols]``, batched products and
-   decompositions over every tensor of that 2-D shape in a param group), each common
-   subexpression once. Its results that the update reads per element are written to fp32
+   decompositions over every tensor of that 2-D shape in a param group; with per-dimension
+   factors, ``"zeros(dims)"``, of one whole shape, each dimension's factors a stack), each
+   common subexpression once. Its results that the update reads per element are written to fp32
    buffers; the new matrix states are written last, so every value reads the step's
    starting ones.
 2. **The update phase**: the rule's ``p`` and element states, with those results as inputs,
