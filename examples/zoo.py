@@ -1779,7 +1779,67 @@ _add(
     "(sort_perm) and the second moment permuted with them. correct_bias=True, normalize_gradient=False, "
     "merge_dims=False as by default; max_precondition_dim is the optimizer's max_matrix_dim. "
     "The reference's factors of 1-D and 3-D tensors (none, or one per "
-    "dimension) differ from the rule's 2-D view, so the zoo gives it matrices only.",
+    "dimension) differ from the rule's 2-D view, so the zoo gives it matrices only (soap_dims keeps "
+    "one factor per dimension).",
+)
+
+# SOAP on tensors of any order: one factor per dimension (the reference's merge_dims=False).
+_SOAP_DIMS = """
+    gp = modes(g, transpose(Q))
+    m1 = beta1 * m + (1 - beta1) * g
+    v1 = beta2 * v + (1 - beta2) * gp**2
+    u = modes(modes(m1, transpose(Q)) / (sqrt(v1) + eps), Q)
+    s = maximum(step - 1, 1)
+    step_size = lr * sqrt(1 - beta2**s) / (1 - beta1**s)
+    p = where(step == 1, p, (p - step_size * u) * (1 - lr * weight_decay))
+    m = where(step == 1, m, m1)
+    F = shampoo_beta * F + (1 - shampoo_beta) * gram(g)
+    P = where(REFRESH, sort_perm(diag(transpose(Q) @ F @ Q)), eye_dims())
+    v = where(step == 1, v, modes(v1, transpose(P)))
+    Q = where(step == 1, eigh(F + 1e-30 * eye_dims()), where(REFRESH, qr(F @ Q @ P), Q))
+    """.replace("REFRESH", _SOAP_REFRESH)
+
+_add(
+    "soap_dims",
+    _SOAP_DIMS,
+    reference="soap",
+    defaults=dict(
+        lr=3e-3,
+        beta1=0.95,
+        beta2=0.95,
+        shampoo_beta=0.95,
+        weight_decay=0.01,
+        precondition_frequency=10.0,
+        eps=1e-8,
+    ),
+    state=dict(m=0.0, v=0.0, F="zeros(dims)", Q="eye(dims)"),
+    reference_kwargs=dict(
+        lr=1e-2,
+        betas=(0.9, 0.8),
+        shampoo_beta=0.7,
+        weight_decay=0.1,
+        precondition_frequency=2,
+        max_precondition_dim=6,
+    ),
+    hyper=dict(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.8,
+        shampoo_beta=0.7,
+        weight_decay=0.1,
+        precondition_frequency=2.0,
+        max_matrix_dim=6,
+    ),
+    states=dict(m="exp_avg", v="exp_avg_sq"),
+    state_rtol=1e-5,
+    # Every factor full rank from the first gradient on (each dimension at most the product
+    # of the others), orders 2 to 4, a dimension of 8 over the limit.
+    shapes=((4, 3, 5), (3, 8, 2), (5, 4), (2, 3, 2, 3)),
+    rtol=1e-5,
+    doc="SOAP as above on tensors of any order: one factor per dimension ('zeros(dims)', gram, "
+    "modes), each dimension's basis sorted and refreshed as the 2-D rule's; the reference's "
+    "merge_dims=False and precondition_1d=False (the zoo gives it no 1-D tensor: the rule "
+    "would keep a factor there).",
 )
 
 _SHAMPOO_REFRESH = "mod(step, preconditioning_compute_steps) == 0"

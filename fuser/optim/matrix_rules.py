@@ -71,7 +71,7 @@ from fuser.runtime.wholes import OWNER
 
 DEFAULT_MAX_MATRIX_DIM = 8192
 _STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
-_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT})
+_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT, mx.DIMVEC})
 
 
 def dims_keys(state: str, shape) -> list[str]:
@@ -648,6 +648,18 @@ def _quadratic_form(e):
     return None
 
 
+def _transposed(x):
+    """The transpose of one dimension's factor (a tensor, an identity or a permutation)."""
+    if isinstance(x, Permutation):
+        return x.t()
+    return x if isinstance(x, Identity) else x.mT
+
+
+def _sort_perm(d: torch.Tensor) -> Permutation:
+    """The permutation sorting each row of ``d`` (``[n, k]``) from largest to smallest."""
+    return Permutation(torch.argsort(d, dim=-1, descending=True, stable=True))
+
+
 def _children(e) -> set:
     """The values ``e`` reads (a ``where``'s branches and conditions themselves)."""
     if e.is_Symbol or e.is_Number:
@@ -851,7 +863,7 @@ class _Batch:
         if isinstance(e, sympy.Piecewise):
             return self._piecewise(e)
         if isinstance(e, mx.MatrixOp):
-            dims = isinstance(e, mx.Modes) or self.program.kind(e) == mx.DIMMAT
+            dims = isinstance(e, mx.Modes) or self.program.kind(e) in (mx.DIMMAT, mx.DIMVEC)
             return self._dims(e) if dims else self._matrix(e)
         if isinstance(e, Reduction):
             return self._reduce(e)
@@ -1019,60 +1031,79 @@ class _Batch:
         if isinstance(e, mx.SortPerm):
             d = torch.as_tensor(x)
             d = d.reshape(self.n, -1) if d.dim() == 3 else d.expand(self.n, self.side(kind)).clone()
-            return Permutation(torch.argsort(d, dim=-1, descending=True, stable=True))
+            return _sort_perm(d)
         if isinstance(e, mx.Decomposition):
             return self._decompose(e, torch.as_tensor(x).expand(self.n, *x.shape[-2:]), args[1:])
         raise RuleError(f"{e.spelling}() is not supported here")
 
     def _dims(self, e):
         """A value of per-dimension factors (``gram``, ``modes``, ``eye_dims``, their products,
-        transposes and decompositions), each dimension's factor over the stack ``[n, d, d]``."""
+        transposes, diagonals, sorts and decompositions), each dimension's factor over the
+        stack ``[n, d, d]`` (a diagonal ``[n, d]``)."""
         if isinstance(e, mx.EyeDims):
             return Factors([Identity(d, d > self.limit) for d in self.shape])
         if isinstance(e, mx.Gram):
-            x = self._as_tensors(self.real(self.ev(e.args[0])))
-            out = []
-            for i, d in enumerate(self.shape):
-                if d > self.limit:
-                    out.append(Identity(d, True))
-                    continue
-                u = x.movedim(i + 1, 1).reshape(self.n, d, -1)
-                out.append(torch.matmul(u, u.mT))
-            return Factors(out)
+            return self._gram(self._as_tensors(self.real(self.ev(e.args[0]))))
         if isinstance(e, mx.Modes):
-            x = self._as_tensors(self.real(self.ev(e.args[0])))
-            for i, f in enumerate(self.ev(e.args[1]).entries):
-                if isinstance(f, Identity):
-                    x = _scaled(x, f.scale)
-                    continue
-                moved = x.movedim(i + 1, 1)
-                y = torch.matmul(f, moved.reshape(self.n, moved.shape[1], -1)).reshape(moved.shape)
-                x = y.movedim(1, i + 1)
-            return x.reshape(self.n, self.rows, self.cols)
+            return self._modes(self._as_tensors(self.real(self.ev(e.args[0]))), self.ev(e.args[1]))
         args = [self.ev(a) for a in e.args]
-        factors = args[0].entries if isinstance(args[0], Factors) else None
+        factors = args[0].entries
         if isinstance(e, mx.MatMul):
-            b = args[1].entries
-            return Factors([self._product(e, x, y) for x, y in zip(factors, b)])
+            return Factors([self._product(e, x, y) for x, y in zip(factors, args[1].entries)])
         if isinstance(e, mx.Transpose):
-            return Factors([x if isinstance(x, Identity) else x.mT for x in factors])
+            return Factors([_transposed(x) for x in factors])
+        if isinstance(e, mx.Diag):  # (a [n, d] vector per dimension)
+            return Factors([self._diagonal(x, d) for x, d in zip(factors, self.shape)])
+        if isinstance(e, mx.SortPerm):
+            return Factors([x if isinstance(x, Identity) else _sort_perm(x) for x in factors])
         if isinstance(e, mx.Decomposition):
-            k = args[1:]
-            if k and not (isinstance(k[0], float) and k[0] == int(k[0]) and 1 <= k[0] <= 16):
-                raise ValueError(
-                    f"{self.opt.rule.name}: {e.spelling}(M, k) with k {e.args[1]} = {k[0]!r} for a tensor "
-                    f"of shape {self.shape}: k must be a whole number from 1 to 16"
-                )
-            old = self._ev(symbol(self.program.owners[e]))
-            out = []
-            for x, was in zip(factors, old.entries):
-                if isinstance(x, Identity) and x.absorbing:
-                    out.append(x)
-                    continue
-                x = torch.as_tensor(self.real(x))
-                out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
-            return Factors(out)
+            return self._decompose_factors(e, factors, args[1:])
         raise RuleError(f"{e.spelling}() is not supported for per-dimension factors")
+
+    def _gram(self, x: torch.Tensor) -> Factors:
+        """Per dimension ``i``: ``x`` (``[n, *shape]``) unfolded along ``i`` times its transpose."""
+        out = []
+        for i, d in enumerate(self.shape):
+            if d > self.limit:
+                out.append(Identity(d, True))
+                continue
+            u = x.movedim(i + 1, 1).reshape(self.n, d, -1)
+            out.append(torch.matmul(u, u.mT))
+        return Factors(out)
+
+    def _modes(self, x: torch.Tensor, factors: Factors) -> torch.Tensor:
+        """``x ×₁ F₁ ×₂ F₂ …`` (``x`` ``[n, *shape]``), as the stack ``[n, rows, cols]``."""
+        for i, f in enumerate(factors.entries):
+            if isinstance(f, Identity):
+                x = _scaled(x, f.scale)
+                continue
+            moved = x.movedim(i + 1, 1)
+            unfolded = moved.reshape(self.n, moved.shape[1], -1)
+            y = f.left(unfolded) if isinstance(f, Permutation) else torch.matmul(f, unfolded)
+            x = y.reshape(moved.shape).movedim(1, i + 1)
+        return x.reshape(self.n, self.rows, self.cols)
+
+    def _decompose_factors(self, e, factors: list, k: list) -> Factors:
+        if k and not (isinstance(k[0], float) and k[0] == int(k[0]) and 1 <= k[0] <= 16):
+            raise ValueError(
+                f"{self.opt.rule.name}: {e.spelling}(M, k) with k {e.args[1]} = {k[0]!r} for a tensor "
+                f"of shape {self.shape}: k must be a whole number from 1 to 16"
+            )
+        old = self._ev(symbol(self.program.owners[e]))
+        out = []
+        for x, was in zip(factors, old.entries):
+            if isinstance(x, Identity) and x.absorbing:
+                out.append(x)
+                continue
+            x = torch.as_tensor(self.real(x))
+            out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
+        return Factors(out)
+
+    def _diagonal(self, x, d: int):
+        if isinstance(x, Identity) and x.absorbing:
+            return x
+        x = torch.as_tensor(self.real(x))
+        return x.diagonal(dim1=-2, dim2=-1).expand(self.n, d)
 
     def _as_tensors(self, x) -> torch.Tensor:
         """A value per element of the stack as ``[n, *shape]``."""

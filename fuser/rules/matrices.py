@@ -10,7 +10,8 @@ What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here):
 (``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor),
 ``element_t`` (the transpose of a per-element value, ``[cols, rows]``) and ``dimmat`` (one
 ``[d, d]`` factor per dimension ``d`` of the tensor's own shape: ``gram`` makes them, ``modes``
-multiplies a value per element by them along every dimension).
+multiplies a value per element by them along every dimension; ``dimvec``, their diagonals,
+which ``sort_perm`` takes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 
 import sympy
 
-ROWMAT, COLMAT, ELEMENT_T, DIMMAT = "rowmat", "colmat", "element_t", "dimmat"
+ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC = "rowmat", "colmat", "element_t", "dimmat", "dimvec"
 
 # How a matrix state starts: a state declared ``"zeros(rows, rows)"`` is [rows, rows] of
 # zeros, ``"eye(cols)"`` the [cols, cols] identity, ``"zeros(dims)"`` / ``"eye(dims)"`` one

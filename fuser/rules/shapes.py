@@ -31,9 +31,9 @@ from fuser.rules.functions import (
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
-ROWMAT, COLMAT, ELEMENT_T, DIMMAT = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT
+ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT, mx.DIMVEC
 _NAMES = {cls: name for name, cls in OPTIM_REDUCTIONS.items()}
-_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T, DIMMAT})
+_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC})
 # How an error names each kind of value.
 DESCRIBE = {
     SCALAR: "a number per tensor",
@@ -44,6 +44,7 @@ DESCRIBE = {
     COLMAT: "a [cols, cols] matrix",
     ELEMENT_T: "a transposed value per element ([cols, rows])",
     DIMMAT: "a [d, d] matrix per dimension d of the tensor",
+    DIMVEC: "a [d] vector per dimension d of the tensor",
 }
 
 
@@ -85,7 +86,7 @@ def product_kind(a: str, b: str) -> str | None:
 _TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT, DIMMAT: DIMMAT}
 _SQUARE = (ROWMAT, COLMAT)
 # What per-dimension factors take besides elementwise work with numbers and each other.
-_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition)
+_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag)
 
 
 def _dims_kind(e, args: list[str]) -> str | None:
@@ -103,6 +104,10 @@ def _dims_kind(e, args: list[str]) -> str | None:
                 f"(gram(), 'zeros(dims)'), not {DESCRIBE[args[0]]} and {DESCRIBE[args[1]]}"
             )
         return ELEMENT
+    if isinstance(e, mx.SortPerm) and args[0] == DIMVEC:
+        return DIMMAT
+    if DIMVEC in args:
+        raise RuleError(f"{e.spelling}() does not take {DESCRIBE[DIMVEC]} (sort_perm does)")
     if DIMMAT not in args:
         if isinstance(e, (mx.InvRoot, mx.InvRootNewton)) and not e.args[1].is_Integer:
             raise RuleError(f"{e.spelling}(M, k) with k a function of ndim takes per-dimension factors")
@@ -110,14 +115,14 @@ def _dims_kind(e, args: list[str]) -> str | None:
     if not isinstance(e, _OF_DIMS):
         raise RuleError(
             f"{e.spelling}() does not take per-dimension factors (their products, transposes, eigh, qr, "
-            "inv_root and inv_root_newton do)"
+            "diag, inv_root and inv_root_newton do)"
         )
     if isinstance(e, mx.MatMul) and set(args) != {DIMMAT}:
         raise RuleError(
             f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "
             "per-dimension factors through modes(x, F)"
         )
-    return DIMMAT
+    return DIMVEC if isinstance(e, mx.Diag) else DIMMAT
 
 
 def _matrix_kind(e, args: list[str]) -> str:
@@ -196,7 +201,7 @@ def _kind_of(e: sympy.Expr, kinds: dict, memo: dict) -> str:
     elif isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
-        if arg == DIMMAT:
+        if arg in (DIMMAT, DIMVEC):
             raise RuleError(f"{name}() does not take per-dimension factors")
         if arg in _MATRIX_LIKE:
             if not isinstance(e, (Norm, Sum, Mean, Amax)):
