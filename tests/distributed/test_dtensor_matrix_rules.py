@@ -7,7 +7,8 @@ owner keeps every state; state_dict() publishes the element states as DTensors l
 parameter and the matrix, row, column and per-tensor states replicated, which
 torch.distributed.checkpoint saves on 2 ranks and loads into one process.
 
-The rules: the zoo's SOAP (eigh at step 1, a QR refresh with sort_perm at step 3) and a
+The rules: the zoo's SOAP (eigh at step 1, a QR refresh with sort_perm at step 3), its
+``soap_dims`` (per-dimension factors, kept as ``F[0]``, ``F[1]``, ...) and a
 Shampoo-like rule with a state of one number per tensor, one per row and one per column
 (inverse roots at steps 1 and 3). Bit for bit, as in test_dtensor_precond.py: an owner
 batches its own parameters' matrix work, and on CPU MKL rounds some sizes of products and
@@ -54,7 +55,7 @@ ROWED = fuser.rule(
     hyper=dict(lr=0.05, beta=0.9, eps=1e-3),
     state=dict(L="zeros(rows, rows)", PL="eye(rows)", bound=0.0, r=0.0, c=0.0, m=0.0),
 )
-RULES = {"soap": ZOO["soap"].rule, "rowed": ROWED, "rowed_bf16": ROWED}
+RULES = {"soap": ZOO["soap"].rule, "soap_dims": ZOO["soap_dims"].rule, "rowed": ROWED, "rowed_bf16": ROWED}
 OPTIONS = {"rowed_bf16": dict(state_dtype=torch.bfloat16)}  # (its momentum m stored in bf16)
 HYPER = {
     "soap": dict(
@@ -63,8 +64,9 @@ HYPER = {
     "rowed": dict(lr=0.05),
     "rowed_bf16": dict(lr=0.05),
 }
+HYPER["soap_dims"] = HYPER["soap"]
 # the states of the parameter's layout
-ELEMENT_STATES = {"soap": {"m", "v"}, "rowed": {"m"}, "rowed_bf16": {"m"}}
+ELEMENT_STATES = {"soap": {"m", "v"}, "soap_dims": {"m", "v"}, "rowed": {"m"}, "rowed_bf16": {"m"}}
 
 # Wide (11 columns over the factor limit of 6: no right factor), tall (7 rows over it), a
 # square one (its factors have its shape, and are replicated all the same), a 1-D tensor
