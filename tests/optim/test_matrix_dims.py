@@ -105,6 +105,8 @@ def test_a_traced_rule_writes_the_same_factors_with_fuser_gram_and_modes():
         out.append(ps)
     for a, b in zip(*out):
         assert torch.equal(a, b)
+    latex = SHAMPOO._repr_latex_()
+    assert r"\operatorname{gram}\left(g\right)" in latex and r"\operatorname{modes}\left(g, P\right)" in latex
 
 
 def test_state_dict_round_trip_of_per_dimension_factors_continues_the_same_steps():
@@ -136,16 +138,15 @@ def test_a_factor_whose_root_fails_keeps_its_previous_value_with_a_warning():
     rule = fuser.rule(
         """
         F = gram(g)
-        P = inv_root(F, 2)
+        P = inv_root(-F, 2)
         p = p - lr * modes(g, P)
         """,
-        name="no_ridge",
+        name="negative",
         hyper=dict(lr=0.1),
         state=STATE,
     )
     p = torch.randn(3, 4, requires_grad=True)
-    p.grad = torch.zeros(3, 4)
-    p.grad[0] = torch.randn(4)  # (rank one: both statistics singular, their roots fail)
+    p.grad = torch.randn(3, 4)  # (-F has negative eigenvalues in both dimensions: both roots fail)
     opt = fuser.compile(rule)([p])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
