@@ -1084,6 +1084,8 @@ class _Batch:
         return x.reshape(self.n, self.rows, self.cols)
 
     def _decompose_factors(self, e, factors: list, k: list) -> Factors:
+        if not factors:  # (a 0-d tensor has no dimension, so no factor and no root to take)
+            return Factors([])
         if k and not (isinstance(k[0], float) and k[0] == int(k[0]) and 1 <= k[0] <= 16):
             raise ValueError(
                 f"{self.opt.rule.name}: {e.spelling}(M, k) with k {e.args[1]} = {k[0]!r} for a tensor "

@@ -21,8 +21,8 @@ TEXT = """
 HYPER = dict(lr=0.05, beta=0.9, eps=0.1, k=2.0)
 STATE = dict(F="zeros(dims)", P="eye(dims)")
 SHAMPOO = fuser.rule(TEXT, name="dims_shampoo", hyper=HYPER, state=STATE)
-# Tensors of orders 1 to 4, two of one shape (one stack), and a dimension of 40 over the limit.
-SHAPES = [(5, 3, 4), (7,), (6, 5), (5, 3, 4), (3, 40, 2), (2, 3, 2, 3)]
+# Tensors of orders 0 to 4, two of one shape (one stack), and a dimension of 40 over the limit.
+SHAPES = [(5, 3, 4), (7,), (6, 5), (5, 3, 4), (3, 40, 2), (2, 3, 2, 3), ()]
 LIMIT = 30
 # fp32 eigendecompositions of factors of condition number up to ~1e3 (eps 0.1) against float64.
 TOL = 1e-5
