@@ -2175,6 +2175,46 @@ _add(
     "entry's.",
 )
 
+# N-D tensors: one triangular factor per dimension (the reference's Q list), with Q_i^-T
+# applied along each dimension by solve_modes_lower and the factors balanced to their
+# geometric mean (prod_dims).
+_KRON_DIMS = (
+    _KRON_PRELUDE.split("    nl = ")[0]
+    + """    nq = amax(abs(Q))
+    V = randn()
+    coin = rand_step()
+    Q = where(UPDATE and (coin < balance_prob), Q * (prod_dims(nq) ** (1 / ndim) / nq), Q)
+    A = modes(target, Q)
+    B = solve_modes_lower(transpose(Q), V)
+    T1 = gram(A)
+    T2 = gram(B)
+    S = (T1 + T2) / amax(abs(T1 + T2))
+    x = S @ (S @ argmax_onehot(diag(S @ S)))
+    bound = amax(abs(T1 + T2)) * norm(S @ x) / norm(x)
+    Q = where(UPDATE, Q - triu(precondition_lr * (T1 - T2)) / (bound + tiny) @ Q, Q)
+"""
+    + _KRON_CLOSE.format(u="modes(modes(m, Q), transpose(Q))")
+).replace("UPDATE", _KRON_UPDATE)
+
+_add(
+    "kron_dims",
+    _KRON_DIMS,
+    reference="kron",
+    defaults=dict(ZOO["kron"].rule.hyper),
+    state=dict(momentum_buffer=0.0, update_counter=0.0, Q="eye(dims)"),
+    reference_kwargs=ZOO["kron"].reference_kwargs,
+    reference_group=ZOO["kron"].reference_group,
+    hyper=ZOO["kron"].hyper,
+    states={"momentum_buffer": "momentum_buffer", **{f"Q[{i}]": ("Q", i) for i in range(3)}},
+    shapes=((3, 4, 5), (2, 3, 4), (4, 4, 2)),
+    doc="Kron as the kron entry on 3-D tensors, one upper triangular factor per dimension "
+    "('eye(dims)', the reference's Q list): A = modes(M, Q), B = solve_modes_lower(transpose(Q), V) "
+    "(V ×ᵢ Qᵢ⁻ᵀ), each factor fitted to gram(A) and gram(B) with the same bound, the update "
+    "modes(modes(M, Q), transpose(Q)) (M ×ᵢ QᵢᵀQᵢ), the factors balanced to the geometric mean "
+    "of their largest entries, prod_dims(amax(abs(Q))) ** (1 / ndim). Sizes 1 and over "
+    "max_size_triangular (diagonal in the reference) are not covered.",
+)
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "adammini": "needs the parameter's name: its blocks (per head, per embedding row, per "
     "tensor) are chosen from names; rowmean and mean cover per-row and per-tensor blocks",

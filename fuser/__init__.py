@@ -60,6 +60,9 @@ eye = _FUNCTIONS["eye"]
 eye_dims = _FUNCTIONS["eye_dims"]
 gram = _FUNCTIONS["gram"]
 modes = _FUNCTIONS["modes"]
+solve_modes_upper = _FUNCTIONS["solve_modes_upper"]
+solve_modes_lower = _FUNCTIONS["solve_modes_lower"]
+prod_dims = _FUNCTIONS["prod_dims"]
 trace = _FUNCTIONS["trace"]
 diag = _FUNCTIONS["diag"]
 triu = _FUNCTIONS["triu"]
@@ -203,6 +206,9 @@ __all__ = [
     "eye_dims",
     "gram",
     "modes",
+    "solve_modes_upper",
+    "solve_modes_lower",
+    "prod_dims",
     "sort_perm",
     "argmax_onehot",
     "solve_upper",

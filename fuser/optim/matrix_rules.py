@@ -71,7 +71,9 @@ from fuser.runtime.wholes import OWNER
 
 DEFAULT_MAX_MATRIX_DIM = 8192
 _STEP = "matrix_step"  # the update kernel reads the step as a hyperparameter of this name
-_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT, mx.DIMVEC})
+_MATRIX_LIKE = frozenset({mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT, mx.DIMVEC, mx.DIMSCAL})
+_PER_DIM = frozenset({mx.DIMMAT, mx.DIMVEC, mx.DIMSCAL})
+_OF_DIMS = (mx.Modes, mx.SolveModes, mx.ProdDims)  # (values of other kinds made from factors)
 
 
 def dims_keys(state: str, shape) -> list[str]:
@@ -863,7 +865,7 @@ class _Batch:
         if isinstance(e, sympy.Piecewise):
             return self._piecewise(e)
         if isinstance(e, mx.MatrixOp):
-            dims = isinstance(e, mx.Modes) or self.program.kind(e) in (mx.DIMMAT, mx.DIMVEC)
+            dims = isinstance(e, _OF_DIMS) or self.program.kind(e) in _PER_DIM
             return self._dims(e) if dims else self._matrix(e)
         if isinstance(e, Reduction):
             return self._reduce(e)
@@ -938,6 +940,11 @@ class _Batch:
         if isinstance(e, AxisReduction):
             return self._axis(e)
         x = self.ev(e.args[0])
+        if isinstance(x, Factors):  # (a number per dimension: each factor's, [n, 1, 1])
+            return Factors([self._reduced(e, v) for v in x.entries])
+        return self._reduced(e, x)
+
+    def _reduced(self, e, x):
         x = self.real(x) if isinstance(x, Permutation) else x
         if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
             n, s = x.n, x.scale
@@ -1046,7 +1053,15 @@ class _Batch:
             return self._gram(self._as_tensors(self.real(self.ev(e.args[0]))))
         if isinstance(e, mx.Modes):
             return self._modes(self._as_tensors(self.real(self.ev(e.args[0]))), self.ev(e.args[1]))
+        if isinstance(e, mx.SolveModes):
+            return self._solve_modes(e, self.ev(e.args[0]), self._as_tensors(self.real(self.ev(e.args[1]))))
         args = [self.ev(a) for a in e.args]
+        if isinstance(e, mx.ProdDims):
+            return (
+                functools.reduce(operator.mul, args[0].entries, 1.0)
+                if isinstance(args[0], Factors)
+                else args[0]
+            )
         factors = args[0].entries
         if isinstance(e, mx.MatMul):
             return Factors([self._product(e, x, y) for x, y in zip(factors, args[1].entries)])
@@ -1055,7 +1070,14 @@ class _Batch:
         if isinstance(e, mx.Diag):  # (a [n, d] vector per dimension)
             return Factors([self._diagonal(x, d) for x, d in zip(factors, self.shape)])
         if isinstance(e, mx.SortPerm):
-            return Factors([x if isinstance(x, Identity) else _sort_perm(x) for x in factors])
+            return Factors([x if isinstance(x, Identity) else _sort_perm(x.squeeze(-1)) for x in factors])
+        if isinstance(e, (mx.Triu, mx.Tril)):
+            tri = torch.triu if isinstance(e, mx.Triu) else torch.tril
+            return Factors(
+                [x if isinstance(x, Identity) and x.absorbing else tri(self.real(x)) for x in factors]
+            )
+        if isinstance(e, mx.ArgmaxOnehot):
+            return Factors([self._onehot(x, d) for x, d in zip(factors, self.shape)])
         if isinstance(e, mx.Decomposition):
             return self._decompose_factors(e, factors, args[1:])
         raise RuleError(f"{e.spelling}() is not supported for per-dimension factors")
@@ -1102,10 +1124,30 @@ class _Batch:
         return Factors(out)
 
     def _diagonal(self, x, d: int):
+        """A factor's diagonal as ``[n, d, 1]`` (a vector per dimension is a column)."""
         if isinstance(x, Identity) and x.absorbing:
             return x
         x = torch.as_tensor(self.real(x))
-        return x.diagonal(dim1=-2, dim2=-1).expand(self.n, d)
+        return x.diagonal(dim1=-2, dim2=-1).expand(self.n, d).unsqueeze(-1)
+
+    def _onehot(self, x, d: int):
+        """1 at the first largest entry of each ``[n, d, 1]`` vector, 0 elsewhere."""
+        if isinstance(x, Identity) and x.absorbing:
+            return x
+        x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, 1))
+        return torch.nn.functional.one_hot(x.squeeze(-1).argmax(-1), d).to(torch.float32).unsqueeze(-1)
+
+    def _solve_modes(self, e, factors: Factors, x: torch.Tensor) -> torch.Tensor:
+        """``x`` multiplied along each dimension ``i`` by ``A[i]⁻¹`` (``A[i]`` triangular)."""
+        for i, a in enumerate(factors.entries):
+            if isinstance(a, Identity):
+                x = _scaled(x, 1.0 / a.scale)
+                continue
+            moved = x.movedim(i + 1, 1)
+            mats = torch.broadcast_to(torch.as_tensor(self.real(a)), (self.n, moved.shape[1], moved.shape[1]))
+            y = self._triangular(e, mats, moved.reshape(self.n, moved.shape[1], -1))
+            x = y.reshape(moved.shape).movedim(1, i + 1)
+        return x.reshape(self.n, self.rows, self.cols)
 
     def _as_tensors(self, x) -> torch.Tensor:
         """A value per element of the stack as ``[n, *shape]``."""
@@ -1223,6 +1265,12 @@ class _Batch:
         rhs = torch.as_tensor(b).mT if column else torch.as_tensor(b)
         rhs = torch.broadcast_to(rhs, (self.n, *rhs.shape[-2:]))
         mats = torch.broadcast_to(torch.as_tensor(a), (self.n, *a.shape[-2:]))
+        out = self._triangular(e, mats, rhs)
+        return out.mT if column else out
+
+    def _triangular(self, e, mats: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+        """``mats⁻¹ rhs`` per matrix, retried in fp64 where not finite, zero (with a warning)
+        where that fails too."""
 
         def solve(m, r):
             return torch.linalg.solve_triangular(m, r, upper=e.upper)
@@ -1242,7 +1290,7 @@ class _Batch:
                         stacklevel=5,
                     )
                 out[j] = q
-        return out.mT if column else out
+        return out
 
     def _decompose(self, e, mats: torch.Tensor, extra: list, old=None):
         fn = _DECOMPOSITIONS[type(e)]

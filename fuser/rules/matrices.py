@@ -10,8 +10,9 @@ What each value holds per tensor (``fuser.rules.shapes``' kinds, extended here):
 (``[rows, rows]``: a left factor), ``colmat`` (``[cols, cols]``: a right factor),
 ``element_t`` (the transpose of a per-element value, ``[cols, rows]``) and ``dimmat`` (one
 ``[d, d]`` factor per dimension ``d`` of the tensor's own shape: ``gram`` makes them, ``modes``
-multiplies a value per element by them along every dimension; ``dimvec``, their diagonals,
-which ``sort_perm`` takes).
+multiplies a value per element by them along every dimension; ``dimvec``, a vector per
+dimension, their diagonals or products with vectors; ``dimscal``, a number per dimension,
+their norms, which ``prod_dims`` multiplies together).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import re
 
 import sympy
 
-ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC = "rowmat", "colmat", "element_t", "dimmat", "dimvec"
+ROWMAT, COLMAT, ELEMENT_T = "rowmat", "colmat", "element_t"
+DIMMAT, DIMVEC, DIMSCAL = "dimmat", "dimvec", "dimscal"
 
 # How a matrix state starts: a state declared ``"zeros(rows, rows)"`` is [rows, rows] of
 # zeros, ``"eye(cols)"`` the [cols, cols] identity, ``"zeros(dims)"`` / ``"eye(dims)"`` one
@@ -145,6 +147,33 @@ class Modes(MatrixOp):
 
     nargs = 2
     spelling = "modes"
+
+
+class SolveModes(MatrixOp):
+    """``solve_modes_upper(A, x)`` / ``solve_modes_lower(A, x)``: the value per element ``x``
+    multiplied along each dimension ``i`` by ``A[i]⁻¹`` for triangular factors ``A`` (their
+    other triangles not read); a solve not finite in fp32 is retried in fp64, and where that
+    fails too its result is zero, with a warning."""
+
+    nargs = 2
+    upper = True
+
+
+class SolveModesUpper(SolveModes):
+    spelling = "solve_modes_upper"
+
+
+class SolveModesLower(SolveModes):
+    spelling = "solve_modes_lower"
+    upper = False
+
+
+class ProdDims(MatrixOp):
+    """``prod_dims(s)``: the product over the tensor's dimensions of a number per dimension
+    (``prod_dims(amax(abs(Q))) ** (1 / ndim)``, the geometric mean of the factors' sizes)."""
+
+    nargs = 1
+    spelling = "prod_dims"
 
 
 class Trace(MatrixOp):
@@ -300,6 +329,9 @@ MATRIX_FUNCTIONS: dict[str, tuple] = {
     "eye_dims": (EyeDims, 0),
     "gram": (Gram, 1),
     "modes": (Modes, 2),
+    "solve_modes_upper": (SolveModesUpper, 2),
+    "solve_modes_lower": (SolveModesLower, 2),
+    "prod_dims": (ProdDims, 1),
     "trace": (Trace, 1),
     "diag": (Diag, 1),
     "triu": (Triu, 1),

@@ -31,9 +31,11 @@ from fuser.rules.functions import (
 from fuser.rules.parse import Statement, symbol
 
 SCALAR, ROW, COL, ELEMENT = "scalar", "row", "col", "element"
-ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T, mx.DIMMAT, mx.DIMVEC
+ROWMAT, COLMAT, ELEMENT_T = mx.ROWMAT, mx.COLMAT, mx.ELEMENT_T
+DIMMAT, DIMVEC, DIMSCAL = mx.DIMMAT, mx.DIMVEC, mx.DIMSCAL
 _NAMES = {cls: name for name, cls in OPTIM_REDUCTIONS.items()}
-_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC})
+_MATRIX_LIKE = frozenset({ROWMAT, COLMAT, ELEMENT_T, DIMMAT, DIMVEC, DIMSCAL})
+_PER_DIM = frozenset({DIMMAT, DIMVEC, DIMSCAL})
 # How an error names each kind of value.
 DESCRIBE = {
     SCALAR: "a number per tensor",
@@ -45,6 +47,7 @@ DESCRIBE = {
     ELEMENT_T: "a transposed value per element ([cols, rows])",
     DIMMAT: "a [d, d] matrix per dimension d of the tensor",
     DIMVEC: "a [d] vector per dimension d of the tensor",
+    DIMSCAL: "a number per dimension of the tensor",
 }
 
 
@@ -54,6 +57,8 @@ def join(a: str, b: str) -> str:
         return a
     if a == SCALAR:
         return b
+    if DIMSCAL in (a, b) and {a, b} <= _PER_DIM:  # (a number per dimension scales each factor)
+        return b if a == DIMSCAL else a
     if a in _MATRIX_LIKE or b in _MATRIX_LIKE:
         raise RuleError(
             f"{DESCRIBE[a]} and {DESCRIBE[b]} cannot be combined elementwise "
@@ -75,6 +80,7 @@ _PRODUCTS = {
     (ROWMAT, ROW): ROW,
     (COLMAT, COL): COL,
     (DIMMAT, DIMMAT): DIMMAT,
+    (DIMMAT, DIMVEC): DIMVEC,
 }
 
 
@@ -86,13 +92,28 @@ def product_kind(a: str, b: str) -> str | None:
 _TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT, DIMMAT: DIMMAT}
 _SQUARE = (ROWMAT, COLMAT)
 # What per-dimension factors take besides elementwise work with numbers and each other.
-_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag)
+_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag, mx.Triu, mx.Tril)
 
 
 def _dims_kind(e, args: list[str]) -> str | None:
     """The kind of a value of per-dimension factors (None: ``e`` is not one)."""
     if isinstance(e, mx.EyeDims):
         return DIMMAT
+    if isinstance(e, mx.ProdDims):
+        if args[0] not in (DIMSCAL, SCALAR):
+            raise RuleError(
+                f"prod_dims() takes a number per dimension (amax(F), norm(F)), not {DESCRIBE[args[0]]}"
+            )
+        return SCALAR
+    if isinstance(e, mx.SolveModes):
+        if tuple(args) != (DIMMAT, ELEMENT):
+            raise RuleError(
+                f"{e.spelling}(A, x) takes A a triangular matrix per dimension and x a value per element, "
+                f"not {DESCRIBE[args[0]]} and {DESCRIBE[args[1]]}"
+            )
+        return ELEMENT
+    if isinstance(e, mx.ArgmaxOnehot) and args[0] == DIMVEC:
+        return DIMVEC
     if isinstance(e, mx.Gram):
         if args[0] != ELEMENT:
             raise RuleError(f"gram() takes a value per element, not {DESCRIBE[args[0]]}")
@@ -106,8 +127,14 @@ def _dims_kind(e, args: list[str]) -> str | None:
         return ELEMENT
     if isinstance(e, mx.SortPerm) and args[0] == DIMVEC:
         return DIMMAT
-    if DIMVEC in args:
-        raise RuleError(f"{e.spelling}() does not take {DESCRIBE[DIMVEC]} (sort_perm does)")
+    if DIMSCAL in args:
+        raise RuleError(f"{e.spelling}() does not take {DESCRIBE[DIMSCAL]} (prod_dims does)")
+    if DIMVEC in args and not (isinstance(e, mx.MatMul) and tuple(args) == (DIMMAT, DIMVEC)):
+        what = "`@`" if isinstance(e, mx.MatMul) else f"{e.spelling}()"
+        raise RuleError(
+            f"{what} does not take {DESCRIBE[DIMVEC]} here (sort_perm, argmax_onehot and a factor's "
+            "product with it, F @ v, do)"
+        )
     if DIMMAT not in args:
         if isinstance(e, (mx.InvRoot, mx.InvRootNewton)) and not e.args[1].is_Integer:
             raise RuleError(f"{e.spelling}(M, k) with k a function of ndim takes per-dimension factors")
@@ -115,14 +142,16 @@ def _dims_kind(e, args: list[str]) -> str | None:
     if not isinstance(e, _OF_DIMS):
         raise RuleError(
             f"{e.spelling}() does not take per-dimension factors (their products, transposes, eigh, qr, "
-            "diag, inv_root and inv_root_newton do)"
+            "diag, triu, tril, inv_root and inv_root_newton do)"
         )
-    if isinstance(e, mx.MatMul) and set(args) != {DIMMAT}:
+    if isinstance(e, mx.MatMul) and tuple(args) not in ((DIMMAT, DIMMAT), (DIMMAT, DIMVEC)):
         raise RuleError(
             f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "
             "per-dimension factors through modes(x, F)"
         )
-    return DIMVEC if isinstance(e, mx.Diag) else DIMMAT
+    if isinstance(e, mx.Diag) or (isinstance(e, mx.MatMul) and args[1] == DIMVEC):
+        return DIMVEC
+    return DIMMAT
 
 
 def _matrix_kind(e, args: list[str]) -> str:
@@ -201,9 +230,13 @@ def _kind_of(e: sympy.Expr, kinds: dict, memo: dict) -> str:
     elif isinstance(e, Reduction):
         arg = kind_of(e.args[0], kinds, memo)
         name = _NAMES.get(type(e), e.op)
-        if arg in (DIMMAT, DIMVEC):
-            raise RuleError(f"{name}() does not take per-dimension factors")
-        if arg in _MATRIX_LIKE:
+        if arg in _PER_DIM:
+            if not isinstance(e, (Norm, Sum, Mean, Amax)) or arg == DIMSCAL:
+                raise RuleError(
+                    f"{name}() does not take {DESCRIBE[arg]} (norm, sum, mean and amax of factors do)"
+                )
+            kind = DIMSCAL
+        elif arg in _MATRIX_LIKE:
             if not isinstance(e, (Norm, Sum, Mean, Amax)):
                 raise RuleError(f"{name}() does not take {DESCRIBE[arg]} (norm, sum, mean and amax do)")
             kind = SCALAR
