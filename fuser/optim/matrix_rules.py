@@ -1065,6 +1065,10 @@ class _Batch:
         factors = args[0].entries
         if isinstance(e, mx.MatMul):
             return Factors([self._product(e, x, y) for x, y in zip(factors, args[1].entries)])
+        if isinstance(e, mx.Solve):
+            return Factors([self._solve(e, x, y) for x, y in zip(factors, args[1].entries)])
+        if isinstance(e, mx.Trace):
+            return Factors([self._trace(x) for x in factors])
         if isinstance(e, mx.Transpose):
             return Factors([_transposed(x) for x in factors])
         if isinstance(e, mx.Diag):  # (a [n, d] vector per dimension)
@@ -1122,6 +1126,12 @@ class _Batch:
             x = torch.as_tensor(self.real(x))
             out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
         return Factors(out)
+
+    def _trace(self, x):
+        if isinstance(x, Identity):
+            return x.n * x.scale
+        x = torch.as_tensor(self.real(x))
+        return x.diagonal(dim1=-2, dim2=-1).sum(-1).reshape(-1, 1, 1)
 
     def _diagonal(self, x, d: int):
         """A factor's diagonal as ``[n, d, 1]`` (a vector per dimension is a column)."""

@@ -92,7 +92,7 @@ def product_kind(a: str, b: str) -> str | None:
 _TRANSPOSED = {ROWMAT: ROWMAT, COLMAT: COLMAT, ELEMENT: ELEMENT_T, ELEMENT_T: ELEMENT, DIMMAT: DIMMAT}
 _SQUARE = (ROWMAT, COLMAT)
 # What per-dimension factors take besides elementwise work with numbers and each other.
-_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag, mx.Triu, mx.Tril)
+_OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag, mx.Triu, mx.Tril, mx.Trace, mx.Solve)
 
 
 def _dims_kind(e, args: list[str]) -> str | None:
@@ -142,8 +142,15 @@ def _dims_kind(e, args: list[str]) -> str | None:
     if not isinstance(e, _OF_DIMS):
         raise RuleError(
             f"{e.spelling}() does not take per-dimension factors (their products, transposes, eigh, qr, "
-            "diag, triu, tril, inv_root and inv_root_newton do)"
+            "diag, trace, triu, tril, solves, inv_root and inv_root_newton do)"
         )
+    if isinstance(e, mx.Solve) and tuple(args) != (DIMMAT, DIMMAT):
+        raise RuleError(
+            f"{e.spelling}(A, B) of per-dimension factors takes both per dimension, not {DESCRIBE[args[0]]} "
+            f"and {DESCRIBE[args[1]]} (a value per element: solve_modes_{'upper' if e.upper else 'lower'})"
+        )
+    if isinstance(e, mx.Trace):
+        return DIMSCAL
     if isinstance(e, mx.MatMul) and tuple(args) not in ((DIMMAT, DIMMAT), (DIMMAT, DIMVEC)):
         raise RuleError(
             f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "

@@ -156,13 +156,50 @@ def test_a_factor_whose_root_fails_keeps_its_previous_value_with_a_warning():
     assert torch.isfinite(p).all()
 
 
+def test_triangles_solves_traces_and_their_product_over_dimensions_per_factor():
+    rule = fuser.rule(
+        """
+        F = gram(g)
+        p = p - lr * modes(g, solve_upper(triu(F + eye_dims()), tril(F))) / prod_dims(trace(F + eye_dims()))
+        """,
+        name="per_factor",
+        hyper=dict(lr=5000.0),  # (a step of about 0.1: the product of traces is some 1e4)
+        state=dict(F="zeros(dims)"),
+    )
+    shapes = [(3, 4, 2), (5, 3)]
+    grads = _grads(shapes, 1, seed=6)[0]
+    torch.manual_seed(7)
+    ps = [torch.randn(s, requires_grad=True) for s in shapes]
+    want = []
+    for p, g in zip(ps, grads):  # (float64, from the definitions)
+        u, scale, g = g.double(), 1.0, g.double()
+        for i, d in enumerate(g.shape):
+            other = [j for j in range(g.dim()) if j != i]
+            f = torch.tensordot(g, g, dims=(other, other))
+            t = torch.linalg.solve_triangular(
+                torch.triu(f + torch.eye(d, dtype=torch.float64)), torch.tril(f), upper=True
+            )
+            u = torch.movedim(torch.tensordot(t, u, dims=([1], [i])), 0, i)
+            scale *= float(torch.trace(f)) + d
+        want.append(5000.0 * u / scale)
+    start = [p.detach().clone() for p in ps]
+    _run(fuser.compile(rule)(ps), ps, [grads])
+    for p, p0, w in zip(ps, start, want):  # (the step itself)
+        assert _rel(p0 - p.detach(), w) < TOL, _rel(p0 - p.detach(), w)
+
+
 @pytest.mark.parametrize(
     "text, state, match",
     [
         ("F = gram(F)\np = p - lr * g", STATE, r"gram\(\) takes a value per element"),
         ("L = L\np = p - lr * modes(g, L)", dict(L="zeros(rows, rows)"), r"modes\(x, F\) takes x"),
         ("F = F + gram(g)\np = p - lr * F @ g", STATE, r"modes\(x, F\)"),
-        ("F = F + gram(g)\np = p - lr * g * trace(F)", STATE, r"trace\(\) does not take per-dimension"),
+        (
+            "F = F + gram(g)\np = p - lr * g * trace(F)",
+            STATE,
+            r"a number per dimension .* cannot be combined",
+        ),
+        ("F = F + gram(g)\np = p - lr * solve_upper(F, g)", STATE, r"solve_upper\(A, B\) of per-dimension"),
         ("F = F + gram(g)\np = p - lr * g * norm(F)", STATE, r"a number per dimension .* cannot be combined"),
         ("F = F + gram(g)\np = p - lr * g * norm(amax(F))", STATE, r"norm\(\) does not take a number per"),
         (
