@@ -97,6 +97,12 @@ _OF_DIMS = (mx.MatMul, mx.Transpose, mx.Decomposition, mx.Diag, mx.Triu, mx.Tril
 
 def _dims_kind(e, args: list[str]) -> str | None:
     """The kind of a value of per-dimension factors (None: ``e`` is not one)."""
+    made = _dims_function(e, args)
+    return made if made is not None else _of_factors(e, args)
+
+
+def _dims_function(e, args: list[str]) -> str | None:
+    """The kind of a function that makes or reads per-dimension values (None: not one)."""
     if isinstance(e, mx.EyeDims):
         return DIMMAT
     if isinstance(e, mx.ProdDims):
@@ -127,6 +133,11 @@ def _dims_kind(e, args: list[str]) -> str | None:
         return ELEMENT
     if isinstance(e, mx.SortPerm) and args[0] == DIMVEC:
         return DIMMAT
+    return None
+
+
+def _of_factors(e, args: list[str]) -> str | None:
+    """The kind of a matrix function of per-dimension values (None: of none)."""
     if DIMSCAL in args:
         raise RuleError(f"{e.spelling}() does not take {DESCRIBE[DIMSCAL]} (prod_dims does)")
     if DIMVEC in args and not (isinstance(e, mx.MatMul) and tuple(args) == (DIMMAT, DIMVEC)):

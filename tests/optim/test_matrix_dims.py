@@ -171,7 +171,7 @@ def test_triangles_solves_traces_and_their_product_over_dimensions_per_factor():
     torch.manual_seed(7)
     ps = [torch.randn(s, requires_grad=True) for s in shapes]
     want = []
-    for p, g in zip(ps, grads):  # (float64, from the definitions)
+    for g in grads:  # (float64, from the definitions)
         u, scale, g = g.double(), 1.0, g.double()
         for i, d in enumerate(g.shape):
             other = [j for j in range(g.dim()) if j != i]
