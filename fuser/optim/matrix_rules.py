@@ -1055,6 +1055,10 @@ class _Batch:
             return self._modes(self._as_tensors(self.real(self.ev(e.args[0]))), self.ev(e.args[1]))
         if isinstance(e, mx.SolveModes):
             return self._solve_modes(e, self.ev(e.args[0]), self._as_tensors(self.real(self.ev(e.args[1]))))
+        quadratic = _quadratic_form(e)
+        if quadratic is not None:  # (diag(transpose(Q) @ F @ Q): one product a dimension)
+            q, m = (self.ev(x).entries for x in quadratic)
+            return Factors([self._quadratic_entry(a, b, d) for a, b, d in zip(q, m, self.shape)])
         args = [self.ev(a) for a in e.args]
         if isinstance(e, mx.ProdDims):
             return (
@@ -1126,6 +1130,15 @@ class _Batch:
             x = torch.as_tensor(self.real(x))
             out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
         return Factors(out)
+
+    def _quadratic_entry(self, q, m, d: int):
+        """``diag(qᵀ m q)`` of one dimension's factors as ``[n, d, 1]``."""
+        if isinstance(q, Identity) and q.absorbing:
+            return q
+        if torch.is_tensor(q) and torch.is_tensor(m):
+            return (q * torch.matmul(m, q)).sum(-2).unsqueeze(-1)
+        q, m = torch.as_tensor(self.real(q)), torch.as_tensor(self.real(m))
+        return self._diagonal(q.mT @ m @ q, d)
 
     def _trace(self, x):
         if isinstance(x, Identity):
