@@ -5,7 +5,9 @@ starting point. Both see the same fresh, nonzero random gradients for several st
 (``STEPS``, or the entry's ``steps``), and the parameters (and the states both keep) must
 agree to a relative error of 1e-6, or the entry's ``rtol`` where fuser's bf16 Newton–Schulz
 sets it, against the references' iteration run in float64 (its states from a Newton–Schulz
-result to ``NS_RTOL``). A rule that draws ``randn()`` (PSGD Kron's probes) has its
+result to ``NS_RTOL``); an entry whose rule keeps fp32 eigenbases (``basis_states``: SOAP's)
+has both bounds widened where the reference's factors have close eigenvalues
+(``basis_rtol``). A rule that draws ``randn()`` (PSGD Kron's probes) has its
 reference's ``torch.randn_like`` return the rule's own draws, rebuilt in float64 from the
 documented generator. A rule that reads ``loss`` (AliG's) steps both optimizers with one
 closure returning a fresh number a step."""
