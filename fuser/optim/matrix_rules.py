@@ -493,18 +493,18 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                     f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}"
                 )
         for p, _, gi in found:
-            if isinstance(p, DTensor) and is_batched(p.shape, self._view(self.param_groups[gi])):
-                raise NotImplementedError(
-                    f"{type(self).__name__} takes a batched 2-D view of a parameter of shape "
-                    f"{tuple(p.shape)}, a DTensor: batched views of sharded tensors are not supported; "
-                    "use view='flatten' for its param group, or a plain tensor"
-                )
-        for p, _, gi in found:
-            if self.program.per_dims and is_batched(p.shape, self._view(self.param_groups[gi])):
+            batched = is_batched(p.shape, self._view(self.param_groups[gi]))
+            if batched and self.program.per_dims:
                 raise ValueError(
                     f"{type(self).__name__}: per-dimension factors ('zeros(dims)', gram, modes) take each "
                     f"tensor whole, but the param group of a parameter of shape {tuple(p.shape)} asks for "
                     "view='batched': use view='flatten' for it"
+                )
+            if isinstance(p, DTensor) and batched:
+                raise NotImplementedError(
+                    f"{type(self).__name__} takes a batched 2-D view of a parameter of shape "
+                    f"{tuple(p.shape)}, a DTensor: batched views of sharded tensors are not supported; "
+                    "use view='flatten' for its param group, or a plain tensor"
                 )
         for p, _, gi in found:
             self._check_state_shapes(p, self.param_groups[gi])
@@ -578,8 +578,12 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for s, (kind, how) in self.program.matrix_states.items():
             if kind == mx.DIMMAT:
                 for key, d in zip(dims_keys(s, t.shape), t.shape):
-                    start = torch.eye(d, device=device) if how == "eye" else torch.zeros(d, d, device=device)
-                    st[key] = torch.empty(0, device=device) if d > limit else start
+                    if d > limit:
+                        st[key] = torch.empty(0, device=device)
+                    else:
+                        st[key] = (
+                            torch.eye(d, device=device) if how == "eye" else torch.zeros(d, d, device=device)
+                        )
                 continue
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
@@ -810,23 +814,21 @@ class _Batch:
         if not isinstance(v, Factors):  # (a number: every factor that value times the identity)
             v = Factors([Identity(d, False, v if torch.is_tensor(v) else float(v)) for d in self.shape])
         new = []
-        for i, (d, x) in enumerate(zip(self.shape, v.entries)):
+        for key, d, x in zip(dims_keys(s, self.shape), self.shape, v.entries):
             if d > self.limit:
                 continue
             x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, d))
-            for j, (_, p, _, _) in enumerate(self.members):
-                new.append((self.opt.state[p][f"{s}[{i}]"], x[j]))
+            new += [(self.opt.state[p][key], x[j]) for j, (_, p, _, _) in enumerate(self.members)]
         return new
 
     def _factors(self, name: sympy.Symbol) -> Factors:
         """The stacks of per-dimension state ``name``: ``[n, d, d]`` a dimension, an absorbing
         identity for a dimension over the limit."""
         out = []
-        for i, d in enumerate(self.shape):
+        for key, d in zip(dims_keys(name.name, self.shape), self.shape):
             if d > self.limit:
                 out.append(Identity(d, True))
             else:
-                key = f"{name.name}[{i}]"
                 out.append(torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members]))
         return Factors(out)
 
@@ -1157,8 +1159,7 @@ class _Batch:
         """1 at the first largest entry of each ``[n, d, 1]`` vector, 0 elsewhere."""
         if isinstance(x, Identity) and x.absorbing:
             return x
-        x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, 1))
-        return torch.nn.functional.one_hot(x.squeeze(-1).argmax(-1), d).to(torch.float32).unsqueeze(-1)
+        return self._first_largest(self.real(x), (self.n, d, 1))
 
     def _solve_modes(self, e, factors: Factors, x: torch.Tensor) -> torch.Tensor:
         """``x`` multiplied along each dimension ``i`` by ``A[i]⁻¹`` (``A[i]`` triangular)."""
@@ -1181,10 +1182,13 @@ class _Batch:
     def _argmax_onehot(self, x, kind):
         """1 at the first largest entry of each matrix's row (column) values, 0 elsewhere."""
         side = self.side(kind)
+        return self._first_largest(x, (self.n, side, 1) if kind == ROW else (self.n, 1, side))
+
+    def _first_largest(self, x, shape: tuple):
+        """1 at the first largest of each matrix's values (a column or a row ``shape``)."""
         d = torch.as_tensor(x, dtype=torch.float32, device=self.device)
-        shape = (self.n, side, 1) if kind == ROW else (self.n, 1, side)
-        d = torch.broadcast_to(d if d.dim() == 3 else d.reshape(-1, 1, 1), shape).reshape(self.n, side)
-        return torch.nn.functional.one_hot(d.argmax(-1), side).to(torch.float32).reshape(shape)
+        d = torch.broadcast_to(d if d.dim() == 3 else d.reshape(-1, 1, 1), shape).reshape(self.n, -1)
+        return torch.nn.functional.one_hot(d.argmax(-1), d.shape[-1]).to(torch.float32).reshape(shape)
 
     def _quadratic(self, e, kind):
         """``diag(transpose(Q) @ M @ Q)`` as the column sums of ``Q * (M @ Q)``: one product,
