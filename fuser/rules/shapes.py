@@ -162,14 +162,15 @@ def _of_factors(e, args: list[str]) -> str | None:
         )
     if isinstance(e, mx.Trace):
         return DIMSCAL
-    if isinstance(e, mx.MatMul) and tuple(args) not in ((DIMMAT, DIMMAT), (DIMMAT, DIMVEC)):
-        raise RuleError(
-            f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "
-            "per-dimension factors through modes(x, F)"
-        )
-    if isinstance(e, mx.Diag) or (isinstance(e, mx.MatMul) and args[1] == DIMVEC):
-        return DIMVEC
-    return DIMMAT
+    if isinstance(e, mx.MatMul):
+        found = _PRODUCTS.get(tuple(args))
+        if found is None:
+            raise RuleError(
+                f"`@` cannot multiply {DESCRIBE[args[0]]} by {DESCRIBE[args[1]]}: a value per element takes "
+                "per-dimension factors through modes(x, F)"
+            )
+        return found
+    return DIMVEC if isinstance(e, mx.Diag) else DIMMAT
 
 
 def _matrix_kind(e, args: list[str]) -> str:
