@@ -2113,8 +2113,8 @@ _add(
     "the entry kron_all_diag. Not covered: 'one_diag' and 'smart_one_diag' (a diagonal factor on "
     "the longer side, a triangular one on the other), a side over max_size_triangular (diagonal "
     "in the reference; a side over the optimizer's max_matrix_dim has no factor in the rule), 1-D "
-    "and N-D tensors (one factor per dimension in the reference), mu_dtype and "
-    "precondition_init_scale (1).",
+    "and N-D tensors (one factor per dimension in the reference): the entry kron_dims, with "
+    "diagonal_dims, covers those; mu_dtype and precondition_init_scale (1).",
 )
 
 # memory_save_mode="all_diag": each factor a diagonal, one number per row (column) of the
@@ -2172,6 +2172,8 @@ _KRON_DIMS = (
 """
     + _KRON_CLOSE.format(u="modes(modes(m, Q), transpose(Q))")
 ).replace("UPDATE", _KRON_UPDATE)
+# (the reference decays tensors of two or more dimensions only)
+_KRON_DIMS = "\n    wd = where(ndim >= 2, weight_decay, 0)" + _KRON_DIMS.replace("weight_decay * p", "wd * p")
 
 _add(
     "kron_dims",
@@ -2188,8 +2190,10 @@ _add(
     "('eye(dims)', the reference's Q list): A = modes(M, Q), B = solve_modes_lower(transpose(Q), V) "
     "(V ×ᵢ Qᵢ⁻ᵀ), each factor fitted to gram(A) and gram(B) with the same bound, the update "
     "modes(modes(M, Q), transpose(Q)) (M ×ᵢ QᵢᵀQᵢ), the factors balanced to the geometric mean "
-    "of their largest entries, prod_dims(amax(abs(Q))) ** (1 / ndim). Sizes 1 and over "
-    "max_size_triangular (diagonal in the reference) are not covered.",
+    "of their largest entries, prod_dims(amax(abs(Q))) ** (1 / ndim), weight decay for tensors of "
+    "two or more dimensions only. The reference's diagonal factors (sizes 1, over "
+    "max_size_triangular, 1-D tensors, memory_save_mode) are the optimizer's diagonal_dims: the "
+    "same rule, its values of those dimensions diagonal matrices (tests/optim/test_zoo.py).",
 )
 
 NOT_EXPRESSIBLE: dict[str, str] = {

@@ -40,8 +40,10 @@ from sympy.codegen.cfunctions import expm1 as Expm1
 from sympy.codegen.cfunctions import log1p as Log1p
 
 from fuser.errors import RuleError
+from fuser.optim import diagonal_factors as dg
 from fuser.optim.builtins._base import RuleKernel as _RuleKernel
 from fuser.optim.builtins._base import own_loaded_states, published_state_dict, whole_tensor_step
+from fuser.optim.diagonal_factors import Diagonal
 from fuser.optim.factory import rule_class
 from fuser.rules import matrices as mx
 from fuser.rules.functions import Amax as _Amax
@@ -154,8 +156,8 @@ class Permutation:
 
 class Factors:
     """A per-dimension value (``dimmat``): one entry per dimension of the stack's tensors,
-    each an ``[n, d, d]`` tensor or an ``Identity`` (a dimension over ``max_matrix_dim``, or
-    ``eye_dims()``)."""
+    each an ``[n, d, d]`` tensor, an ``Identity`` (a dimension over ``max_matrix_dim``, or
+    ``eye_dims()``) or a ``Diagonal`` (a dimension ``diagonal_dims`` marks)."""
 
     def __init__(self, entries: list):
         self.entries = list(entries)
@@ -340,7 +342,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
     program: MatrixProgram
     options: Options
 
-    def __init__(self, params, *, view=None, max_matrix_dim: int = DEFAULT_MAX_MATRIX_DIM, **hyper):
+    def __init__(
+        self, params, *, view=None, max_matrix_dim: int = DEFAULT_MAX_MATRIX_DIM, diagonal_dims=None, **hyper
+    ):
         if view is not None:  # (the compiled view for this instance; a group's "view" still wins)
             self.options = dataclasses.replace(self.options, view=check_view(view, type(self).__name__))
         defaults = dict(self.rule.hyper_defaults)
@@ -348,12 +352,18 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unknown hyperparameters {sorted(unknown)}; "
-                f"it takes {sorted(defaults)}, view and max_matrix_dim"
+                f"it takes {sorted(defaults)}, view, max_matrix_dim and diagonal_dims"
+            )
+        if diagonal_dims is not None and not (callable(diagonal_dims) and self.program.per_dims):
+            raise TypeError(
+                f"{type(self).__name__}: diagonal_dims must be a function of a tensor's shape giving one "
+                "bool per dimension, for a rule with per-dimension factors ('eye(dims)'), not "
+                f"{diagonal_dims!r}" + ("" if self.program.per_dims else " (this rule has none)")
             )
         if isinstance(max_matrix_dim, bool) or not isinstance(max_matrix_dim, int) or max_matrix_dim < 1:
             raise ValueError(f"max_matrix_dim must be a positive whole number, not {max_matrix_dim!r}")
         defaults.update(hyper)
-        self.max_matrix_dim = max_matrix_dim
+        self.max_matrix_dim, self.diagonal_dims = max_matrix_dim, diagonal_dims
         super().__init__(params, defaults)
         self._kernel = _UpdateKernel(self.program.update_rule, self.options)
 
@@ -470,6 +480,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             if torch.is_tensor(value) and (value.dtype != torch.float32 or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=torch.float32)
 
+    def diagonal_of(self, shape) -> tuple[bool, ...]:
+        """The dimensions of a tensor of ``shape`` whose per-dimension factors are diagonal."""
+        return dg.diagonal_marks(self.diagonal_dims, tuple(shape), type(self).__name__)
+
     def _matrix_keys(self, shape) -> list[str]:
         """The state keys of the matrix states of a tensor of ``shape``."""
         out = []
@@ -507,6 +521,8 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                     "use view='flatten' for its param group, or a plain tensor"
                 )
         for p, _, gi in found:
+            if self.program.per_dims:
+                self.diagonal_of(p.shape)  # (its marks checked before any tensor's first state)
             self._check_state_shapes(p, self.param_groups[gi])
         # What the update kernel checks of its tensors, here on every rank's shards.
         validate(_update_checks(type(self).__name__)(self), found)
@@ -526,8 +542,8 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             want[s] = (*lead, *{SCALAR: (), ROW: (rows,), COL: (cols,)}[kind])
         for s, (kind, _) in self.program.matrix_states.items():
             if kind == mx.DIMMAT:
-                for key, d in zip(dims_keys(s, p.shape), p.shape):
-                    want[key] = (0,) if d > limit else (d, d)
+                for key, d, diagonal in zip(dims_keys(s, p.shape), p.shape, self.diagonal_of(p.shape)):
+                    want[key] = (d,) if diagonal else (0,) if d > limit else (d, d)
                 continue
             n = rows if kind == mx.ROWMAT else cols
             want[s] = (0,) if n > limit else (*lead, n, n)
@@ -577,8 +593,10 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             st[s] = torch.full((*lead, *tail), init, device=device)
         for s, (kind, how) in self.program.matrix_states.items():
             if kind == mx.DIMMAT:
-                for key, d in zip(dims_keys(s, t.shape), t.shape):
-                    if d > limit:
+                for key, d, diagonal in zip(dims_keys(s, t.shape), t.shape, self.diagonal_of(t.shape)):
+                    if diagonal:
+                        st[key] = (torch.ones if how == "eye" else torch.zeros)(d, device=device)
+                    elif d > limit:
                         st[key] = torch.empty(0, device=device)
                     else:
                         st[key] = (
@@ -658,7 +676,15 @@ def _transposed(x):
     """The transpose of one dimension's factor (a tensor, an identity or a permutation)."""
     if isinstance(x, Permutation):
         return x.t()
-    return x if isinstance(x, Identity) else x.mT
+    return x if isinstance(x, (Identity, Diagonal)) else x.mT
+
+
+def _as_diagonal(x, d: int, device):
+    """``x`` as an operand at a diagonal dimension: an identity (times its scale) as the
+    diagonal of ones, anything else as it is."""
+    if isinstance(x, Identity):
+        return Diagonal(torch.ones(1, d, 1, device=device) * x.scale)
+    return x
 
 
 def _sort_perm(d: torch.Tensor) -> Permutation:
@@ -745,6 +771,7 @@ class _Batch:
                 self.shapes[symbol(s)] = (side, side)
         self.n, self.device = n, members[0][2].device
         self.env, self.memo = env, {}
+        self.diag = opt.diagonal_of(shape) if shape is not None else ()
 
     def per_matrix(self, values: list):
         """One number per tensor as one per matrix of the stack (a float where all agree)."""
@@ -814,7 +841,14 @@ class _Batch:
         if not isinstance(v, Factors):  # (a number: every factor that value times the identity)
             v = Factors([Identity(d, False, v if torch.is_tensor(v) else float(v)) for d in self.shape])
         new = []
-        for key, d, x in zip(dims_keys(s, self.shape), self.shape, v.entries):
+        for key, d, x, diagonal in zip(dims_keys(s, self.shape), self.shape, v.entries, self.diag):
+            if diagonal:
+                x = _as_diagonal(x, d, self.device)
+                if not isinstance(x, Diagonal):
+                    raise ValueError(dg.full_message(f"state {key!r}'s new value, a full matrix,"))
+                x = torch.broadcast_to(x.v, (self.n, d, 1))
+                new += [(self.opt.state[p][key], x[j, :, 0]) for j, (_, p, _, _) in enumerate(self.members)]
+                continue
             if d > self.limit:
                 continue
             x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, d))
@@ -825,8 +859,11 @@ class _Batch:
         """The stacks of per-dimension state ``name``: ``[n, d, d]`` a dimension, an absorbing
         identity for a dimension over the limit."""
         out = []
-        for key, d in zip(dims_keys(name.name, self.shape), self.shape):
-            if d > self.limit:
+        for key, d, diagonal in zip(dims_keys(name.name, self.shape), self.shape, self.diag):
+            if diagonal:
+                stack = torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members])
+                out.append(Diagonal(stack.unsqueeze(-1)))
+            elif d > self.limit:
                 out.append(Identity(d, True))
             else:
                 out.append(torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members]))
@@ -879,6 +916,12 @@ class _Batch:
         return self._elementwise(e, args)
 
     def _elementwise(self, e, args: list):
+        if any(isinstance(a, Diagonal) for a in args):
+            if type(e) not in _ELEMENTWISE:
+                raise RuleError(f"{type(e).__name__} is not supported inside a matrix value")
+            d = next(a for a in args if isinstance(a, Diagonal)).d
+            args = [_as_diagonal(a, d, self.device) for a in args]
+            return dg.elementwise(_ELEMENTWISE[type(e)], args, type(e).__name__)
         if any(isinstance(a, Identity) and a.absorbing for a in args):
             return _of_identities(e, args)
         args = [self.real(a) for a in args]
@@ -907,6 +950,8 @@ class _Batch:
 
     def real(self, x):
         """``x`` as a value elementwise work can read (an identity or a permutation built)."""
+        if isinstance(x, Diagonal):  # (each operation takes a diagonal's meaning itself)
+            raise AssertionError("a diagonal factor where a full matrix was expected")
         if isinstance(x, Identity):
             return x.tensor(self.n, self.device)
         return x.tensor() if isinstance(x, Permutation) else x
@@ -934,6 +979,9 @@ class _Batch:
         return out
 
     def _where(self, c, a, b):
+        if isinstance(a, Diagonal) or isinstance(b, Diagonal):
+            d = (a if isinstance(a, Diagonal) else b).d
+            return dg.where(c, _as_diagonal(a, d, self.device), _as_diagonal(b, d, self.device))
         if isinstance(a, Identity) and a.absorbing:  # (a dimension with no factor stays the identity)
             return a
         return torch.where(c, torch.as_tensor(self.real(a)), torch.as_tensor(self.real(b)))
@@ -947,6 +995,8 @@ class _Batch:
         return self._reduced(e, x)
 
     def _reduced(self, e, x):
+        if isinstance(x, Diagonal):
+            return dg.reduced({Norm: "norm", _Sum: "sum", _Mean: "mean", _Amax: "amax"}[type(e)], x)
         x = self.real(x) if isinstance(x, Permutation) else x
         if isinstance(x, Identity):  # (n > max_matrix_dim >= 1: off the diagonal are zeros)
             n, s = x.n, x.scale
@@ -1050,7 +1100,13 @@ class _Batch:
         transposes, diagonals, sorts and decompositions), each dimension's factor over the
         stack ``[n, d, d]`` (a diagonal ``[n, d]``)."""
         if isinstance(e, mx.EyeDims):
-            return Factors([Identity(d, d > self.limit) for d in self.shape])
+            ones = [Diagonal(torch.ones(1, d, 1, device=self.device)) for d in self.shape]
+            return Factors(
+                [
+                    one if diagonal else Identity(d, d > self.limit)
+                    for one, d, diagonal in zip(ones, self.shape, self.diag)
+                ]
+            )
         if isinstance(e, mx.Gram):
             return self._gram(self._as_tensors(self.real(self.ev(e.args[0]))))
         if isinstance(e, mx.Modes):
@@ -1070,9 +1126,11 @@ class _Batch:
             )
         factors = args[0].entries
         if isinstance(e, mx.MatMul):
-            return Factors([self._product(e, x, y) for x, y in zip(factors, args[1].entries)])
+            pairs = zip(factors, args[1].entries, self.shape)
+            return Factors([self._product_entry(e, x, y, d) for x, y, d in pairs])
         if isinstance(e, mx.Solve):
-            return Factors([self._solve(e, x, y) for x, y in zip(factors, args[1].entries)])
+            pairs = zip(factors, args[1].entries, self.shape)
+            return Factors([self._solve_entry(e, x, y, d) for x, y, d in pairs])
         if isinstance(e, mx.Trace):
             return Factors([self._trace(x) for x in factors])
         if isinstance(e, mx.Transpose):
@@ -1083,9 +1141,8 @@ class _Batch:
             return Factors([x if isinstance(x, Identity) else _sort_perm(x.squeeze(-1)) for x in factors])
         if isinstance(e, (mx.Triu, mx.Tril)):
             tri = torch.triu if isinstance(e, mx.Triu) else torch.tril
-            return Factors(
-                [x if isinstance(x, Identity) and x.absorbing else tri(self.real(x)) for x in factors]
-            )
+            kept = [isinstance(x, Diagonal) or (isinstance(x, Identity) and x.absorbing) for x in factors]
+            return Factors([x if keep else tri(self.real(x)) for x, keep in zip(factors, kept)])
         if isinstance(e, mx.ArgmaxOnehot):
             return Factors([self._onehot(x, d) for x, d in zip(factors, self.shape)])
         if isinstance(e, mx.Decomposition):
@@ -1096,11 +1153,13 @@ class _Batch:
         """Per dimension ``i``: ``x`` (``[n, *shape]``) unfolded along ``i`` times its transpose."""
         out = []
         for i, d in enumerate(self.shape):
-            if d > self.limit:
-                out.append(Identity(d, True))
-                continue
             u = x.movedim(i + 1, 1).reshape(self.n, d, -1)
-            out.append(torch.matmul(u, u.mT))
+            if self.diag[i]:  # (the diagonal of that product: sums of squares)
+                out.append(Diagonal(u.square().sum(-1, keepdim=True)))
+            elif d > self.limit:
+                out.append(Identity(d, True))
+            else:
+                out.append(torch.matmul(u, u.mT))
         return Factors(out)
 
     def _modes(self, x: torch.Tensor, factors: Factors) -> torch.Tensor:
@@ -1108,6 +1167,9 @@ class _Batch:
         for i, f in enumerate(factors.entries):
             if isinstance(f, Identity):
                 x = _scaled(x, f.scale)
+                continue
+            if isinstance(f, Diagonal):
+                x = x * dg.along(f.v, i, len(self.shape))
                 continue
             moved = x.movedim(i + 1, 1)
             unfolded = moved.reshape(self.n, moved.shape[1], -1)
@@ -1125,7 +1187,10 @@ class _Batch:
             )
         old = self._ev(symbol(self.program.owners[e]))
         out = []
-        for x, was in zip(factors, old.entries):
+        for x, was, d, diagonal in zip(factors, old.entries, self.shape, self.diag):
+            if diagonal:
+                out.append(self._decompose_diagonal(e, _as_diagonal(x, d, self.device), k, was))
+                continue
             if isinstance(x, Identity) and x.absorbing:
                 out.append(x)
                 continue
@@ -1133,8 +1198,31 @@ class _Batch:
             out.append(self._decompose(e, x.expand(self.n, *x.shape[-2:]), k, old=was))
         return Factors(out)
 
+    def _decompose_diagonal(self, e, x, k: list, old) -> Diagonal:
+        """``inv_root``/``inv_root_newton`` of a diagonal factor: each entry's root (eigh and qr
+        would make a full matrix: refused)."""
+        if not isinstance(e, (mx.InvRoot, mx.InvRootNewton)) or not isinstance(x, Diagonal):
+            raise ValueError(dg.full_message(f"{e.spelling}() ({self.opt.rule.name})"))
+        state = self.program.owners[e]
+        warn = (
+            f"{self.opt.rule.name}: {e.spelling}() of a diagonal {x.d}x{x.d} factor with an entry not "
+            f"positive; state {state!r} keeps its previous value"
+        )
+        return dg.inv_root(x, int(k[0]), old, warn)
+
+    def _singular(self, e, d: int) -> str:
+        return (
+            f"{self.opt.rule.name}: {e.spelling}() with a singular diagonal {d}x{d} factor; its "
+            "result is zero"
+        )
+
     def _quadratic_entry(self, q, m, d: int):
         """``diag(qᵀ m q)`` of one dimension's factors as ``[n, d, 1]``."""
+        if isinstance(q, Diagonal) or isinstance(m, Diagonal):
+            q, m = (_as_diagonal(x, d, self.device) for x in (q, m))
+            if not (isinstance(q, Diagonal) and isinstance(m, Diagonal)):
+                raise ValueError(dg.full_message("diag(transpose(Q) @ F @ Q) of full and diagonal factors"))
+            return (q.v * m.v * q.v).expand(self.n, d, 1)
         if isinstance(q, Identity) and q.absorbing:
             return q
         if torch.is_tensor(q) and torch.is_tensor(m):
@@ -1143,6 +1231,8 @@ class _Batch:
         return self._diagonal(q.mT @ m @ q, d)
 
     def _trace(self, x):
+        if isinstance(x, Diagonal):
+            return dg.reduced("trace", x)
         if isinstance(x, Identity):
             return x.n * x.scale
         x = torch.as_tensor(self.real(x))
@@ -1150,6 +1240,8 @@ class _Batch:
 
     def _diagonal(self, x, d: int):
         """A factor's diagonal as ``[n, d, 1]`` (a vector per dimension is a column)."""
+        if isinstance(x, Diagonal):
+            return x.v.expand(self.n, d, 1)
         if isinstance(x, Identity) and x.absorbing:
             return x
         x = torch.as_tensor(self.real(x))
@@ -1166,6 +1258,9 @@ class _Batch:
         for i, a in enumerate(factors.entries):
             if isinstance(a, Identity):
                 x = _scaled(x, 1.0 / a.scale)
+                continue
+            if isinstance(a, Diagonal):
+                x = dg.finite_or_zero(x / dg.along(a.v, i, len(self.shape)), self._singular(e, a.d))
                 continue
             moved = x.movedim(i + 1, 1)
             mats = torch.broadcast_to(torch.as_tensor(self.real(a)), (self.n, moved.shape[1], moved.shape[1]))
@@ -1218,6 +1313,19 @@ class _Batch:
         for x in _children(ab):  # (the product's turn as their reader)
             self.release(x)
         return d.unsqueeze(-1) if kind == mx.ROWMAT else d.unsqueeze(-2)
+
+    def _product_entry(self, e, a, b, d: int):
+        """One dimension's ``a @ b`` (a diagonal's product, or ``_product``)."""
+        if isinstance(a, Diagonal) or isinstance(b, Diagonal):
+            return dg.product(_as_diagonal(a, d, self.device), _as_diagonal(b, d, self.device))
+        return self._product(e, a, b)
+
+    def _solve_entry(self, e, a, b, d: int):
+        """One dimension's ``a⁻¹ b`` (a diagonal's, or ``_solve``)."""
+        if isinstance(a, Diagonal) or isinstance(b, Diagonal):
+            a, b = _as_diagonal(a, d, self.device), _as_diagonal(b, d, self.device)
+            return dg.solve(a, b, self._singular(e, d))
+        return self._solve(e, a, b)
 
     def _product(self, e, a, b):
         """``a @ b``: an identity skipped, a permutation gathered, else batched matmul."""

@@ -320,3 +320,47 @@ def test_kron_balances_a_refresh_with_probability_balance_prob_as_its_reference(
         steps=4,
     )
     assert max(worst) <= RTOL, worst
+
+
+def _kron_diagonal(shape, max_size, mode):
+    """pytorch-optimizer's Kron's diagonal factors (``initialize_q_expressions``), written out."""
+    if mode == "all_diag":
+        return [True] * len(shape)
+    marks = [False] * len(shape)
+    if mode == "one_diag":
+        marks[max(range(len(shape)), key=lambda i: (shape[i], -i))] = True
+    return [m or d == 1 or d > max_size or len(shape) < 2 for m, d in zip(marks, shape)]
+
+
+@pytest.mark.parametrize(
+    ("max_size", "mode", "shapes"),
+    [
+        (4, None, ((3, 5, 2), (6,), (4, 1, 3), (7, 3))),  # (sizes 1, over the limit, 1-D)
+        (8192, "one_diag", ((3, 5, 2), (4, 3))),
+    ],
+)
+def test_kron_dims_with_diagonal_factors_follows_its_reference(max_size, mode, shapes, device, monkeypatch):
+    # The same rule text with diagonal_dims marking the dimensions the reference keeps as
+    # diagonals: its triangular step, solves, bound and balance take their diagonal meaning.
+    entry = ZOO["kron_dims"]
+    start = [torch.randn(s) for s in shapes]
+    ours = [p.clone().to(device) for p in start]
+    theirs = [p.clone().double() for p in start]
+    marks = lambda shape: tuple(_kron_diagonal(shape, max_size, mode))  # noqa: E731
+    opt = fuser.compile(entry.rule)(ours, diagonal_dims=marks, **entry.hyper)
+    kwargs = dict(entry.reference_kwargs, max_size_triangular=max_size, memory_save_mode=mode)
+    ref = pytorch_optimizer.load_optimizer("kron")([dict(params=theirs, **entry.reference_group)], **kwargs)
+    for step in range(1, 6):
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape) + 0.1
+            p.grad, q.grad = g.to(device), g.double()
+        opt.step()
+        reference_step(ref, monkeypatch, rule_probes(opt, step, ours))
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            assert relative_error(p, q) <= RTOL, (i, step, relative_error(p, q))
+            for k, diagonal in enumerate(marks(p.shape)):
+                got, want = opt.state[p][f"Q[{k}]"], ref.state[q]["Q"][k]
+                assert got.shape == want.shape == ((p.shape[k],) if diagonal else (p.shape[k],) * 2)
+                assert relative_error(got, want) <= RTOL, (i, k, step, relative_error(got, want))
+    moved = [float((p.cpu() - s).norm() / s.norm()) for p, s in zip(ours, start)]
+    assert min(moved) > 1e-3, moved
