@@ -8,7 +8,8 @@ parameter and the matrix, row, column and per-tensor states replicated, which
 torch.distributed.checkpoint saves on 2 ranks and loads into one process.
 
 The rules: the zoo's SOAP (eigh at step 1, a QR refresh with sort_perm at step 3), its
-``soap_dims`` (per-dimension factors, kept as ``F[0]``, ``F[1]``, ...) and a
+``soap_dims`` (per-dimension factors, kept as ``F[0]``, ``F[1]``, ...), its ``kron_dims``
+with ``diagonal_dims`` (triangular and diagonal factors, random probes) and a
 Shampoo-like rule with a state of one number per tensor, one per row and one per column
 (inverse roots at steps 1 and 3). Bit for bit, as in test_dtensor_precond.py: an owner
 batches its own parameters' matrix work, and on CPU MKL rounds some sizes of products and
@@ -56,6 +57,7 @@ ROWED = fuser.rule(
     state=dict(L="zeros(rows, rows)", PL="eye(rows)", bound=0.0, r=0.0, c=0.0, m=0.0),
 )
 RULES = {"soap": ZOO["soap"].rule, "soap_dims": ZOO["soap_dims"].rule, "rowed": ROWED, "rowed_bf16": ROWED}
+RULES["kron_diagonal"] = ZOO["kron_dims"].rule
 OPTIONS = {"rowed_bf16": dict(state_dtype=torch.bfloat16)}  # (its momentum m stored in bf16)
 HYPER = {
     "soap": dict(
@@ -65,8 +67,17 @@ HYPER = {
     "rowed_bf16": dict(lr=0.05),
 }
 HYPER["soap_dims"] = HYPER["soap"]
+
+
+def kron_diagonal(shape) -> tuple:
+    """PSGD Kron's diagonal factors: sizes 1, over 5 and 1-D tensors (a mix in each layout)."""
+    return tuple(d == 1 or d > 5 or len(shape) < 2 for d in shape)
+
+
+HYPER["kron_diagonal"] = dict(ZOO["kron_dims"].hyper, diagonal_dims=kron_diagonal)
 # the states of the parameter's layout
 ELEMENT_STATES = {"soap": {"m", "v"}, "soap_dims": {"m", "v"}, "rowed": {"m"}, "rowed_bf16": {"m"}}
+ELEMENT_STATES["kron_diagonal"] = {"momentum_buffer"}
 
 # Wide (11 columns over the factor limit of 6: no right factor), tall (7 rows over it), a
 # square one (its factors have its shape, and are replicated all the same), a 1-D tensor
@@ -96,7 +107,8 @@ def make(name, params):
 
 
 def worker(rank, world, name, path, whole_sd):
-    return precond_ranks.worker(rank, world, functools.partial(make, name), LAYOUTS, "m", path, whole_sd)
+    held = "momentum_buffer" if name == "kron_diagonal" else "m"
+    return precond_ranks.worker(rank, world, functools.partial(make, name), LAYOUTS, held, path, whole_sd)
 
 
 @pytest.mark.parametrize("name", list(RULES))
