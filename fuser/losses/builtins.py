@@ -134,34 +134,38 @@ _DISTILL = """\
 _HARD = """\
     loss = soft + hard_weight * (logsumexp(z) - z[y])
 """
-DISTILL_KL = loss(
-    _DISTILL + "    soft = sum(exp(u - lse_t) * (u - lse_t - s + lse_s))\n" + _HARD,
-    name="distill_kl",
-    hyper=dict(temperature=1.0, hard_weight=0.0),
-)
-DISTILL_REVERSE_KL = loss(
-    _DISTILL + "    soft = sum(exp(s - lse_s) * (s - lse_s - u + lse_t))\n" + _HARD,
-    name="distill_reverse_kl",
-    hyper=dict(temperature=1.0, hard_weight=0.0),
-)
+_KL = "    soft = sum(exp(u - lse_t) * (u - lse_t - s + lse_s))\n"
+_REVERSE_KL = "    soft = sum(exp(s - lse_s) * (s - lse_s - u + lse_t))\n"
 # The generalised JSD of GKD (Agarwal et al. 2024) for 0 < beta < 1, as Liger's:
-# beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s;
-# log m about the larger of the two log-probabilities, (ls + lt + |lt - ls|) / 2, so that
-# neither exp overflows and their sum never underflows to log(0).
+# beta * KL(p_t || m) + (1 - beta) * KL(p_s || m) with m = beta * p_t + (1 - beta) * p_s.
+# log m from the probabilities, with fp32's smallest normal added: where both underflow, m
+# does too and each term is 0 * finite; every exp of a log-probability is at most 1.
 # (beta = 0 and 1 are forward and reverse KL in Liger's convention: distill() runs those.)
-DISTILL_JSD = loss(
-    _DISTILL
-    + """\
+_JSD = """\
     ls = s - lse_s
     lt = u - lse_t
-    d = lt - ls
-    lm = (ls + lt + abs(d)) / 2 + log((1 - beta) * exp(-(d + abs(d)) / 2) + beta * exp((d - abs(d)) / 2))
-    soft = beta * sum(exp(lt) * (lt - lm)) + (1 - beta) * sum(exp(ls) * (ls - lm))
+    ps = exp(ls)
+    pt = exp(lt)
+    lm = log(beta * pt + (1 - beta) * ps + 1.1754943508222875e-38)
+    soft = beta * sum(pt * (lt - lm)) + (1 - beta) * sum(ps * (ls - lm))
 """
-    + _HARD,
-    name="distill_jsd",
-    hyper=dict(beta=0.5, temperature=1.0, hard_weight=0.0),
+DISTILL_KL = loss(_DISTILL + _KL + _HARD, name="distill_kl", hyper=dict(temperature=1.0, hard_weight=0.0))
+DISTILL_REVERSE_KL = loss(
+    _DISTILL + _REVERSE_KL + _HARD, name="distill_reverse_kl", hyper=dict(temperature=1.0, hard_weight=0.0)
 )
+DISTILL_JSD = loss(
+    _DISTILL + _JSD + _HARD, name="distill_jsd", hyper=dict(beta=0.5, temperature=1.0, hard_weight=0.0)
+)
+# Without the hard loss (hard_weight=0, distill's default): one vocabulary sweep fewer
+# (no logsumexp(z) of the raw logits) and no exp of it in the gradient.
+DISTILL_SOFT = {
+    kind: loss(_DISTILL + text + "    loss = soft\n", name=f"distill_{kind}_soft", hyper=hyper)
+    for kind, text, hyper in (
+        ("kl", _KL, dict(temperature=1.0)),
+        ("reverse_kl", _REVERSE_KL, dict(temperature=1.0)),
+        ("jsd", _JSD, dict(beta=0.5, temperature=1.0)),
+    )
+}
 
 RULES = (
     CROSS_ENTROPY,
@@ -178,6 +182,7 @@ RULES = (
     DISTILL_JSD,
     DISTILL_KL,
     DISTILL_REVERSE_KL,
+    *DISTILL_SOFT.values(),
 )
 
 
@@ -391,17 +396,20 @@ def distill(
     ``hidden``'s leading shape, 0 where ignored). Gradients reach the student's ``hidden``,
     ``weight`` and ``bias`` only; both heads' logits are accumulated and kept in fp32, in
     chunks of tokens (each rule a fuser loss rule: ``DISTILL_JSD``, ``DISTILL_KL``,
-    ``DISTILL_REVERSE_KL``). ``memory="lean"`` recomputes both heads' logits in backward one
+    ``DISTILL_REVERSE_KL``, and with ``hard_weight=0`` their twins without the hard loss,
+    ``DISTILL_SOFT[kind]``). ``memory="lean"`` recomputes both heads' logits in backward one
     slice of vocabulary rows at a time (no fp32 ``[V, H]`` buffer, one more product of each);
     ``memory="fast"`` (one device, ``reduction="none"``) keeps every token's, of both heads.
     """
     target, ignore_index = _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index)
-    hyper = dict(temperature=temperature, hard_weight=hard_weight)
+    hyper = dict(temperature=temperature)
+    if hard_weight != 0:
+        hyper["hard_weight"] = hard_weight
     if kind == "jsd" and beta in (0.0, 1.0):
         kind = "kl" if beta == 0.0 else "reverse_kl"
     elif kind == "jsd":
         hyper["beta"] = beta
-    return _compiled(f"distill_{kind}")(
+    return _compiled(f"distill_{kind}" + ("" if hard_weight != 0 else "_soft"))(
         hidden,
         weight,
         target,
