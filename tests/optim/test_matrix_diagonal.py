@@ -1,71 +1,26 @@
 """Diagonal per-dimension factors (a matrix rule's ``diagonal_dims``): a marked dimension keeps
 its factors as diagonals, and every value of it is that diagonal matrix. References: Shampoo
-with diagonal statistics in float64 (Gupta et al. 2018 with each marked dimension's statistic
-cut to its diagonal), and the same rule on full factors started diagonal (fuser's full path,
+in float64 with each marked dimension's statistic cut to its diagonal (test_matrix_dims.py's
+Gupta et al. 2018), and the same rule on full factors started diagonal (fuser's full path,
 itself checked against float64 in test_matrix_dims.py), which must then stay diagonal.
 PSGD Kron with diagonal factors against pytorch-optimizer's is in test_zoo.py."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import fuser
 
-SHAMPOO = fuser.rule(
-    """
-    F = beta * F + gram(g)
-    P = where(every(k), inv_root(F + eps * eye_dims(), 2 * ndim), P)
-    p = p - lr * modes(g, P)
-    """,
-    name="diag_shampoo",
-    hyper=dict(lr=0.05, beta=0.9, eps=0.1, k=2.0),
-    state=dict(F="zeros(dims)", P="eye(dims)"),
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_matrix_dims import LIMIT, SHAMPOO, _grads, _rel, _run, papers_shampoo  # noqa: E402
+
 SHAPES = [(5, 3, 4), (7,), (6, 1), (5, 3, 4), (3, 40, 2), ()]
-LIMIT = 30
 ODD = lambda shape: tuple(d % 2 == 1 for d in shape)  # noqa: E731  (5, 3, 7, 1 and 3 diagonal)
-
-
-def diagonal_shampoo(p: torch.Tensor, grads: list, marks, limit: int = LIMIT) -> torch.Tensor:
-    """Shampoo in float64, a marked dimension's statistic its diagonal (sums of squares over the
-    other dimensions), an unmarked one over ``limit`` without a factor."""
-    h = SHAMPOO.hyper_defaults
-    p, order = p.double().clone(), p.dim()
-    stats = [torch.zeros(d, d, dtype=torch.float64) for d in p.shape]
-    roots = [torch.eye(d, dtype=torch.float64) for d in p.shape]
-    for step, g in enumerate(grads, 1):
-        g, u = g.double(), g.double()
-        for i, d in enumerate(p.shape):
-            if d > limit and not marks[i]:
-                continue
-            other = [j for j in range(order) if j != i]
-            s = torch.tensordot(g, g, dims=(other, other))
-            stats[i] = h["beta"] * stats[i] + (torch.diag(s.diagonal()) if marks[i] else s)
-            if step % 2 == 0:
-                lam, vec = torch.linalg.eigh(stats[i] + h["eps"] * torch.eye(d, dtype=torch.float64))
-                roots[i] = (vec * lam ** (-1.0 / (2 * order))) @ vec.T
-            u = torch.movedim(torch.tensordot(roots[i], u, dims=([1], [i])), 0, i)
-        p = p - h["lr"] * u
-    return p
-
-
-def _grads(shapes, steps: int, seed: int) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
-
-
-def _run(opt, ps, grads) -> None:
-    for gs in grads:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
-        opt.step()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
 
 
 def test_diagonal_dimensions_are_shampoo_with_diagonal_statistics():
@@ -76,7 +31,7 @@ def test_diagonal_dimensions_are_shampoo_with_diagonal_statistics():
     opt = fuser.compile(SHAMPOO)(ps, max_matrix_dim=LIMIT, diagonal_dims=ODD)
     _run(opt, ps, grads)
     for j, (p, p0) in enumerate(zip(ps, start)):
-        want = diagonal_shampoo(p0, [gs[j] for gs in grads], ODD(p.shape))
+        want = papers_shampoo(p0, [gs[j] for gs in grads], diagonal=ODD(p.shape))
         assert _rel(p.detach(), want) < 1e-5, (p.shape, _rel(p.detach(), want))
         moved = _rel(p.detach(), p0.double()) if p0.norm() > 0 else 1.0
         assert moved > 1e-2, (p.shape, moved)

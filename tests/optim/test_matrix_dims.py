@@ -28,22 +28,25 @@ LIMIT = 30
 TOL = 1e-5
 
 
-def papers_shampoo(p: torch.Tensor, grads: list, limit: int = LIMIT) -> torch.Tensor:
+def papers_shampoo(p: torch.Tensor, grads: list, limit: int = LIMIT, diagonal=None) -> torch.Tensor:
     """Shampoo for an order-k tensor in float64: per dimension i the statistic of ``g``
     unfolded along i, every ``k`` steps its inverse ``2k``-th root, and the update ``g ×₁ P₁
-    … ×ₖ Pₖ``; a dimension over ``limit`` without a factor."""
+    … ×ₖ Pₖ``; a dimension over ``limit`` without a factor, unless ``diagonal`` marks it:
+    a marked dimension's statistic is cut to its diagonal."""
     p = p.double().clone()
     order = p.dim()
+    diagonal = diagonal or (False,) * order
     stats = [torch.zeros(d, d, dtype=torch.float64) for d in p.shape]
     roots = [torch.eye(d, dtype=torch.float64) for d in p.shape]
     for step, g in enumerate(grads, 1):
         g = g.double()
         u = g
         for i, d in enumerate(p.shape):
-            if d > limit:
+            if d > limit and not diagonal[i]:
                 continue
             other = [j for j in range(order) if j != i]
-            stats[i] = HYPER["beta"] * stats[i] + torch.tensordot(g, g, dims=(other, other))
+            s = torch.tensordot(g, g, dims=(other, other))
+            stats[i] = HYPER["beta"] * stats[i] + (torch.diag(s.diagonal()) if diagonal[i] else s)
             if step % int(HYPER["k"]) == 0:
                 lam, vec = torch.linalg.eigh(stats[i] + HYPER["eps"] * torch.eye(d, dtype=torch.float64))
                 roots[i] = (vec * lam ** (-1.0 / (2 * order))) @ vec.T
