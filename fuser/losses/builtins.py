@@ -360,6 +360,19 @@ def _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore
     return target, ignore_index
 
 
+def _distill_rule(kind: str, beta: float, temperature: float, hard_weight: float) -> tuple[str, dict]:
+    """The rule's name and hyperparameters: Liger's beta 0 and 1 the forward and reverse KL,
+    the twin without the hard loss where ``hard_weight`` is 0."""
+    hyper = dict(temperature=temperature)
+    if hard_weight != 0:
+        hyper["hard_weight"] = hard_weight
+    if kind == "jsd" and beta in (0.0, 1.0):
+        kind = "kl" if beta == 0.0 else "reverse_kl"
+    elif kind == "jsd":
+        hyper["beta"] = beta
+    return f"distill_{kind}" + ("" if hard_weight != 0 else "_soft"), hyper
+
+
 def distill(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -402,14 +415,8 @@ def distill(
     ``memory="fast"`` (one device, ``reduction="none"``) keeps every token's, of both heads.
     """
     target, ignore_index = _distill_checks(hidden, target, kind, beta, temperature, hard_weight, ignore_index)
-    hyper = dict(temperature=temperature)
-    if hard_weight != 0:
-        hyper["hard_weight"] = hard_weight
-    if kind == "jsd" and beta in (0.0, 1.0):
-        kind = "kl" if beta == 0.0 else "reverse_kl"
-    elif kind == "jsd":
-        hyper["beta"] = beta
-    return _compiled(f"distill_{kind}" + ("" if hard_weight != 0 else "_soft"))(
+    name, hyper = _distill_rule(kind, beta, temperature, hard_weight)
+    return _compiled(name)(
         hidden,
         weight,
         target,
