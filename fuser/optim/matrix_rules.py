@@ -84,6 +84,14 @@ def dims_keys(state: str, shape) -> list[str]:
     return [f"{state}[{i}]" for i in range(len(shape))]
 
 
+def factor_dims(shape, view: str) -> tuple[tuple, tuple]:
+    """``(lead, dims)`` of per-dimension factors: under a batched view each matrix's
+    ``(rows, cols)``, one factor a matrix stacked over ``lead``; else the tensor's own shape."""
+    if is_batched(shape, view):
+        return tuple(shape[:-2]), tuple(shape[-2:])
+    return (), tuple(shape)
+
+
 class Identity:
     """An ``[n, n]`` identity, never built where products can skip it: ``eye(...)``, and
     the values of a side over ``max_matrix_dim`` (``absorbing``: every value of that side is
@@ -414,7 +422,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         for group, p, t, _ in items:
             if len(self.state[p]) == 0:
                 self._init_state(p, t, group.get("max_matrix_dim", self.max_matrix_dim), self._view(group))
-            self._stored_as_asked(self.state[p], t)
+            self._stored_as_asked(self.state[p], t, self._view(group))
             if self.options.master_weights and t.dtype == torch.bfloat16 and _MASTER not in self.state[p]:
                 lo = getattr(torch, MASTER_WEIGHTS[self.options.master_weights])
                 self.state[p][_MASTER] = torch.zeros_like(t, dtype=lo)  # (the master is p at first)
@@ -427,7 +435,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         steps = {p: int(self.state[p]["step"].item()) + 1 for _, p, _, _ in items}  # (CPU counts)
         batches = defaultdict(list)
         for group, p, t, g in items:
-            shape = tuple(p.shape) if self.program.per_dims else None
+            shape = factor_dims(p.shape, self._view(group))[1] if self.program.per_dims else None
             key = (id(group), steps[p], matrix_2d(p.shape, self._view(group)), shape)
             batches[key].append((group, p, t, g))
         buffers = {}
@@ -466,7 +474,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             self.state[p]["step"] += 1
         self._kernel.forget()  # (the buffers and their tables go; the states stay)
 
-    def _stored_as_asked(self, st: dict, t: torch.Tensor) -> None:
+    def _stored_as_asked(self, st: dict, t: torch.Tensor, view: str) -> None:
         """Element states given in another dtype or on another device (assigned, loaded)
         stored as the options ask before the step reads them, as every fuser optimizer's
         are: both phases then read the same values."""
@@ -475,7 +483,8 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             value = st.get(s)
             if torch.is_tensor(value) and (value.dtype != want or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=want)
-        for s in (*self.program.phase_states, *self._matrix_keys(t.shape)):  # (fp32, as made)
+        keys = self._matrix_keys(factor_dims(t.shape, view)[1])
+        for s in (*self.program.phase_states, *keys):  # (fp32, as made)
             value = st.get(s)
             if torch.is_tensor(value) and (value.dtype != torch.float32 or value.device != t.device):
                 st[s] = value.to(device=t.device, dtype=torch.float32)
@@ -508,12 +517,6 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 )
         for p, _, gi in found:
             batched = is_batched(p.shape, self._view(self.param_groups[gi]))
-            if batched and self.program.per_dims:
-                raise ValueError(
-                    f"{type(self).__name__}: per-dimension factors ('zeros(dims)', gram, modes) take each "
-                    f"tensor whole, but the param group of a parameter of shape {tuple(p.shape)} asks for "
-                    "view='batched': use view='flatten' for it"
-                )
             if isinstance(p, DTensor) and batched:
                 raise NotImplementedError(
                     f"{type(self).__name__} takes a batched 2-D view of a parameter of shape "
@@ -521,8 +524,8 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                     "use view='flatten' for its param group, or a plain tensor"
                 )
         for p, _, gi in found:
-            if self.program.per_dims:
-                self.diagonal_of(p.shape)  # (its marks checked before any tensor's first state)
+            if self.program.per_dims:  # (its marks checked before any tensor's first state)
+                self.diagonal_of(factor_dims(p.shape, self._view(self.param_groups[gi]))[1])
             self._check_state_shapes(p, self.param_groups[gi])
         # What the update kernel checks of its tensors, here on every rank's shards.
         validate(_update_checks(type(self).__name__)(self), found)
@@ -542,8 +545,9 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             want[s] = (*lead, *{SCALAR: (), ROW: (rows,), COL: (cols,)}[kind])
         for s, (kind, _) in self.program.matrix_states.items():
             if kind == mx.DIMMAT:
-                for key, d, diagonal in zip(dims_keys(s, p.shape), p.shape, self.diagonal_of(p.shape)):
-                    want[key] = (d,) if diagonal else (0,) if d > limit else (d, d)
+                _, dims = factor_dims(p.shape, view)
+                for key, d, diagonal in zip(dims_keys(s, dims), dims, self.diagonal_of(dims)):
+                    want[key] = (*lead, d) if diagonal else (0,) if d > limit else (*lead, d, d)
                 continue
             n = rows if kind == mx.ROWMAT else cols
             want[s] = (0,) if n > limit else (*lead, n, n)
@@ -593,15 +597,16 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             st[s] = torch.full((*lead, *tail), init, device=device)
         for s, (kind, how) in self.program.matrix_states.items():
             if kind == mx.DIMMAT:
-                for key, d, diagonal in zip(dims_keys(s, t.shape), t.shape, self.diagonal_of(t.shape)):
+                _, dims = factor_dims(t.shape, view)
+                for key, d, diagonal in zip(dims_keys(s, dims), dims, self.diagonal_of(dims)):
                     if diagonal:
-                        st[key] = (torch.ones if how == "eye" else torch.zeros)(d, device=device)
+                        st[key] = (torch.ones if how == "eye" else torch.zeros)(*lead, d, device=device)
                     elif d > limit:
                         st[key] = torch.empty(0, device=device)
+                    elif how == "eye":
+                        st[key] = torch.eye(d, device=device).expand(*lead, d, d).clone()
                     else:
-                        st[key] = (
-                            torch.eye(d, device=device) if how == "eye" else torch.zeros(d, d, device=device)
-                        )
+                        st[key] = torch.zeros(*lead, d, d, device=device)
                 continue
             n = rows if kind == mx.ROWMAT else cols
             if n > limit:
@@ -754,6 +759,8 @@ class _Batch:
         env = {symbol("step"): float(step), symbol("rows"): float(rows), symbol("cols"): float(cols)}
         env[symbol("numel")] = self.per_matrix([float(p.numel()) for _, p, _, _ in members])
         env[symbol("ndim")] = self.per_matrix([float(p.dim()) for _, p, _, _ in members])
+        if shape is not None:  # (per-dimension factors: the order of each factored matrix or tensor)
+            env[symbol("ndim")] = float(len(shape))
         env.update({symbol(k): float(group[k]) for k, _ in opt.rule.hyper})
 
         # The tensors' stacks, built when the rule first reads them (p often only the update).
@@ -847,26 +854,33 @@ class _Batch:
                 if not isinstance(x, Diagonal):
                     raise ValueError(dg.full_message(f"state {key!r}'s new value, a full matrix,"))
                 x = torch.broadcast_to(x.v, (self.n, d, 1))
-                new += [(self.opt.state[p][key], x[j, :, 0]) for j, (_, p, _, _) in enumerate(self.members)]
+                new += self._per_member(key, x)
                 continue
             if d > self.limit:
                 continue
             x = torch.broadcast_to(torch.as_tensor(self.real(x), dtype=torch.float32), (self.n, d, d))
-            new += [(self.opt.state[p][key], x[j]) for j, (_, p, _, _) in enumerate(self.members)]
+            new += self._per_member(key, x)
         return new
 
+    def _per_member(self, key: str, x: torch.Tensor) -> list:
+        """(state tensor, new value) of each member: its matrices' rows of the stack ``x``."""
+        out = []
+        for a, c, (_, p, _, _) in zip(self.starts, self.counts, self.members):
+            state = self.opt.state[p][key]
+            out.append((state, x[a : a + c].reshape(state.shape)))
+        return out
+
     def _factors(self, name: sympy.Symbol) -> Factors:
-        """The stacks of per-dimension state ``name``: ``[n, d, d]`` a dimension, an absorbing
-        identity for a dimension over the limit."""
+        """The stacks of per-dimension state ``name``: ``[n, d, d]`` a dimension (a diagonal
+        ``[n, d, 1]``), an absorbing identity for a dimension over the limit."""
         out = []
         for key, d, diagonal in zip(dims_keys(name.name, self.shape), self.shape, self.diag):
-            if diagonal:
-                stack = torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members])
-                out.append(Diagonal(stack.unsqueeze(-1)))
-            elif d > self.limit:
+            if d > self.limit and not diagonal:
                 out.append(Identity(d, True))
-            else:
-                out.append(torch.stack([self.opt.state[p][key] for _, p, _, _ in self.members]))
+                continue
+            tail = (d, 1) if diagonal else (d, d)  # (a batched view's factors: one a matrix)
+            stack = torch.cat([self.opt.state[p][key].reshape(-1, *tail) for _, p, _, _ in self.members])
+            out.append(Diagonal(stack) if diagonal else stack)
         return Factors(out)
 
     # --- evaluation ------------------------------------------------------------------------

@@ -170,3 +170,23 @@ def test_diagonal_dims_is_checked_and_its_states_keep_their_shapes():
     again.state[p]["P[0]"] = torch.eye(3)
     with pytest.raises(ValueError, match=r"state 'P\[0\]' .* shape \(3,\)"):
         again.step()
+
+
+def test_a_batched_view_marks_each_matrix_dimensions():
+    # view="batched": diagonal_dims sees each matrix's (rows, cols), its diagonals stacked.
+    shapes = [(2, 5, 4), (3, 6)]
+    torch.manual_seed(8)
+    ps = [torch.randn(s, requires_grad=True) for s in shapes]
+    start = [p.detach().clone() for p in ps]
+    grads = _grads(shapes, 4, seed=9)
+    seen = set()
+    marks = lambda shape: seen.add(shape) or ODD(shape)  # noqa: E731
+    opt = fuser.compile(SHAMPOO, view="batched")(ps, diagonal_dims=marks)
+    _run(opt, ps, grads)
+    assert seen == {(5, 4), (3, 6)}
+    for j, (p, p0) in enumerate(zip(ps, start)):
+        mats = p0.reshape(-1, *p0.shape[-2:])
+        steps = [gs[j].reshape(mats.shape) for gs in grads]
+        want = [papers_shampoo(m, [g[k] for g in steps], diagonal=ODD(m.shape)) for k, m in enumerate(mats)]
+        assert _rel(p.detach(), torch.stack(want).reshape(p.shape)) < 1e-5
+    assert opt.state[ps[0]]["F[0]"].shape == (2, 5) and opt.state[ps[0]]["F[1]"].shape == (2, 4, 4)

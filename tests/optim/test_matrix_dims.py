@@ -238,11 +238,31 @@ def test_misuse_of_per_dimension_factors_is_a_rule_error_at_its_line(text, state
     assert err.value.line is not None
 
 
-def test_per_dimension_factors_refuse_a_batched_view_before_anything_changes():
-    opt = fuser.compile(SHAMPOO, view="batched")
-    p = torch.randn(2, 3, 4, requires_grad=True)
-    p.grad = torch.randn(2, 3, 4)
-    o = opt([p])
-    with pytest.raises(ValueError, match="view='flatten'"):
-        o.step()
-    assert len(o.state[p]) == 0
+def test_a_batched_view_gives_each_matrix_its_own_factors():
+    # Expert weights [E, m, n] under view="batched": each [m, n] matrix is Shampoo's 2-D
+    # tensor (ndim 2, roots 1/4), its factors stacked as F[0] [E, m, m] and F[1] [E, n, n];
+    # a 2-D and a 1-D tensor beside them are factored whole.
+    shapes = [(3, 5, 4), (2, 2, 3, 6), (5, 4), (7,)]
+    torch.manual_seed(6)
+    ps = [torch.randn(s, requires_grad=True) for s in shapes]
+    start = [p.detach().clone() for p in ps]
+    grads = _grads(shapes, 4, seed=7)
+    opt = fuser.compile(SHAMPOO, view="batched")(ps)
+    _run(opt, ps, grads)
+    for j, (p, p0) in enumerate(zip(ps, start)):
+        mats = p0.reshape(-1, *p0.shape[-2:]) if p0.dim() > 2 else p0[None]
+        steps = [gs[j].reshape(mats.shape) for gs in grads]
+        want = torch.stack([papers_shampoo(m, [g[k] for g in steps]) for k, m in enumerate(mats)])
+        assert _rel(p.detach(), want.reshape(p.shape)) < TOL, (
+            p.shape,
+            _rel(p.detach(), want.reshape(p.shape)),
+        )
+    assert opt.state[ps[0]]["F[0]"].shape == (3, 5, 5) and opt.state[ps[0]]["P[1]"].shape == (3, 4, 4)
+    assert opt.state[ps[1]]["F[1]"].shape == (2, 2, 6, 6) and "F[2]" not in opt.state[ps[1]]
+    assert opt.state[ps[3]]["F[0]"].shape == (7, 7)
+    saved = opt.state_dict()  # (the stacked factors load back and continue the same steps)
+    again = fuser.compile(SHAMPOO, view="batched")([p.detach().clone().requires_grad_() for p in ps])
+    again.load_state_dict(saved)
+    again.state[again.param_groups[0]["params"][0]]["F[0]"] = torch.zeros(5, 5)
+    with pytest.raises(ValueError, match=r"state 'F\[0\]' .* shape \(3, 5, 5\)"):
+        _run(again, again.param_groups[0]["params"], grads[:1])
