@@ -99,10 +99,18 @@ def elementwise(fn, args: list, what: str):
 
 
 def where(c, a, b):
-    """``where(c, a, b)`` of two diagonals (``c`` one condition per matrix or per step)."""
-    if not (isinstance(a, Diagonal) and isinstance(b, Diagonal)):
-        raise ValueError(full_message("a where() of a diagonal factor and a full value"))
-    return Diagonal(torch.where(torch.as_tensor(c), a.v, b.v))
+    """``where(c, a, b)`` at a diagonal dimension, ``c`` one condition per matrix or step, or a
+    diagonal's (a comparison of diagonals, false off the diagonal): of the diagonals, where the
+    value off the diagonal is zero (each branch a diagonal, or the number 0)."""
+    branches = [x if isinstance(x, Diagonal) else torch.as_tensor(x, dtype=torch.float32) for x in (a, b)]
+    off = [torch.zeros(()) if isinstance(x, Diagonal) else x for x in branches]
+    if any(x.dim() == 3 and x.shape[-1] != 1 for x in off):  # (a full matrix)
+        off = [torch.ones(())]
+    zero = off[1] if isinstance(c, Diagonal) else torch.where(torch.as_tensor(c), off[0], off[1])
+    if not bool(torch.all(zero == 0)):
+        raise ValueError(full_message("a where() of a diagonal factor and a value not zero off the diagonal"))
+    cond = c.v if isinstance(c, Diagonal) else torch.as_tensor(c)
+    return Diagonal(torch.where(cond, *(x.v if isinstance(x, Diagonal) else x for x in branches)))
 
 
 def reduced(kind: str, x: Diagonal) -> torch.Tensor:

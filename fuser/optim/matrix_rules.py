@@ -984,17 +984,17 @@ class _Batch:
         if out is None:
             raise RuleError("a where() without a branch that holds")
         for value, c in reversed(pending):
-            if isinstance(value, Factors) or isinstance(out, Factors):
-                sides = [x.entries if isinstance(x, Factors) else [x] * len(self.shape) for x in (value, out)]
-                pairs = zip(*sides)
-                out = Factors([self._where(c, a, b) for a, b in pairs])
+            if any(isinstance(x, Factors) for x in (value, out, c)):  # (per dimension, each alike)
+                k = len(self.shape)
+                sides = [x.entries if isinstance(x, Factors) else [x] * k for x in (c, value, out)]
+                out = Factors([self._where(*abc) for abc in zip(*sides)])
                 continue
             out = self._where(c, value, out)
         return out
 
     def _where(self, c, a, b):
-        if isinstance(a, Diagonal) or isinstance(b, Diagonal):
-            d = (a if isinstance(a, Diagonal) else b).d
+        if any(isinstance(x, Diagonal) for x in (c, a, b)):
+            d = next(x for x in (c, a, b) if isinstance(x, Diagonal)).d
             return dg.where(c, _as_diagonal(a, d, self.device), _as_diagonal(b, d, self.device))
         if isinstance(a, Identity) and a.absorbing:  # (a dimension with no factor stays the identity)
             return a

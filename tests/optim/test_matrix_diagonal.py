@@ -44,13 +44,14 @@ def test_diagonal_dimensions_are_shampoo_with_diagonal_statistics():
 
 # Every per-dimension operation on factors that stay diagonal: reductions (the off-diagonal
 # zeros counted: amax of -D is 0, the mean over d² entries), transpose, triu, diag, traces,
-# F @ v, diag(QᵀFQ), solves, roots, modes and their solves, where and prod_dims.
+# F @ v, diag(QᵀFQ), solves, roots, modes and their solves, where (per step and per entry)
+# and prod_dims.
 EVERYTHING = fuser.rule(
     """
     E = E + D * D * (1 + abs(sum(D))) + gram(g) * 0
     s = amax(-D) + amax(D) + mean(D) * 3 + norm(D) + trace(D) / 4
     x = D @ argmax_onehot(diag(E))
-    R = inv_root(E + eps * eye_dims(), 2)
+    R = inv_root(where(E > 1, E, 2 * E) + eps * eye_dims(), 2)
     T = solve_upper(triu(D), transpose(R))
     q = diag(transpose(D) @ E @ D)
     D = where(every(2), (D - 0.3 * T @ D) * (1 + sum(q) / (1 + sum(q)) + norm(x)) / (1 + s), D)
@@ -122,6 +123,7 @@ def test_a_diagonal_root_that_fails_keeps_its_previous_value_with_a_warning():
     [
         ("P = exp(F)", "not zero off the diagonal"),
         ("P = F + 1", "not zero off the diagonal"),
+        ("P = where(F > 1, F, 1)", "not zero off the diagonal"),
         ("P = eigh(F)", "diagonal_dims marks diagonal"),
         ("P = F @ sort_perm(diag(F))", "diagonal_dims marks diagonal"),
     ],
