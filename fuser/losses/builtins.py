@@ -157,15 +157,17 @@ DISTILL_JSD = loss(
     _DISTILL + _JSD + _HARD, name="distill_jsd", hyper=dict(beta=0.5, temperature=1.0, hard_weight=0.0)
 )
 # Without the hard loss (hard_weight=0, distill's default): one vocabulary sweep fewer
-# (no logsumexp(z) of the raw logits) and no exp of it in the gradient.
-DISTILL_SOFT = {
-    kind: loss(_DISTILL + text + "    loss = soft\n", name=f"distill_{kind}_soft", hyper=hyper)
-    for kind, text, hyper in (
-        ("kl", _KL, dict(temperature=1.0)),
-        ("reverse_kl", _REVERSE_KL, dict(temperature=1.0)),
-        ("jsd", _JSD, dict(beta=0.5, temperature=1.0)),
-    )
-}
+# (no logsumexp(z) of the raw logits) and no exp of it in the gradient; module-level names,
+# so that `fuser precompile --builtins` finds them.
+_SOFT = "    loss = soft\n"
+DISTILL_KL_SOFT = loss(_DISTILL + _KL + _SOFT, name="distill_kl_soft", hyper=dict(temperature=1.0))
+DISTILL_REVERSE_KL_SOFT = loss(
+    _DISTILL + _REVERSE_KL + _SOFT, name="distill_reverse_kl_soft", hyper=dict(temperature=1.0)
+)
+DISTILL_JSD_SOFT = loss(
+    _DISTILL + _JSD + _SOFT, name="distill_jsd_soft", hyper=dict(beta=0.5, temperature=1.0)
+)
+DISTILL_SOFT = {"kl": DISTILL_KL_SOFT, "reverse_kl": DISTILL_REVERSE_KL_SOFT, "jsd": DISTILL_JSD_SOFT}
 
 RULES = (
     CROSS_ENTROPY,
