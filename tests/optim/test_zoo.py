@@ -327,8 +327,10 @@ def _kron_diagonal(shape, max_size, mode):
     if mode == "all_diag":
         return [True] * len(shape)
     marks = [False] * len(shape)
-    if mode == "one_diag":
-        marks[max(range(len(shape)), key=lambda i: (shape[i], -i))] = True
+    largest = max(range(len(shape)), key=lambda i: (shape[i], i))  # (argsort's last of a tie)
+    ranked = sorted(shape)
+    if mode == "one_diag" or (mode == "smart_one_diag" and len(shape) >= 2 and ranked[-1] > ranked[-2]):
+        marks[largest] = True
     return [m or d == 1 or d > max_size or len(shape) < 2 for m, d in zip(marks, shape)]
 
 
@@ -336,7 +338,9 @@ def _kron_diagonal(shape, max_size, mode):
     ("max_size", "mode", "shapes"),
     [
         (4, None, ((3, 5, 2), (6,), (4, 1, 3), (7, 3))),  # (sizes 1, over the limit, 1-D)
-        (8192, "one_diag", ((3, 5, 2), (4, 3))),
+        (8192, "one_diag", ((3, 5, 2), (4, 4, 2), (4, 3))),
+        (8192, "smart_one_diag", ((3, 5, 2), (4, 4, 2), (5, 3))),  # (no diagonal on (4, 4, 2))
+        (8192, "all_diag", ((3, 5, 2), (4, 3))),
     ],
 )
 def test_kron_dims_with_diagonal_factors_follows_its_reference(max_size, mode, shapes, device, monkeypatch):
