@@ -22,7 +22,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from optim_bench import event_ms  # noqa: E402
 from post_training import dpo_loss  # noqa: E402
 
 import fuser  # noqa: E402
@@ -55,16 +57,7 @@ def inputs(t, h, v, device):
 
 
 def ms(fn, rep=10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rep):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / rep
+    return event_ms(fn, warmup=3, rep=rep)
 
 
 def kernels(name: str, fn, top: int = 10) -> None:
