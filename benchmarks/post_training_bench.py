@@ -288,16 +288,22 @@ def _time_row(workload, name, step, x, want_loss, want_grad, checked, floor_ms, 
             torch.cuda.empty_cache()
 
 
-def distill_jsd(rows, smoke, tflops=None):
-    """``distill_jsd``: fuser's JSD beside Liger's chunked JSD and torch.compile on full logits."""
-    dev = "cpu" if smoke else "cuda"
-    t, h, ht, v, checked = (48, 16, 24, 61, 8) if smoke else (8192, 4096, 4096, V_NEW, CHECKED)
+def distill_inputs(t, h, ht, v, dev):
+    """The student's bf16 hidden states and head (requiring grad), the teacher's, targets."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(v, h, device=dev, dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
     xt = torch.randn(t, ht, device=dev, dtype=torch.bfloat16, generator=g)
     wt = torch.randn(v, ht, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
     y = torch.randint(0, v, (t,), device=dev, generator=g)
+    return x, w, xt, wt, y
+
+
+def distill_jsd(rows, smoke, tflops=None):
+    """``distill_jsd``: fuser's JSD beside Liger's chunked JSD and torch.compile on full logits."""
+    dev = "cpu" if smoke else "cuda"
+    t, h, ht, v, checked = (48, 16, 24, 61, 8) if smoke else (8192, 4096, 4096, V_NEW, CHECKED)
+    x, w, xt, wt, y = distill_inputs(t, h, ht, v, dev)
     want_loss, want_grad = jsd_reference(x, w, xt, wt, checked)
     if smoke:
         floor_ms = teacher_ms = ce_ms = None

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from optim_bench import event_ms  # noqa: E402
 from post_training import dpo_loss  # noqa: E402
+from post_training_bench import distill_inputs  # noqa: E402
 
 import fuser  # noqa: E402
 import fuser.losses  # noqa: E402
@@ -44,16 +45,6 @@ PREVIOUS = fuser.loss(
     name="distill_jsd_about_the_larger",
     hyper=dict(beta=0.5, temperature=1.0, hard_weight=0.0),
 )
-
-
-def inputs(t, h, v, device):
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(t, h, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, h, device=device, dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-    xt = torch.randn(t, h, device=device, dtype=torch.bfloat16, generator=g)
-    wt = torch.randn(v, h, device=device, dtype=torch.bfloat16, generator=g) * 0.02
-    y = torch.randint(0, v, (t,), device=device, generator=g)
-    return x, w, xt, wt, y
 
 
 def ms(fn, rep=10) -> float:
@@ -78,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     t, h, v = (9, 16, 61) if args.smoke else (8192, 4096, 128256)
-    x, w, xt, wt, y = inputs(t, h, v, device)
+    x, w, xt, wt, y = distill_inputs(t, h, h, v, device)
     previous = fuser.compile(PREVIOUS)
     steps = {
         "built-in": lambda: fuser.losses.distill(x, w, xt, wt, y, kind="jsd", beta=0.5),
