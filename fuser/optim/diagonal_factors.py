@@ -104,10 +104,9 @@ def where(c, a, b):
     value off the diagonal is zero (each branch a diagonal, or the number 0)."""
     branches = [x if isinstance(x, Diagonal) else torch.as_tensor(x, dtype=torch.float32) for x in (a, b)]
     off = [torch.zeros(()) if isinstance(x, Diagonal) else x for x in branches]
-    if any(x.dim() == 3 and x.shape[-1] != 1 for x in off):  # (a full matrix)
-        off = [torch.ones(())]
+    full = any(x.dim() == 3 and x.shape[-1] != 1 for x in off)
     zero = off[1] if isinstance(c, Diagonal) else torch.where(torch.as_tensor(c), off[0], off[1])
-    if not bool(torch.all(zero == 0)):
+    if full or not bool(torch.all(zero == 0)):
         raise ValueError(full_message("a where() of a diagonal factor and a value not zero off the diagonal"))
     cond = c.v if isinstance(c, Diagonal) else torch.as_tensor(c)
     return Diagonal(torch.where(cond, *(x.v if isinstance(x, Diagonal) else x for x in branches)))

@@ -371,7 +371,7 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
         if isinstance(max_matrix_dim, bool) or not isinstance(max_matrix_dim, int) or max_matrix_dim < 1:
             raise ValueError(f"max_matrix_dim must be a positive whole number, not {max_matrix_dim!r}")
         defaults.update(hyper)
-        self.max_matrix_dim, self.diagonal_dims = max_matrix_dim, diagonal_dims
+        self.max_matrix_dim, self.diagonal_dims, self._diagonal = max_matrix_dim, diagonal_dims, {}
         super().__init__(params, defaults)
         self._kernel = _UpdateKernel(self.program.update_rule, self.options)
 
@@ -490,8 +490,12 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
                 st[s] = value.to(device=t.device, dtype=torch.float32)
 
     def diagonal_of(self, shape) -> tuple[bool, ...]:
-        """The dimensions of a tensor of ``shape`` whose per-dimension factors are diagonal."""
-        return dg.diagonal_marks(self.diagonal_dims, tuple(shape), type(self).__name__)
+        """The dimensions of a tensor of ``shape`` whose per-dimension factors are diagonal
+        (``diagonal_dims`` asked once a shape: a step reads them for every tensor)."""
+        shape = tuple(shape)
+        if shape not in self._diagonal:
+            self._diagonal[shape] = dg.diagonal_marks(self.diagonal_dims, shape, type(self).__name__)
+        return self._diagonal[shape]
 
     def _matrix_keys(self, shape) -> list[str]:
         """The state keys of the matrix states of a tensor of ``shape``."""
@@ -599,22 +603,21 @@ class MatrixRuleOptimizer(torch.optim.Optimizer):
             if kind == mx.DIMMAT:
                 _, dims = factor_dims(t.shape, view)
                 for key, d, diagonal in zip(dims_keys(s, dims), dims, self.diagonal_of(dims)):
-                    if diagonal:
-                        st[key] = (torch.ones if how == "eye" else torch.zeros)(*lead, d, device=device)
-                    elif d > limit:
-                        st[key] = torch.empty(0, device=device)
-                    elif how == "eye":
-                        st[key] = torch.eye(d, device=device).expand(*lead, d, d).clone()
-                    else:
-                        st[key] = torch.zeros(*lead, d, d, device=device)
+                    st[key] = _start_factor(how, lead, d, limit, diagonal, device)
                 continue
-            n = rows if kind == mx.ROWMAT else cols
-            if n > limit:
-                st[s] = torch.empty(0, device=device)
-            elif how == "eye":
-                st[s] = torch.eye(n, device=device).expand(*lead, n, n).clone()
-            else:
-                st[s] = torch.zeros(*lead, n, n, device=device)
+            st[s] = _start_factor(how, lead, rows if kind == mx.ROWMAT else cols, limit, False, device)
+
+
+def _start_factor(how: str, lead: tuple, n: int, limit: int, diagonal: bool, device) -> torch.Tensor:
+    """A matrix state's first value: ``how`` ("eye" or "zeros") of ``[*lead, n, n]``, its
+    diagonal ``[*lead, n]`` for a diagonal dimension, an empty tensor for a side over ``limit``."""
+    if diagonal:
+        return (torch.ones if how == "eye" else torch.zeros)(*lead, n, device=device)
+    if n > limit:
+        return torch.empty(0, device=device)
+    if how == "eye":
+        return torch.eye(n, device=device).expand(*lead, n, n).clone()
+    return torch.zeros(*lead, n, n, device=device)
 
 
 _MASTER = "master_lo"  # a split master's low part (master_weights), as FuserOptimizer keeps it
